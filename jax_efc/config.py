@@ -1,0 +1,38 @@
+"""Kernel configuration a user may pin, and the process-wide switches."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+__all__ = ["GemmConfig", "disabled", "strict"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tile and cluster shape of the fused GEMM kernel.
+
+    ``None`` (the default everywhere) lets a heuristic choose per problem. A config that the
+    kernel cannot run raises ``ValueError`` naming the offending field.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    cluster_m: int = 1
+    cluster_n: int = 1
+    # persistent tile order: "m" walks down M first within a swizzle band, "n" along N
+    raster: str = "m"
+    # width, in clusters, of the band the raster order walks before moving on (L2 reuse)
+    swizzle: int = 1
+    # A/B shared-memory pipeline depth; 0 = as many as fit next to the epilogue buffers
+    stages: int = 0
+
+
+def disabled() -> bool:
+    """``JAX_EFC_DISABLE=1``: every op lowers to the XLA reference."""
+    return os.environ.get("JAX_EFC_DISABLE", "0") not in ("", "0")
+
+
+def strict() -> bool:
+    """``JAX_EFC_STRICT=1``: a fallback to the reference is an error naming the reason."""
+    return os.environ.get("JAX_EFC_STRICT", "0") not in ("", "0")

@@ -1,0 +1,291 @@
+"""Public ops: ``gemm`` and ``fused_dense``, their argument handling and their VJPs."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import activations
+from .config import GemmConfig
+from .epilogue import EpilogueIR, Output, canonical_shape, evaluate, identity_ir, trace_epilogue
+from .primitive import fused_gemm, problem_shape
+
+__all__ = ["gemm", "fused_dense"]
+
+_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything about one call that is not an array: the primitive's parameters."""
+
+    ir: EpilogueIR
+    transpose_a: bool
+    transpose_b: bool
+    acc_dtype: Any
+    precision: Any
+    config: GemmConfig | None
+    recompute_acc: bool
+    save_acc: bool  # whether the backward pass reads the accumulator
+
+    def bind(self, a, b, ops, ir=None, **overrides):
+        kw = dict(transpose_a=self.transpose_a, transpose_b=self.transpose_b)
+        kw.update(overrides)
+        return fused_gemm(a, b, *ops, ir=ir or self.ir, acc_dtype=self.acc_dtype,
+                          precision=self.precision, config=self.config, **kw)
+
+
+def gemm(
+    a: Any,
+    b: Any,
+    epilogue: Callable[..., Any] | None = None,
+    *operands: Any,
+    out_dtypes: Any = None,
+    acc_dtype: Any = None,
+    epi_dtype: Any = jnp.float32,
+    transpose_a: bool = False,
+    transpose_b: bool = False,
+    precision: Any = None,
+    recompute_acc: bool = False,
+    config: GemmConfig | None = None,
+    **scalars: Any,
+) -> Any:
+    """``epilogue(op(a) @ op(b), *operands, **scalars)`` as one fused op.
+
+    ``a`` is (M, K) or (L, M, K) (with ``transpose_a``: (K, M) / (L, K, M)); ``b`` is (K, N)
+    or (L, K, N) (with ``transpose_b``: (N, K) / (L, N, K)). Transposed operands are read in
+    place, never copied. Each positional operand is a tile (M, N), a row vector (N,), a
+    column vector (M, 1) or a 0-d array, optionally with a leading batch L. Keyword
+    ``scalars`` that are Python numbers are baked into the kernel; JAX arrays are read at run
+    time. The result has the structure the epilogue returns (an array, tuple or dict), with
+    dtypes from ``out_dtypes`` (one dtype, or one per output; default: ``a``'s dtype).
+
+    ``recompute_acc=True`` recomputes ``op(a) @ op(b)`` in the backward pass instead of saving
+    it as a residual.
+    """
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    for name, x in (("a", a), ("b", b)):
+        if x.dtype not in _FLOATS:
+            raise TypeError(f"{name} has dtype {x.dtype}; gemm takes float32, bfloat16, float16 or float64.")
+    if a.dtype != b.dtype:
+        raise TypeError(f"a is {a.dtype} but b is {b.dtype}; cast one so both have the same dtype.")
+    acc_dtype = np.dtype(acc_dtype or jnp.promote_types(a.dtype, jnp.float32))
+    a, b = _broadcast_batch(a, b, transpose_a)
+    batch, m, n, _ = problem_shape(a.shape, b.shape, transpose_a, transpose_b)
+    acc_shape = (m, n) if batch is None else (batch, m, n)
+
+    static_kw, dynamic_kw = {}, {}
+    for k, v in scalars.items():
+        if isinstance(v, (numbers.Number, np.number, np.bool_)):
+            static_kw[k] = v
+        else:
+            dynamic_kw[k] = v
+    operands = [jnp.asarray(x) for x in operands]
+    if epilogue is None:
+        if operands or scalars:
+            raise ValueError("operands and scalars need an epilogue to use them.")
+        epilogue = _identity
+    ir, structure, roles, batched = _trace(
+        epilogue, acc_shape, tuple(x.shape for x in operands), tuple(x.dtype for x in operands),
+        tuple(sorted(static_kw.items())),
+        tuple((k, jnp.shape(v), jnp.result_type(v).name) for k, v in sorted(dynamic_kw.items())),
+        _hashable_dtypes(out_dtypes), a.dtype.name, np.dtype(epi_dtype).name,
+    )
+    arrays = operands + [_as_float(dynamic_kw[k], ir.epi_dtype) for k in sorted(dynamic_kw)]
+    arrays = [
+        jnp.reshape(x, canonical_shape(r, batch if bt else None, m, n))
+        for x, r, bt in zip(arrays, roles, batched)
+    ]
+    static = _Static(ir, bool(transpose_a), bool(transpose_b), acc_dtype, precision, config,
+                     bool(recompute_acc), _backward_reads_acc(ir, acc_shape))
+    outs = _fused(static, a, b, tuple(arrays))
+    return _restructure(structure, [o.name for o in ir.outputs], outs)
+
+
+def _identity(acc: Any) -> Any:
+    return acc
+
+
+def _as_float(x: Any, dtype: str) -> Any:
+    x = jnp.asarray(x)
+    return x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(dtype)
+
+
+def _hashable_dtypes(out_dtypes: Any) -> Any:
+    if out_dtypes is None:
+        return None
+    if isinstance(out_dtypes, dict):
+        return ("dict", tuple((str(k), np.dtype(v).name) for k, v in out_dtypes.items()))
+    if isinstance(out_dtypes, (tuple, list)):
+        return ("tuple", tuple(np.dtype(v).name for v in out_dtypes))
+    return np.dtype(out_dtypes).name
+
+
+@functools.lru_cache(maxsize=512)
+def _trace(fn, acc_shape, shapes, dtypes, static_items, dyn_scalars, out_dtypes,
+           default_dtype, epi_dtype):
+    if isinstance(out_dtypes, tuple):
+        kind, items = out_dtypes
+        out_dtypes = dict(items) if kind == "dict" else list(items)
+    dynamic = {k: jax.ShapeDtypeStruct(shape, dt) for k, shape, dt in dyn_scalars}
+    return trace_epilogue(fn, acc_shape, shapes, dtypes, dict(static_items), dynamic, out_dtypes,
+                          default_dtype, epi_dtype)
+
+
+def _restructure(structure: Any, names: list[str], outs: list[Any]) -> Any:
+    kind, keys = structure
+    if kind == "dict":
+        by_name = dict(zip(names, outs))
+        return {k: by_name[str(k)] for k in keys}
+    if kind == "tuple":
+        return tuple(outs)
+    return outs[0]
+
+
+def _broadcast_batch(a: Any, b: Any, transpose_a: bool) -> tuple[Any, Any]:
+    """A batched ``a`` against a 2-D ``b`` folds L into M (a free reshape); a 2-D ``a``
+    against a batched ``b`` shares ``a`` across the batch."""
+    if a.ndim == 3 and b.ndim == 2:
+        return a, jnp.broadcast_to(b, (a.shape[0], *b.shape))
+    if a.ndim == 2 and b.ndim == 3:
+        return jnp.broadcast_to(a, (b.shape[0], *a.shape)), b
+    return a, b
+
+
+# Autodiff ---------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=512)
+def _backward_reads_acc(ir: EpilogueIR, acc_shape: tuple[int, ...]) -> bool:
+    """Whether the epilogue's VJP needs the accumulator (it does not when the epilogue is
+    affine in it, e.g. ``alpha * acc + beta * c``); if not, nothing is saved for it."""
+    shapes = [acc_shape] * len(ir.operands)
+
+    def vjp(acc, *args):
+        ops, cts = args[: len(shapes)], args[len(shapes):]
+        return jax.vjp(lambda acc, *ops: evaluate(ir, acc, ops), acc, *ops)[1](list(cts))
+
+    try:
+        grads, _, _, _ = trace_epilogue(
+            vjp, acc_shape, shapes + [acc_shape] * len(ir.outputs),
+            [ir.epi_dtype] * (len(shapes) + len(ir.outputs)), {}, {}, None, ir.epi_dtype,
+            ir.epi_dtype,
+        )
+    except Exception:  # anything unusual in the derivative: keep the accumulator, to be safe
+        return True
+    return grads.uses(0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(static: _Static, a, b, ops):
+    return static.bind(a, b, ops)
+
+
+def _fused_fwd(static: _Static, a, b, ops):
+    if static.save_acc and not static.recompute_acc:
+        saved = _with_saved_acc(static.ir, a.dtype)
+        *outs, acc = static.bind(a, b, ops, ir=saved)
+    else:
+        outs, acc = static.bind(a, b, ops), None
+    return outs, (a, b, ops, acc)
+
+
+def _with_saved_acc(ir: EpilogueIR, dtype: Any) -> EpilogueIR:
+    """``ir`` with the accumulator appended as an extra output (the saved residual)."""
+    return ir.with_outputs(ir.outputs + (Output("__acc__", 0, np.dtype(dtype).name),))
+
+
+def _fused_bwd(static: _Static, residuals, cts):
+    a, b, ops, acc = residuals
+    if acc is None:
+        if static.save_acc:
+            (acc,) = static.bind(a, b, (), ir=identity_ir(static.ir.epi_dtype))
+        else:
+            acc = jnp.zeros(cts[0].shape, static.ir.epi_dtype)  # unused by the VJP
+    cts = [jnp.zeros(o.shape, o.dtype) if type(o) is jax.custom_derivatives.SymbolicZero else o
+           for o in cts]
+    _, pullback = jax.vjp(lambda acc, *ops: evaluate(static.ir, acc, ops),
+                          acc.astype(static.ir.epi_dtype), *ops)
+    d_acc, *d_ops = pullback(list(cts))
+    d_acc = d_acc.astype(a.dtype)
+    ta, tb = static.transpose_a, static.transpose_b
+    plain_a, plain_b = identity_ir(a.dtype), identity_ir(b.dtype)
+    # d op(a) = d_acc @ op(b)^T and d op(b) = op(a)^T @ d_acc, each read in place.
+    if ta:
+        (da,) = static.bind(b, d_acc, (), ir=plain_a, transpose_a=tb, transpose_b=True)
+    else:
+        (da,) = static.bind(d_acc, b, (), ir=plain_a, transpose_a=False, transpose_b=not tb)
+    if tb:
+        (db,) = static.bind(d_acc, a, (), ir=plain_b, transpose_a=True, transpose_b=ta)
+    else:
+        (db,) = static.bind(a, d_acc, (), ir=plain_b, transpose_a=not ta, transpose_b=False)
+    d_ops = tuple(g.astype(x.dtype) for g, x in zip(d_ops, ops))
+    return da, db, d_ops
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+# The dense layer --------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _dense_epilogue(activation: Callable[[Any], Any], has_bias: bool, has_residual: bool):
+    def epilogue(acc, *ops):
+        i = 0
+        if has_bias:
+            acc = acc + ops[i]
+            i += 1
+        y = activation(acc)
+        return y + ops[i] if has_residual else y
+
+    return epilogue
+
+
+def fused_dense(
+    x: Any,
+    kernel: Any,
+    bias: Any = None,
+    *,
+    activation: str | Callable[[Any], Any] | None = None,
+    residual: Any = None,
+    out_dtype: Any = None,
+    precision: Any = None,
+    recompute_acc: bool = False,
+    config: GemmConfig | None = None,
+) -> Any:
+    """``activation(x @ kernel + bias) + residual`` in one kernel.
+
+    ``x`` is (..., K), ``kernel`` (K, N), ``bias`` (N,), ``residual`` (..., N). ``activation``
+    is a name from ``jax_efc.activations.ACTIVATIONS`` (``"gelu"`` is the exact erf form,
+    ``"gelu_tanh"`` the approximation) or a callable of elementwise JAX ops.
+    """
+    x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+    if kernel.ndim != 2:
+        raise ValueError(f"kernel must be 2-D (K, N), got shape {kernel.shape}.")
+    if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
+        raise ValueError(
+            f"x has shape {x.shape} but kernel is {kernel.shape}: x's last dimension must equal "
+            f"kernel's first (K={kernel.shape[0]})."
+        )
+    lead, (k, n) = x.shape[:-1], kernel.shape
+    ops = []
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != (n,):
+            raise ValueError(f"bias has shape {bias.shape}; expected ({n},).")
+        ops.append(bias)
+    if residual is not None:
+        residual = jnp.asarray(residual)
+        if residual.shape != (*lead, n):
+            raise ValueError(f"residual has shape {residual.shape}; expected {(*lead, n)}.")
+        ops.append(residual.reshape(-1, n))
+    epilogue = _dense_epilogue(activations.resolve(activation), bias is not None, residual is not None)
+    y = gemm(x.reshape(-1, k), kernel, epilogue, *ops, out_dtypes=out_dtype, precision=precision,
+             recompute_acc=recompute_acc, config=config)
+    return y.reshape(*lead, n)

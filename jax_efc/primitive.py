@@ -1,0 +1,245 @@
+"""The fused-GEMM primitive: abstract evaluation, lowerings and batching, side by side.
+
+``fused_gemm_p`` computes ``epilogue(op(a) @ op(b), *operands)`` and returns one array per
+epilogue output. Its operands arrive in canonical shapes (see ``epilogue.canonical_shape``):
+``a`` is (M, K) or (L, M, K) (transposed: (K, M) / (L, K, M)), ``b`` likewise (K, N) / (N, K),
+outputs are (M, N) or (L, M, N). Every platform lowers to the XLA reference; CUDA lowers to
+the kernel when one fits, and otherwise falls back with its reason logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any, Sequence
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+import numpy as np
+from jax._src import dispatch
+from jax.interpreters import batching, mlir
+
+from . import config as _config
+from .epilogue import EpilogueIR, Role
+from .reference import fused_gemm_reference
+
+__all__ = ["fused_gemm_p", "fused_gemm", "FallbackError", "fused_gemm_eqns", "backends"]
+
+logger = logging.getLogger("jax_efc")
+
+fused_gemm_p = jex.core.Primitive("efc_fused_gemm")
+fused_gemm_p.multiple_results = True
+
+
+class FallbackError(RuntimeError):
+    """Raised under ``JAX_EFC_STRICT=1`` where the kernel cannot run."""
+
+
+def fused_gemm(
+    a: Any,
+    b: Any,
+    *operands: Any,
+    ir: EpilogueIR,
+    transpose_a: bool = False,
+    transpose_b: bool = False,
+    acc_dtype: Any = jnp.float32,
+    precision: Any = None,
+    config: Any = None,
+) -> list[Any]:
+    """Bind the primitive; operands must already be in their canonical shapes."""
+    return fused_gemm_p.bind(
+        a, b, *operands, ir=ir, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b),
+        acc_dtype=np.dtype(acc_dtype), precision=precision, config=config,
+    )
+
+
+def problem_shape(a_shape: Sequence[int], b_shape: Sequence[int], transpose_a: bool,
+                  transpose_b: bool) -> tuple[int | None, int, int, int]:
+    """(L, M, N, K) of ``op(a) @ op(b)``, L None when unbatched; raises on a mismatch."""
+    if len(a_shape) not in (2, 3) or len(a_shape) != len(b_shape):
+        raise ValueError(
+            f"a has shape {tuple(a_shape)} and b {tuple(b_shape)}: both must be 2-D, or both 3-D "
+            "with the batch dimension first."
+        )
+    *la, a0, a1 = a_shape
+    *lb, b0, b1 = b_shape
+    m, ka = (a1, a0) if transpose_a else (a0, a1)
+    kb, n = (b1, b0) if transpose_b else (b0, b1)
+    if ka != kb:
+        raise ValueError(
+            f"contracting dimensions differ: op(a) is ({m}, {ka}) and op(b) is ({kb}, {n}) "
+            f"(a {tuple(a_shape)}, transpose_a={transpose_a}; b {tuple(b_shape)}, "
+            f"transpose_b={transpose_b})."
+        )
+    if la != lb:
+        raise ValueError(f"batch dimensions differ: a has L={la[0]}, b has L={lb[0]}.")
+    return (la[0] if la else None), m, n, ka
+
+
+def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, precision, config):
+    del acc_dtype, precision, config
+    batch, m, n, _ = problem_shape(a.shape, b.shape, transpose_a, transpose_b)
+    if len(operands) != len(ir.operands):
+        raise ValueError(f"the epilogue takes {len(ir.operands)} operands, got {len(operands)}.")
+    for spec, x in zip(ir.operands, operands):
+        allowed = _canonical_shapes(spec.role, batch, m, n)
+        if tuple(x.shape) not in allowed:
+            raise ValueError(f"{spec.name} has shape {tuple(x.shape)}; expected one of {allowed}.")
+    shape = (m, n) if batch is None else (batch, m, n)
+    return [jax.core.ShapedArray(shape, jnp.dtype(o.dtype)) for o in ir.outputs]
+
+
+def _canonical_shapes(role: Role, batch: int | None, m: int, n: int) -> list[tuple[int, ...]]:
+    core = {Role.TILE: (m, n), Role.ROW: (1, n), Role.COL: (m, 1), Role.SCALAR: ()}[role]
+    if batch is None:
+        return [core]
+    batched = (batch, 1, 1) if role is Role.SCALAR else (batch, *core)
+    return [core, batched]
+
+
+fused_gemm_p.def_abstract_eval(_abstract_eval)
+fused_gemm_p.def_impl(partial(dispatch.apply_primitive, fused_gemm_p))
+
+
+# Lowerings ---------------------------------------------------------------------------------
+
+_reference_lowering = mlir.lower_fun(fused_gemm_reference, multiple_results=True)
+_logged: set[str] = set()
+
+
+def _fall_back(reason: str) -> None:
+    if _config.strict():
+        raise FallbackError(f"jax_efc: no kernel for this GEMM (JAX_EFC_STRICT=1): {reason}")
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.warning("jax_efc: using the XLA reference: %s", reason)
+
+
+def kernel_unsupported_reason(avals_in: Sequence[Any], params: dict[str, Any]) -> str | None:
+    """Why the CUDA kernel cannot run this call (None: it can)."""
+    if _config.disabled():
+        return "JAX_EFC_DISABLE is set."
+    from jax_efc import ffi
+
+    arch = ffi.device_arch()
+    if arch is None:
+        return "no CUDA device with a supported architecture was found."
+    a, b, *operands = avals_in
+    return ffi.unsupported_reason(
+        params["ir"], a, b, operands, transpose_a=params["transpose_a"],
+        transpose_b=params["transpose_b"], acc_dtype=params["acc_dtype"],
+        config=params["config"], arch=arch,
+    )
+
+
+def fused_gemm_eqns(closed_jaxpr: Any) -> list[Any]:
+    """Every fused-GEMM equation in a jaxpr, nested jaxprs included."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive is fused_gemm_p:
+                found.append(eqn)
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed_jaxpr.jaxpr)
+    return found
+
+
+def backends(fn: Any, *args: Any, **kwargs: Any) -> list[str]:
+    """For each fused GEMM that ``fn(*args, **kwargs)`` runs on the default device, which
+    backend runs it: ``"kernel (sm_90a)"`` or ``"reference: <why>"``."""
+    eqns = fused_gemm_eqns(jax.make_jaxpr(partial(fn, **kwargs))(*args))
+    if jax.default_backend() != "gpu":
+        return [f"reference: platform {jax.default_backend()} has no jax_efc kernel"] * len(eqns)
+    from jax_efc import ffi
+
+    out = []
+    for eqn in eqns:
+        reason = kernel_unsupported_reason([v.aval for v in eqn.invars], eqn.params)
+        out.append(f"kernel ({ffi.device_arch()})" if reason is None else f"reference: {reason}")
+    return out
+
+
+def _cuda_lowering(ctx, *args, **params):
+    reason = kernel_unsupported_reason(ctx.avals_in, params)
+    if reason is not None:
+        _fall_back(reason)
+        return _reference_lowering(ctx, *args, **params)
+    from jax_efc import ffi
+
+    params.pop("precision")
+    kernel = partial(ffi.fused_gemm, arch=ffi.device_arch(), **params)
+    return mlir.lower_fun(kernel, multiple_results=True)(ctx, *args)
+
+
+def _default_lowering(ctx, *args, **params):
+    platforms = ", ".join(ctx.module_context.platforms)
+    if _config.strict():
+        _fall_back(f"platform {platforms} has no jax_efc kernel.")
+    return _reference_lowering(ctx, *args, **params)
+
+
+mlir.register_lowering(fused_gemm_p, _default_lowering)
+mlir.register_lowering(fused_gemm_p, _cuda_lowering, platform="cuda")
+
+
+# Batching ----------------------------------------------------------------------------------
+
+def _moved(x: Any, dim: int | None) -> Any:
+    return x if dim is None else jnp.moveaxis(x, dim, 0)
+
+
+def _batching_rule(args, dims, *, ir, transpose_a, transpose_b, **params):
+    """Fold a vmapped dimension into M when only the M side is mapped (free reshapes), else
+    into the kernel's batch dimension L (broadcasting whatever is not mapped)."""
+    a, b, *ops = (_moved(x, d) for x, d in zip(args, dims))
+    da, db, *dops = dims
+    size = next(x.shape[0] for x, d in zip((a, b, *ops), dims) if d is not None)
+    two_d = a.ndim - (da is not None) == 2
+    m_side = [s.role in (Role.TILE, Role.COL) for s in ir.operands]
+    fold_m = (
+        two_d and da is not None and db is None and not transpose_a
+        and all((d is not None) == ms for d, ms in zip(dops, m_side))
+    )
+    if fold_m:
+        folded = [x.reshape(-1, x.shape[-1]) if d is not None else x for x, d in zip(ops, dops)]
+        outs = fused_gemm_p.bind(a.reshape(-1, a.shape[-1]), b, *folded, ir=ir,
+                                 transpose_a=transpose_a, transpose_b=transpose_b, **params)
+        return [o.reshape(size, -1, o.shape[-1]) for o in outs], [0] * len(outs)
+
+    inner = None if two_d else (a.shape[1] if da is not None else a.shape[0])
+
+    def to_l(x, mapped, has_l):
+        """Give ``x`` the new batch dimension, size * inner (size alone with no old L)."""
+        if not mapped and not has_l:
+            return x  # shared across every batch: the kernel broadcasts it
+        if not mapped:
+            x = jnp.broadcast_to(x, (size, *x.shape))
+        elif inner is not None and not has_l:
+            x = jnp.broadcast_to(x[:, None], (size, inner, *x.shape[1:]))
+        return x if inner is None else x.reshape(size * inner, *x.shape[2:])
+
+    a = to_l(a, da is not None, True)
+    b = to_l(b, db is not None, True)
+    moved = []
+    for x, d, spec in zip(ops, dops, ir.operands):
+        mapped = d is not None
+        if spec.role is Role.SCALAR and mapped and x.ndim == 1:
+            x = x.reshape(-1, 1, 1)  # a mapped 0-d scalar: the per-batch form (B, 1, 1)
+            moved.append(to_l(x, True, False))
+        else:
+            moved.append(to_l(x, mapped, x.ndim - mapped == 3))
+    outs = fused_gemm_p.bind(a, b, *moved, ir=ir, transpose_a=transpose_a,
+                             transpose_b=transpose_b, **params)
+    if inner is not None:
+        outs = [o.reshape(size, inner, *o.shape[1:]) for o in outs]
+    return outs, [0] * len(outs)
+
+
+batching.primitive_batchers[fused_gemm_p] = _batching_rule

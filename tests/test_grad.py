@@ -1,0 +1,110 @@
+"""Gradients through gemm and fused_dense against jax.grad of the same math in plain JAX."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_efc as efc
+from conftest import fused_gemm_eqns, rel_err
+from test_gemm import alpha_beta, complex_expr, multi_output
+
+
+def arrays(rng, *shapes):
+    return [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+
+
+def check_grads(ours, plain, args, tol=1e-5):
+    """Compare grads of a scalar loss (a random projection of every output) for all args."""
+    argnums = tuple(range(len(args)))
+    g_ours = jax.grad(ours, argnums)(*args)
+    g_ref = jax.grad(plain, argnums)(*args)
+    for i, (u, v) in enumerate(zip(g_ours, g_ref)):
+        assert u.shape == v.shape, i
+        assert rel_err(u, v) < tol, (i, rel_err(u, v))
+
+
+def loss(tree, seed=0):
+    leaves = jax.tree.leaves(tree)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return sum(jnp.sum(x.astype(jnp.float32) * jax.random.normal(k, x.shape)) for x, k in zip(leaves, keys))
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_alpha_beta_grads(rng, recompute):
+    a, b, c, x = arrays(rng, (32, 24), (24, 40), (32, 40), (32, 40))
+
+    def ours(a, b, c, x, beta):
+        return loss(efc.gemm(a, b, alpha_beta, c, x, alpha=2.0, beta=beta, x_factor=3.0,
+                             recompute_acc=recompute))
+
+    def plain(a, b, c, x, beta):
+        return loss(alpha_beta(a @ b, c, x, alpha=2.0, beta=beta, x_factor=3.0))
+
+    check_grads(ours, plain, (a, b, c, x, jnp.float32(0.7)))
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_complex_grads_with_vectors(rng, recompute):
+    a, b, bias, c, x = arrays(rng, (32, 24), (24, 40), (40,), (32, 40), (32, 40))
+    col = arrays(rng, (32, 1))[0]
+
+    def ours(a, b, bias, c, x, col, scale):
+        y = efc.gemm(a, b, lambda acc, bias, c, x, col, *, scale: complex_expr(acc, bias, c, x, scale=scale) * col,
+                     bias, c, x, col, scale=scale, recompute_acc=recompute)
+        return loss(y)
+
+    def plain(a, b, bias, c, x, col, scale):
+        return loss(complex_expr(a @ b, bias, c, x, scale=scale) * col)
+
+    check_grads(ours, plain, (a, b, bias, c, x, col, jnp.float32(0.5)))
+
+
+def test_multi_output_grads(rng):
+    a, b, c = arrays(rng, (16, 24), (24, 8), (16, 8))
+    check_grads(lambda a, b, c: loss(efc.gemm(a, b, multi_output, c)),
+                lambda a, b, c: loss(multi_output(a @ b, c)), (a, b, c))
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("batched", [False, True])
+def test_transposed_grads(rng, ta, tb, batched):
+    M, N, K = 12, 20, 16
+    lead = (2,) if batched else ()
+    a, b = arrays(rng, (*lead, K, M) if ta else (*lead, M, K), (*lead, N, K) if tb else (*lead, K, N))
+    opa = (lambda t: jnp.swapaxes(t, -1, -2)) if ta else (lambda t: t)
+    opb = (lambda t: jnp.swapaxes(t, -1, -2)) if tb else (lambda t: t)
+    check_grads(
+        lambda a, b: loss(efc.gemm(a, b, jnp.tanh, transpose_a=ta, transpose_b=tb)),
+        lambda a, b: loss(jnp.tanh(opa(a) @ opb(b))), (a, b))
+
+
+@pytest.mark.parametrize("name", sorted(efc.ACTIVATIONS))
+def test_fused_dense_grads(rng, name):
+    x, w, bias, r = arrays(rng, (2, 8, 16), (16, 24), (24,), (2, 8, 24))
+    act = efc.ACTIVATIONS[name]
+    check_grads(lambda x, w, bias, r: loss(efc.fused_dense(x, w, bias, activation=name, residual=r)),
+                lambda x, w, bias, r: loss(act(x @ w + bias) + r), (x, w, bias, r), tol=2e-5)
+
+
+def test_residual_policy(rng):
+    """The accumulator is saved only when the VJP needs it, and never with recompute_acc."""
+    a, b, c = arrays(rng, (8, 16), (16, 8), (8, 8))
+
+    def n_outputs(fn, **kw):
+        jaxpr = jax.make_jaxpr(lambda a, b: jax.vjp(lambda a, b: efc.gemm(a, b, fn, c, **kw), a, b))(a, b)
+        return len(fused_gemm_eqns(jaxpr)[0].outvars)
+
+    assert n_outputs(lambda acc, c: jax.nn.gelu(acc) + c) == 2
+    assert n_outputs(lambda acc, c: jax.nn.gelu(acc) + c, recompute_acc=True) == 1
+    assert n_outputs(lambda acc, c: 2.0 * acc + c) == 1
+
+
+def test_bf16_grads_close(rng):
+    a, b, bias = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in [(64, 32), (32, 48), (48,)])
+    g = jax.grad(lambda a, b, bias: loss(efc.fused_dense(a, b, bias, activation="gelu_tanh")), (0, 1, 2))(a, b, bias)
+    up = [x.astype(jnp.float32) for x in (a, b, bias)]
+    ref = jax.grad(lambda a, b, bias: loss(jax.nn.gelu(a @ b + bias)), (0, 1, 2))(*up)
+    for u, v in zip(g, ref):
+        assert u.dtype == jnp.bfloat16 and rel_err(u, v) < 2e-2
