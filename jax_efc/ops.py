@@ -15,7 +15,7 @@ import numpy as np
 from . import activations
 from .config import GemmConfig
 from .epilogue import EpilogueIR, Output, canonical_shape, evaluate, identity_ir, trace_epilogue
-from .primitive import fused_gemm, problem_shape
+from .primitive import fused_gemm, match_varying, problem_shape
 
 __all__ = ["gemm", "fused_dense"]
 
@@ -105,6 +105,9 @@ def gemm(
     ]
     static = _Static(ir, bool(transpose_a), bool(transpose_b), acc_dtype, precision, config,
                      bool(recompute_acc), _backward_reads_acc(ir, acc_shape))
+    # under shard_map, differentiable inputs are made alike outside the VJP, so that the
+    # gradient of an input that varies over fewer mesh axes is summed over the others
+    a, b, *arrays = match_varying((a, b, *arrays))
     outs = _fused(static, a, b, tuple(arrays))
     return _restructure(structure, [o.name for o in ir.outputs], outs)
 

@@ -19,12 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import dispatch
 from jax.interpreters import batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import config as _config
 from .epilogue import EpilogueIR, Role
 from .reference import fused_gemm_reference
 
-__all__ = ["fused_gemm_p", "fused_gemm", "FallbackError", "fused_gemm_eqns", "backends"]
+__all__ = ["fused_gemm_p", "fused_gemm", "FallbackError", "fused_gemm_eqns", "backends",
+           "match_varying"]
 
 logger = logging.getLogger("jax_efc")
 
@@ -49,8 +51,8 @@ def fused_gemm(
 ) -> list[Any]:
     """Bind the primitive; operands must already be in their canonical shapes."""
     return fused_gemm_p.bind(
-        a, b, *operands, ir=ir, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b),
-        acc_dtype=np.dtype(acc_dtype), precision=precision, config=config,
+        *match_varying((a, b, *operands)), ir=ir, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b),
+        acc_dtype=np.dtype(acc_dtype), precision=precision, config=config, local=False,
     )
 
 
@@ -77,8 +79,9 @@ def problem_shape(a_shape: Sequence[int], b_shape: Sequence[int], transpose_a: b
     return (la[0] if la else None), m, n, ka
 
 
-def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, precision, config):
-    del acc_dtype, precision, config
+def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, precision, config,
+                   local):
+    del acc_dtype, precision, config, local
     batch, m, n, _ = problem_shape(a.shape, b.shape, transpose_a, transpose_b)
     if len(operands) != len(ir.operands):
         raise ValueError(f"the epilogue takes {len(ir.operands)} operands, got {len(operands)}.")
@@ -87,7 +90,40 @@ def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, pre
         if tuple(x.shape) not in allowed:
             raise ValueError(f"{spec.name} has shape {tuple(x.shape)}; expected one of {allowed}.")
     shape = (m, n) if batch is None else (batch, m, n)
-    return [jax.core.ShapedArray(shape, jnp.dtype(o.dtype)) for o in ir.outputs]
+    sharding = _out_sharding(a, b, transpose_a, transpose_b)
+    if sharding is None:
+        return [jax.core.ShapedArray(shape, jnp.dtype(o.dtype)) for o in ir.outputs]
+    # ``a`` carries the mesh and (under shard_map) the manual axes every input varies over
+    return [a.update(shape=shape, dtype=jnp.dtype(o.dtype), weak_type=False, sharding=sharding)
+            for o in ir.outputs]
+
+
+def _out_sharding(a, b, transpose_a, transpose_b):
+    """The outputs' sharding in the type system: rows as ``a``'s, columns as ``b``'s."""
+    sa, sb = getattr(a, "sharding", None), getattr(b, "sharding", None)
+    if sa is None or not hasattr(sa, "mesh") or sb is None:
+        return None
+    pa = tuple(sa.spec) + (None,) * (a.ndim - len(sa.spec))
+    pb = tuple(sb.spec) + (None,) * (b.ndim - len(sb.spec))
+    m = pa[-1] if transpose_a else pa[-2]
+    n = pb[-2] if transpose_b else pb[-1]
+    lead = pa[:1] if a.ndim == 3 else ()
+    return NamedSharding(sa.mesh, P(*lead, m, None if n is not None and n == m else n))
+
+
+def _varying(x: Any) -> frozenset:
+    """The manual mesh axes ``x`` varies over inside ``shard_map``."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def match_varying(args: Sequence[Any]) -> list[Any]:
+    """Mark every input as varying over the union of the inputs' manual axes, as JAX does
+    for its own multi-input primitives."""
+    union = frozenset().union(*(_varying(x) for x in args))
+    return [jax.lax.pcast(x, tuple(sorted(union - _varying(x))), to="varying")
+            if union - _varying(x) else x for x in args]
 
 
 def _canonical_shapes(role: Role, batch: int | None, m: int, n: int) -> list[tuple[int, ...]]:
@@ -100,6 +136,8 @@ def _canonical_shapes(role: Role, batch: int | None, m: int, n: int) -> list[tup
 
 fused_gemm_p.def_abstract_eval(_abstract_eval)
 fused_gemm_p.def_impl(partial(dispatch.apply_primitive, fused_gemm_p))
+# The partitioner (see ``sharding``) needs the concrete devices when the call is lowered.
+dispatch.prim_requires_devices_during_lowering.add(fused_gemm_p)
 
 
 # Lowerings ---------------------------------------------------------------------------------
@@ -173,7 +211,7 @@ def _cuda_lowering(ctx, *args, **params):
         return _reference_lowering(ctx, *args, **params)
     from jax_efc import ffi
 
-    params.pop("precision")
+    del params["precision"]
     kernel = partial(ffi.fused_gemm, arch=ffi.device_arch(), **params)
     return mlir.lower_fun(kernel, multiple_results=True)(ctx, *args)
 
@@ -185,8 +223,22 @@ def _default_lowering(ctx, *args, **params):
     return _reference_lowering(ctx, *args, **params)
 
 
-mlir.register_lowering(fused_gemm_p, _default_lowering)
-mlir.register_lowering(fused_gemm_p, _cuda_lowering, platform="cuda")
+def _partitioned_first(local_lowering):
+    """A call is first handed to the partitioner (``sharding``), which re-binds it with
+    ``local=True`` on each device's shard; only then does it lower to kernel or reference."""
+
+    def lowering(ctx, *args, local, **params):
+        if not local:
+            from . import sharding
+
+            return sharding.lower_partitioned(ctx, *args, **params)
+        return local_lowering(ctx, *args, **params)
+
+    return lowering
+
+
+mlir.register_lowering(fused_gemm_p, _partitioned_first(_default_lowering))
+mlir.register_lowering(fused_gemm_p, _partitioned_first(_cuda_lowering), platform="cuda")
 
 
 # Batching ----------------------------------------------------------------------------------

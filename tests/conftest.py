@@ -6,7 +6,8 @@ import pytest
 
 from jax_efc.primitive import fused_gemm_eqns  # noqa: F401  (re-exported for the tests)
 
-jax.config.update("jax_enable_x64", False)
+# eight host devices, so the sharding tests run on any machine
+jax.config.update("jax_num_cpu_devices", 8)
 
 
 def _has_gpu() -> bool:

@@ -1,0 +1,167 @@
+"""How the fused GEMM is partitioned across devices: like a dot, never by replicating.
+
+The primitive lowers through ``jax.experimental.custom_partitioning`` with a Shardy rule
+(``[l] m k, [l] k n, <operands> -> [l] m n``) and a partition function:
+
+- batch L / M sharded (data parallel): each device runs its rows, no communication;
+- N sharded (column-parallel): each device runs its columns with its slice of the weight and
+  of every row vector and tile operand;
+- K sharded on both ``a`` and ``b`` (row-parallel): each device computes a partial product,
+  the partials are summed with ``psum`` and only then is the epilogue applied, in XLA,
+  because a nonlinear epilogue cannot run on partial sums;
+- K sharded on one side only: that operand is gathered along K (the least communication
+  that gives the right answer); shardings that conflict (one mesh axis on two dimensions)
+  keep the first and replicate the other.
+
+Under ``shard_map`` (all axes manual) and on one device the call is not partitioned at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import jax
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.interpreters import mlir
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .epilogue import Role, evaluate, identity_ir
+from .primitive import fused_gemm_p
+
+__all__ = ["lower_partitioned"]
+
+
+def lower_partitioned(ctx: Any, *args: Any, **params: Any) -> Any:
+    """The primitive's lowering before partitioning: hand the call to the partitioner."""
+    key = tuple(sorted(params.items()))
+    a, b, *ops = args
+    return mlir.lower_fun(
+        lambda a, b, *ops: _partitioned(key, a, b, tuple(ops)), multiple_results=True
+    )(ctx, a, b, *ops)
+
+
+def _local(params: dict[str, Any], a: Any, b: Any, ops: tuple[Any, ...]) -> list[Any]:
+    return fused_gemm_p.bind(a, b, *ops, local=True, **params)
+
+
+@partial(custom_partitioning, static_argnums=(0,))
+def _partitioned(key, a, b, ops):
+    return _local(dict(key), a, b, ops)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    l: Any  # mesh axes of each logical dimension (None: replicated)
+    m: Any
+    n: Any
+    k: Any
+
+    def a(self, ndim: int, transpose: bool) -> P:
+        core = (self.k, self.m) if transpose else (self.m, self.k)
+        return P(*((self.l,) if ndim == 3 else ()), *core)
+
+    def b(self, ndim: int, transpose: bool) -> P:
+        core = (self.n, self.k) if transpose else (self.k, self.n)
+        return P(*((self.l,) if ndim == 3 else ()), *core)
+
+    def operand(self, role: Role, ndim: int) -> P:
+        if ndim == 0:
+            return P()
+        core = {Role.TILE: (self.m, self.n), Role.ROW: (None, self.n),
+                Role.COL: (self.m, None), Role.SCALAR: (None, None)}[role]
+        return P(*((self.l,) if ndim == 3 else ()), *core)
+
+    def out(self, ndim: int) -> P:
+        return P(*((self.l,) if ndim == 3 else ()), self.m, self.n)
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _plan(params: dict[str, Any], arg_shapes: Any) -> _Plan:
+    a, b = arg_shapes[0], arg_shapes[1]
+
+    def spec(x):
+        s = tuple(getattr(x.sharding, "spec", ()))
+        return s + (None,) * (len(x.shape) - len(s))
+
+    sa, sb = spec(a), spec(b)
+    batched = len(a.shape) == 3
+    l = sa[0] if batched else None
+    la, lb = sa[-2:], sb[-2:]
+    m, ka = (la[1], la[0]) if params["transpose_a"] else (la[0], la[1])
+    kb, n = (lb[1], lb[0]) if params["transpose_b"] else (lb[0], lb[1])
+    k = ka if ka == kb else None
+    used: set[str] = set()
+    plan = {}
+    for name, entry in (("l", l), ("m", m), ("n", n), ("k", k)):
+        axes = _axes(entry)
+        if axes and not used.intersection(axes):
+            used.update(axes)
+            plan[name] = entry
+        else:
+            plan[name] = None
+    return _Plan(**plan)
+
+
+def _shardings(params, mesh, arg_shapes):
+    plan = _plan(params, arg_shapes)
+    a, b, ops = arg_shapes
+    ir = params["ir"]
+    args = (
+        NamedSharding(mesh, plan.a(len(a.shape), params["transpose_a"])),
+        NamedSharding(mesh, plan.b(len(b.shape), params["transpose_b"])),
+        tuple(NamedSharding(mesh, plan.operand(spec.role, len(x.shape)))
+              for spec, x in zip(ir.operands, ops)),
+    )
+    out = [NamedSharding(mesh, plan.out(len(a.shape)))] * len(ir.outputs)
+    return plan, args, out
+
+
+def _partition(key, mesh, arg_shapes, result_shape):
+    params = dict(key)
+    plan, args, out = _shardings(params, mesh, arg_shapes)
+    if plan.k is None:
+        return mesh, partial(_local, params), out, args
+
+    def row_parallel(a, b, ops):
+        plain = identity_ir(params["acc_dtype"], params["ir"].epi_dtype)
+        (acc,) = _local({**params, "ir": plain}, a, b, ())
+        return evaluate(params["ir"], lax.psum(acc, plan.k), ops)
+
+    return mesh, row_parallel, out, args
+
+
+def _infer(key, mesh, arg_shapes, result_shape):
+    return _shardings(dict(key), mesh, arg_shapes)[2]
+
+
+def _rule(key, mesh, value_types, result_types):
+    params = dict(key)
+    a_rank = len(value_types[0].shape)
+    lead = "l " if a_rank == 3 else ""
+    a = lead + ("k m" if params["transpose_a"] else "m k")
+    b = lead + ("n k" if params["transpose_b"] else "k n")
+    ops = []
+    for i, (spec, t) in enumerate(zip(params["ir"].operands, value_types[2:])):
+        if len(t.shape) == 0:
+            ops.append("")
+            continue
+        core = {Role.TILE: "m n", Role.ROW: f"r{i} n", Role.COL: f"m c{i}",
+                Role.SCALAR: f"s{i} t{i}"}[spec.role]
+        ops.append(("l " if len(t.shape) == 3 else "") + core)
+    outs = [lead + "m n"] * len(result_types)
+    return f"{', '.join([a, b, *ops])} -> {', '.join(outs)}", {"reduction_factors": ("k",)}
+
+
+_partitioned.def_partition(
+    partition=_partition,
+    infer_sharding_from_operands=_infer,
+    sharding_rule=_rule,
+)
