@@ -149,3 +149,17 @@ def test_pmap_training_step(rng):
     assert abs(float(loss[0]) - float(want_loss)) < 1e-5
     for k in grads:
         assert rel_err(grads[k][0], want_grads[k]) < 1e-5
+
+
+def test_sharded_training_example():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "examples", "sharded_training.py"), "--cpu-devices", "8",
+         "--steps", "2", "--batch", "32", "--width", "64", "--hidden", "128"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "forward all-gathers an activation: False" in out.stdout
