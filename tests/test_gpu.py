@@ -1,0 +1,145 @@
+"""The public ops on the kernel path (an SM90 GPU): numerics against the reference, and
+dispatch. JAX_EFC_STRICT makes any fallback an error, so a pass means the kernel ran."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_efc as efc
+from conftest import rel_err
+from test_gemm import alpha_beta, complex_expr, multi_output
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def strict(monkeypatch):
+    monkeypatch.setenv("JAX_EFC_STRICT", "1")
+
+
+def rand(rng, shape, dtype=jnp.bfloat16, scale=1.0):
+    return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
+
+
+def f64(x):
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def tol(dtype):
+    return 1e-2 if dtype == jnp.bfloat16 else 3e-3
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_seed_epilogues(rng, dtype):
+    m, n, k = 512, 384, 256
+    a, b = rand(rng, (m, k), dtype), rand(rng, (k, n), dtype)
+    c, x, bias = rand(rng, (m, n), dtype), rand(rng, (m, n), dtype), rand(rng, (n,), dtype)
+    acc = f64(a) @ f64(b)
+    out = jax.jit(lambda *t: efc.gemm(*t[:2], alpha_beta, *t[2:], alpha=2.0, beta=1.0, x_factor=3.0,
+                                      out_dtypes={"D": dtype, "Y": jnp.float32}))(a, b, c, x)
+    assert efc.backends(lambda *t: efc.gemm(*t[:2], alpha_beta, *t[2:], alpha=2.0, beta=1.0, x_factor=3.0),
+                        a, b, c, x) == ["kernel (sm_90a)"]
+    assert rel_err(out["D"], 2 * acc + f64(c) + 3 * f64(x)) < tol(dtype)
+    assert out["Y"].dtype == jnp.float32 and rel_err(out["Y"], acc) < 1e-5 * np.sqrt(k)
+    relu = jax.jit(lambda a, b: efc.gemm(a, b, jax.nn.relu))(a, b)
+    assert rel_err(relu, np.maximum(acc, 0)) < tol(dtype)
+    d, d2, e = jax.jit(lambda a, b, c: efc.gemm(a, b, multi_output, c, out_dtypes=(dtype, jnp.float32, dtype)))(a, b, c)
+    ref = acc + f64(c)
+    assert rel_err(d, ref) < tol(dtype) and rel_err(d2, ref * ref) < tol(dtype)
+    assert rel_err(e, np.exp(-np.abs(ref))) < tol(dtype)
+    cx = jax.jit(lambda *t: efc.gemm(*t[:2], complex_expr, *t[2:], scale=0.5))(a, b, bias, c, x)
+    want = jax.nn.gelu((acc + f64(bias)) * 0.5 + f64(c) + np.tanh(f64(x)))
+    assert rel_err(cx, want) < tol(dtype)
+
+
+@pytest.mark.parametrize("name", sorted(efc.ACTIVATIONS))
+def test_activations(rng, name):
+    x, w, bias = rand(rng, (2, 256, 512)), rand(rng, (512, 256), scale=0.05), rand(rng, (256,))
+    y = jax.jit(lambda x, w, b: efc.fused_dense(x, w, b, activation=name))(x, w, bias)
+    ref = efc.ACTIVATIONS[name](jnp.asarray(f64(x) @ f64(w) + f64(bias), jnp.float32))
+    assert rel_err(y, ref) < 1e-2
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+def test_majors_and_batch(rng, ta, tb):
+    L, M, N, K = 3, 256, 128, 192
+    a = rand(rng, (L, K, M) if ta else (L, M, K))
+    b = rand(rng, (L, N, K) if tb else (L, K, N))
+    row, col = rand(rng, (N,)), rand(rng, (M, 1))
+    out = jax.jit(lambda a, b, r, c: efc.gemm(a, b, lambda acc, r, c: jnp.tanh(acc + r) * c, r, c,
+                                              transpose_a=ta, transpose_b=tb))(a, b, row, col)
+    opa = np.swapaxes(f64(a), 1, 2) if ta else f64(a)
+    opb = np.swapaxes(f64(b), 1, 2) if tb else f64(b)
+    assert rel_err(out, np.tanh(opa @ opb + f64(row)) * f64(col)) < 1e-2
+
+
+@pytest.mark.parametrize("mnk", [(1024, 1000, 1000), (1000, 1000, 1000), (4096, 4096, 4096), (128, 4096, 4096)])
+def test_odd_and_large_shapes(rng, mnk, monkeypatch, caplog):
+    m, n, k = mnk
+    monkeypatch.delenv("JAX_EFC_STRICT")
+    a, b, bias = rand(rng, (m, k)), rand(rng, (k, n), scale=k**-0.5), rand(rng, (n,))
+    with caplog.at_level(logging.WARNING, logger="jax_efc"):
+        y = jax.jit(lambda a, b, c: efc.fused_dense(a, b, c, activation="gelu_tanh"))(a, b, bias)
+    backend = efc.backends(lambda a, b, c: efc.fused_dense(a, b, c, activation="gelu_tanh"), a, b, bias)[0]
+    assert backend.startswith("kernel") or backend.startswith("reference: ")
+    ref = jax.nn.gelu(jnp.asarray(f64(a) @ f64(b) + f64(bias), jnp.float32))
+    assert np.isfinite(np.asarray(y, np.float32)).all()
+    assert rel_err(y, ref) < 1e-2
+
+
+def test_dynamic_scalars_change_without_recompiling(rng):
+    a, b, c = rand(rng, (256, 256)), rand(rng, (256, 256)), rand(rng, (256, 256))
+    traces = []
+
+    @jax.jit
+    def f(a, b, c, alpha, beta):
+        traces.append(1)
+        return efc.gemm(a, b, lambda acc, c, *, alpha, beta: acc * alpha + c * beta, c, alpha=alpha, beta=beta)
+
+    acc = f64(a) @ f64(b)
+    for alpha, beta in [(1.0, 0.0), (-2.0, 0.5), (0.25, 3.0)]:
+        y = f(a, b, c, jnp.float32(alpha), jnp.float32(beta))
+        assert rel_err(y, alpha * acc + beta * f64(c)) < 1e-2
+    assert len(traces) == 1
+
+
+def test_grads_through_the_kernel(rng):
+    x, w, bias = rand(rng, (512, 256)), rand(rng, (256, 384), scale=0.06), rand(rng, (384,))
+
+    def loss(x, w, b):
+        return jnp.sum(efc.fused_dense(x, w, b, activation="gelu_tanh").astype(jnp.float32) ** 2)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    assert all(s.startswith("kernel") for s in efc.backends(jax.grad(loss, argnums=(0, 1, 2)), x, w, bias))
+    g = grad(x, w, bias)
+    up = [jnp.asarray(t, jnp.float32) for t in (x, w, bias)]
+    want = jax.grad(lambda x, w, b: jnp.sum(jax.nn.gelu(x @ w + b) ** 2), argnums=(0, 1, 2))(*up)
+    for u, v in zip(g, want):
+        assert rel_err(u, v) < 2e-2
+
+
+def test_one_device_shard_map_runs_the_kernel(rng):
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    x, w, bias = rand(rng, (256, 256)), rand(rng, (256, 256), scale=0.06), rand(rng, (256,))
+    f = jax.jit(jax.shard_map(lambda x, w, b: efc.fused_dense(x, w, b, activation="silu"), mesh=mesh,
+                              in_specs=(P("data"), P(), P()), out_specs=P("data")))
+    hlo = f.lower(x, w, bias).as_text()
+    assert "NvJaxCutlassCall" in hlo
+    ref = jax.nn.silu(jnp.asarray(f64(x) @ f64(w) + f64(bias), jnp.float32))
+    assert rel_err(f(x, w, bias), ref) < 1e-2
+
+
+def test_unsupported_dtype_falls_back_and_says_why(rng, monkeypatch, caplog):
+    monkeypatch.delenv("JAX_EFC_STRICT")
+    a, b = rand(rng, (64, 64), jnp.float32), rand(rng, (64, 64), jnp.float32)
+    (reason,) = efc.backends(lambda a, b: efc.gemm(a, b, jnp.tanh), a, b)
+    assert reason.startswith("reference: ") and "float32" in reason
+    monkeypatch.setenv("JAX_EFC_STRICT", "1")
+    with pytest.raises(efc.FallbackError, match="float32"):
+        jax.jit(lambda a, b: efc.gemm(a, b, jnp.sin))(a, b)
