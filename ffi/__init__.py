@@ -1,0 +1,191 @@
+"""jax_efc.ffi: the fused-GEMM kernels as XLA custom calls, through ``cutlass.jax.cutlass_call``.
+
+The compiled CuTe module rides inside the custom call, so ``jax.export`` and CUDA graphs
+work. Arrays are presented to the kernel without copies: every tensor is viewed as 3-D
+(a leading unit batch is a free reshape) and ``TensorSpec(mode=...)`` reorders its modes into
+the kernel's (M, K, L) / (N, K, L) / (M, N, L) view, whichever dimension is contiguous.
+
+Importing this module is cheap: cutlass is imported only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jax_efc.config import GemmConfig
+from jax_efc.epilogue import EpilogueIR, Role
+
+__all__ = ["device_arch", "unsupported_reason", "fused_gemm"]
+
+_DEFAULT_SM_COUNT = 132  # H100/H200 SXM, used when compiling without a GPU
+_KERNELS: dict[tuple, Any] = {}  # compile key -> kernel object (re-lowering reuses it)
+
+
+def device_arch() -> str | None:
+    """``"sm_90a"``/``"sm_100a"`` from ``CUTE_DSL_ARCH`` if set, else from the first CUDA
+    device's compute capability, else ``None``."""
+    env = os.environ.get("CUTE_DSL_ARCH")
+    if env:
+        return env
+    try:
+        import jax
+
+        dev = jax.devices("cuda")[0]
+        major, minor = str(dev.compute_capability).split(".")
+    except Exception:  # no CUDA backend, or a device without a compute capability
+        return None
+    return f"sm_{major}{minor}a" if major in ("9", "10") else f"sm_{major}{minor}"
+
+
+def _sm_count() -> int:
+    try:
+        import jax
+
+        return int(jax.devices("cuda")[0].core_count)
+    except Exception:
+        return _DEFAULT_SM_COUNT
+
+
+@functools.cache
+def _dsl_reason() -> str | None:
+    try:
+        import cutlass.jax as cjax
+    except Exception as e:  # not installed, or broken
+        return f"the CuTe DSL (nvidia-cutlass-dsl) is not importable ({type(e).__name__}: {e}); install it to use the kernels."
+    if not cjax.is_available():
+        return "cutlass.jax is not available with this JAX version; upgrade JAX or nvidia-cutlass-dsl."
+    return None
+
+
+def _dims(a, b, transpose_a: bool, transpose_b: bool) -> tuple[int, int, int, int | None]:
+    """(M, N, K, L or None) from the canonical primitive shapes."""
+    *la, a0, a1 = a.shape
+    *lb, b0, b1 = b.shape
+    m, k = (a1, a0) if transpose_a else (a0, a1)
+    n = b0 if transpose_b else b1
+    lead = la or lb
+    return m, n, k, (lead[0] if lead else None)
+
+
+def _problem(ir: EpilogueIR, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch):
+    from jax_efc.kernels import KernelProblem, choose_config
+
+    m, n, k, batch = _dims(a, b, transpose_a, transpose_b)
+    problem = KernelProblem(
+        ir=ir,
+        ab_dtype=np.dtype(a.dtype).name,
+        acc_dtype=np.dtype(acc_dtype).name,
+        a_major="m" if transpose_a else "k",
+        b_major="k" if transpose_b else "n",
+        batched=batch is not None,
+        a_batched=len(a.shape) == 3,
+        b_batched=len(b.shape) == 3,
+        operand_batched=tuple(len(x.shape) == 3 for x in operands),
+        arch=arch,
+        config=config if config is not None else GemmConfig(),
+    )
+    mnkl = (m, n, k, batch or 1)
+    if config is None:
+        problem = dataclasses.replace(problem, config=choose_config(problem, *mnkl))
+    return problem, mnkl
+
+
+def _shape_reason(ir, a, b, operands, transpose_a, transpose_b) -> str | None:
+    if len(a.shape) not in (2, 3) or len(b.shape) not in (2, 3):
+        return f"a has shape {a.shape} and b {b.shape}; both must be 2-D or 3-D (batched)."
+    if np.dtype(a.dtype) != np.dtype(b.dtype):
+        return f"a is {np.dtype(a.dtype).name} but b is {np.dtype(b.dtype).name}; the kernel needs one A/B dtype."
+    k_a = a.shape[-2] if transpose_a else a.shape[-1]
+    k_b = b.shape[-1] if transpose_b else b.shape[-2]
+    if k_a != k_b:
+        return f"contraction sizes differ: a gives K={k_a}, b gives K={k_b}."
+    if len(a.shape) == 3 and len(b.shape) == 3 and a.shape[0] != b.shape[0]:
+        return f"batch sizes differ: a has L={a.shape[0]}, b has L={b.shape[0]}."
+    m, n, _, batch = _dims(a, b, transpose_a, transpose_b)
+    if len(operands) != len(ir.operands):
+        return f"{len(operands)} operands given, the epilogue takes {len(ir.operands)}."
+    from jax_efc.epilogue import canonical_shape
+
+    for x, inp in zip(operands, ir.operands):
+        allowed = {canonical_shape(inp.role, None, m, n)}
+        if batch is not None:
+            allowed.add(canonical_shape(inp.role, batch, m, n))
+        if tuple(x.shape) not in allowed:
+            return f"{inp.name} has shape {tuple(x.shape)}; expected one of {sorted(allowed)}."
+    return None
+
+
+def unsupported_reason(ir: EpilogueIR, a, b, operands: Sequence[Any], *, transpose_a: bool,
+                       transpose_b: bool, acc_dtype: Any, config: GemmConfig | None,
+                       arch: str | None) -> str | None:
+    """``None`` when the kernel can run this call; otherwise one sentence naming the cause.
+
+    ``a``, ``b`` and ``operands`` are avals (anything with ``shape``/``dtype``) in the
+    primitive's canonical shapes.
+    """
+    if arch is None:
+        return "no CUDA device and CUTE_DSL_ARCH is unset; the kernels need an sm_90a GPU."
+    reason = _dsl_reason() or _shape_reason(ir, a, b, operands, transpose_a, transpose_b)
+    if reason:
+        return reason
+    from jax_efc.kernels import unsupported_reason as kernel_reason
+
+    problem, mnkl = _problem(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch)
+    return kernel_reason(problem, mnkl)
+
+
+def _as3d(x):
+    """View ``x`` as (L|1, d1, d2): free reshapes that add leading unit dimensions."""
+    return x.reshape((1,) * (3 - x.ndim) + tuple(x.shape)) if x.ndim < 3 else x
+
+
+def _kernel(problem, sm_count: int):
+    key = (problem.compile_key, sm_count)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        from jax_efc.kernels.sm90 import Sm90FusedGemm
+
+        kernel = _KERNELS[key] = Sm90FusedGemm(problem, sm_count)
+    return key, kernel
+
+
+def fused_gemm(ir: EpilogueIR, a, b, *operands, transpose_a: bool, transpose_b: bool,
+               acc_dtype: Any, config: GemmConfig | None, arch: str | None) -> list:
+    """``ir``'s outputs of ``epilogue(op(a) @ op(b), *operands)``, one array per output in
+    shape (M, N), or (L, M, N) when a or b is batched.
+
+    Emits one ``cutlass_call`` custom call; call it under ``jit`` (or inside a lowering).
+    Raise ``ValueError`` with the reason when :func:`unsupported_reason` refuses the call.
+    """
+    import jax
+    from cutlass.jax import TensorSpec, cutlass_call
+
+    reason = unsupported_reason(ir, a, b, operands, transpose_a=transpose_a, transpose_b=transpose_b,
+                                acc_dtype=acc_dtype, config=config, arch=arch)
+    if reason:
+        raise ValueError(f"jax_efc kernel cannot run this GEMM: {reason}")
+    problem, (m, n, _, batch) = _problem(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch)
+    key, kernel = _kernel(problem, _sm_count())
+
+    # (L, r, c) row-major -> the kernel's (r|c, c|r, L) views: (1, 2, 0) keeps the rows
+    # first, (2, 1, 0) swaps them.
+    keep, swap = TensorSpec(mode=(1, 2, 0)), TensorSpec(mode=(2, 1, 0))
+    inputs = [_as3d(a), _as3d(b), *(_as3d(x) for x in operands)]
+    in_specs = [swap if transpose_a else keep, keep if transpose_b else swap, *([keep] * len(operands))]
+    out_shapes = [jax.ShapeDtypeStruct((batch, m, n), o.dtype) for o in ir.outputs]
+    call = cutlass_call(
+        kernel,
+        output_shape_dtype=out_shapes,
+        input_spec=in_specs,
+        output_spec=[keep] * len(out_shapes),
+        compile_key=key,
+    )
+    outs = call(*inputs)
+    batched = len(a.shape) == 3 or len(b.shape) == 3
+    return [o if batched else o.reshape(m, n) for o in outs]

@@ -1,0 +1,355 @@
+"""Warp-specialized persistent GEMM with a fused epilogue for Hopper (sm_90a).
+
+One CTA = one producer warpgroup + ``tile_m // 64`` consumer warpgroups:
+
+- the producer's first warp walks the persistent tile schedule and issues TMA loads of the
+  A and B k-tiles into a ``stages``-deep shared-memory ring (``PipelineTmaAsync``: an
+  mbarrier "full" per stage completed by the TMA transaction count, an "empty" per stage
+  released by the consumers). Inside a cluster, A tiles are multicast to the CTAs that share
+  the tile's M coordinate and B tiles to those that share its N coordinate;
+- the consumers walk the same schedule, issue WGMMA on each stage (fp32 accumulators in
+  registers; two warpgroups cooperate on a 128-row tile, 64 rows each) and run the epilogue:
+  per ``tile_m x 32`` subtile, the :class:`EpilogueVisitor` evaluates the user's program on
+  the accumulator fragment, each output is converted to its dtype, written to its own smem
+  buffer and stored with TMA (the TMA store clips the M/N edges).
+
+Tensors arrive as (M, K, L) for A, (N, K, L) for B, (M, N, L) for outputs and (M|1, N|1, L|1)
+for epilogue operands; which mode is contiguous (the "major") is a compile-time choice.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from jax_efc.kernels import KernelProblem
+from jax_efc.kernels.visitor import EpilogueVisitor, cutlass_dtype
+
+__all__ = ["Sm90FusedGemm"]
+
+# WGMMA for 16-bit inputs consumes K in steps of 16; four steps per pipeline stage make a
+# 64-deep k-tile = 128 bytes of a K-major row, exactly one 128-byte swizzle atom.
+_TILE_K = 64
+# Epilogue subtile width: 32 columns keeps the per-thread output fragment at 16 values
+# (128 rows x 32 cols / 256 threads), i.e. few live registers on top of the accumulators.
+_EPI_N = 32
+_EPI_STAGES = 2
+# Hopper: 227 KiB of shared memory per CTA (dynamic, opt-in), minus what we keep for the
+# mbarriers and the 1 KiB alignment of each buffer (the 128-byte swizzle repeats every 1 KiB).
+_SMEM_BYTES = 232448
+_ALIGN = 1024
+_MAX_STAGES = 8
+# Register split across warpgroups (setmaxnreg): the producer needs few, the consumers hold
+# up to 128 fp32 accumulators each plus epilogue temporaries. 40 + 2 * 232 (x 128 threads)
+# fits the 64K-register file; the values must be multiples of 8.
+_PRODUCER_REGS = 40
+_CONSUMER_REGS = 232
+_WG = 128  # threads per warpgroup
+_EPI_BARRIER_ID = 1  # named barrier 0 is __syncthreads
+
+
+class Sm90FusedGemm:
+    """One compiled kernel variant; call it (inside ``cute.jit``) as
+    ``kernel(stream, a, b, *operands, *outputs)``."""
+
+    def __init__(self, problem: KernelProblem, sm_count: int):
+        cfg = problem.config
+        self.problem = problem
+        self.tile_mnk = (cfg.tile_m, cfg.tile_n, _TILE_K)
+        self.cluster_mn = (cfg.cluster_m, cfg.cluster_n)
+        self.max_active_clusters = sm_count // (cfg.cluster_m * cfg.cluster_n)
+        self.raster_along_m = cfg.raster == "m"
+        self.swizzle = cfg.swizzle
+        self.ab_dtype = cutlass_dtype(problem.ab_dtype)
+        # LayoutEnum speaks BLAS: "row major" A is K-contiguous, "row major" B (N, K) too.
+        self.a_layout = LayoutEnum.ROW_MAJOR if problem.a_major == "k" else LayoutEnum.COL_MAJOR
+        self.b_layout = LayoutEnum.ROW_MAJOR if problem.b_major == "k" else LayoutEnum.COL_MAJOR
+        self.a_batched = problem.a_batched
+        self.b_batched = problem.b_batched
+        self.visitor = EpilogueVisitor(problem.ir, problem.operand_batched)
+        self.n_operands = len(problem.ir.operands)
+        self.out_dtypes = self.visitor.out_dtypes
+        self.n_consumer_wg = cfg.tile_m // 64
+        self.n_consumer_threads = self.n_consumer_wg * _WG
+        self.threads = _WG * (1 + self.n_consumer_wg)
+        self.epi_tile = (cfg.tile_m, _EPI_N)
+        # stmatrix stores 8x8 blocks of 16-bit values; it only helps when every output is
+        # 16-bit (one register->smem partition is shared by all outputs).
+        self.use_stmatrix = all(dt.width == 16 for dt in self.out_dtypes)
+        ab_bytes = (cfg.tile_m + cfg.tile_n) * _TILE_K * self.ab_dtype.width // 8
+        epi_bytes = sum(cfg.tile_m * _EPI_N * dt.width // 8 * _EPI_STAGES + _ALIGN for dt in self.out_dtypes)
+        fit = (_SMEM_BYTES - epi_bytes - 3 * _ALIGN) // ab_bytes
+        self.stages = min(cfg.stages or _MAX_STAGES, fit)
+        if self.stages < 2:
+            raise ValueError(f"{cfg} with {len(self.out_dtypes)} outputs leaves room for "
+                             f"{self.stages} pipeline stages; use a smaller tile.")
+
+    # ---------------------------------------------------------------- host side (traced)
+    @cute.jit
+    def __call__(self, stream, a: cute.Tensor, b: cute.Tensor, *rest):
+        operands = rest[: self.n_operands]
+        outputs = rest[self.n_operands:]
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype,
+            self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+            cutlass.Float32, (self.n_consumer_wg, 1, 1), tiler_mn=(64, self.tile_mnk[1]),
+        )
+        a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.ab_dtype, self.stages)
+        b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.ab_dtype, self.stages)
+        d_smem = tuple(
+            sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, self.epi_tile, _EPI_STAGES)
+            for dt in self.out_dtypes
+        )
+        # A is shared by the CTAs of a cluster row (same M tile): multicast over cluster_n.
+        tma_a, g_a = self._tma_load(a, a_smem, (self.tile_mnk[0], self.tile_mnk[2]), self.cluster_mn[1])
+        tma_b, g_b = self._tma_load(b, b_smem, (self.tile_mnk[1], self.tile_mnk[2]), self.cluster_mn[0])
+        tma_d, g_d = [], []
+        for i in cutlass.range_constexpr(len(outputs)):
+            atom, tensor = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), outputs[i],
+                cute.slice_(d_smem[i], (None, None, 0)), self.epi_tile,
+            )
+            tma_d.append(atom)
+            g_d.append(tensor)
+
+        d0 = outputs[0]
+        n_tiles = cute.zipped_divide(d0, tiler=self.tile_mnk[:2])[(0, (None, None, None))].shape
+        sched = utils.PersistentTileSchedulerParams(
+            n_tiles, (*self.cluster_mn, 1), self.swizzle, self.raster_along_m
+        )
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, self.max_active_clusters)
+        self.kernel(
+            tiled_mma, tma_a, g_a, tma_b, g_b, tuple(tma_d), tuple(g_d), tuple(operands),
+            a_smem, b_smem, d_smem, sched,
+        ).launch(
+            grid=grid, block=[self.threads, 1, 1], cluster=(*self.cluster_mn, 1),
+            min_blocks_per_mp=1, stream=stream,
+        )
+
+    @staticmethod
+    def _tma_load(tensor, smem_staged, tile, n_mcast):
+        op = cpasync.CopyBulkTensorTileG2SOp() if n_mcast == 1 else cpasync.CopyBulkTensorTileG2SMulticastOp()
+        return cpasync.make_tiled_tma_atom(
+            op, tensor, cute.slice_(smem_staged, (None, None, 0)), tile, num_multicast=n_mcast
+        )
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
+               tma_b: cute.CopyAtom, mB: cute.Tensor, tma_d: tuple, mD: tuple, operands: tuple,
+               a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, d_smem: tuple,
+               sched_params: utils.PersistentTileSchedulerParams):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
+        n_out = len(self.out_dtypes)
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            for i in cutlass.range_constexpr(n_out):
+                cpasync.prefetch_descriptor(tma_d[i])
+
+        # ---- cluster geometry and multicast masks
+        cta_layout = cute.make_layout((*self.cluster_mn, 1))
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout.get_flat_coord(cta_rank)
+        a_mcast_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=1)
+        b_mcast_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=0)
+        a_mcast_mask = a_mcast_mask if self.cluster_mn[1] > 1 else 0
+        b_mcast_mask = b_mcast_mask if self.cluster_mn[0] > 1 else 0
+        cluster_size = self.cluster_mn[0] * self.cluster_mn[1]
+
+        # ---- shared memory: pipeline barriers, A/B rings, one epilogue buffer per output
+        smem = SmemAllocator()
+        barriers = smem.allocate_array(cutlass.Int64, 2 * self.stages, byte_alignment=8)
+        sA = smem.allocate_tensor(self.ab_dtype, a_smem.outer, _ALIGN, a_smem.inner)
+        sB = smem.allocate_tensor(self.ab_dtype, b_smem.outer, _ALIGN, b_smem.inner)
+        sD = [smem.allocate_tensor(self.out_dtypes[i], d_smem[i].outer, _ALIGN, d_smem[i].inner)
+              for i in range(n_out)]
+
+        stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + \
+            cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))
+        # every consumer warp of every CTA that multicasts into this CTA's stage must release
+        # it before the producer may overwrite it
+        consumer_arrivals = (self.cluster_mn[0] + self.cluster_mn[1] - 1) * self.n_consumer_wg * 4
+        mainloop = pipeline.PipelineTmaAsync.create(
+            barrier_storage=barriers,
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_arrivals),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, *cta_layout.shape)),
+        )
+        if cluster_size > 1:
+            cute.arch.cluster_arrive_relaxed()
+
+        # ---- global tiles and TMA partitions: (bM, bK, RestM, RestK, RestL) etc.
+        gA = cute.local_tile(mA, cute.slice_(self.tile_mnk, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB, cute.slice_(self.tile_mnk, (0, None, None)), (None, None, None))
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_a, cluster_coord[1], cute.make_layout(self.cluster_mn[1]),
+            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
+        )
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_b, cluster_coord[0], cute.make_layout(self.cluster_mn[0]),
+            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2),
+        )
+        k_tiles = cute.size(gA, mode=[3])
+
+        if cluster_size > 1:
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
+
+        # ================================================================ producer
+        if wg_idx == 0:
+            cute.arch.warpgroup_reg_dealloc(_PRODUCER_REGS)
+            if warp_idx == 0:
+                sched = utils.StaticPersistentTileScheduler.create(
+                    sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+                )
+                work = sched.initial_work_tile_info()
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                while work.is_valid_tile:
+                    m_idx, n_idx, l_idx = work.tile_idx
+                    a_l = l_idx if self.a_batched else 0
+                    b_l = l_idx if self.b_batched else 0
+                    tAgA_t = tAgA[(None, m_idx, None, a_l)]
+                    tBgB_t = tBgB[(None, n_idx, None, b_l)]
+                    for k in range(k_tiles):
+                        mainloop.producer_acquire(state)
+                        bar = mainloop.producer_get_barrier(state)
+                        cute.copy(tma_a, tAgA_t[(None, k)], tAsA[(None, state.index)],
+                                  tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
+                        cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, state.index)],
+                                  tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+                        mainloop.producer_commit(state)
+                        state.advance()
+                    sched.advance_to_next_work()
+                    work = sched.get_current_work()
+                mainloop.producer_tail(state)
+
+        # ================================================================ consumers
+        if wg_idx > 0:
+            cute.arch.warpgroup_reg_alloc(_CONSUMER_REGS)
+            ctid = tidx - _WG
+            thr_mma = tiled_mma.get_slice(ctid)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            gD0 = cute.local_tile(mD[0], cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
+            acc = cute.make_rmem_tensor(thr_mma.partition_C(gD0).shape[:3], cutlass.Float32)
+            k_blocks = cute.size(tCrA, mode=[2])
+
+            # register -> smem copies share one thread/value partition for all outputs so
+            # the visitor's fragments line up with every output's buffer.
+            c_layout_atom = cute.make_tiled_copy_C_atom(
+                cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.BFloat16), tiled_mma
+            )
+            r2s = [cute.make_tiled_copy_S(self._r2s_atom(self.out_dtypes[i]), c_layout_atom)
+                   for i in range(n_out)]
+            tRS_sD = [r2s[i].get_slice(ctid).partition_D(sD[i]) for i in range(n_out)]
+            tRS_acc = r2s[0].retile(acc)
+            frag_shape = cute.shape(r2s[0].get_slice(ctid).partition_S(sD[0]))[:3]
+            frag = cute.make_rmem_tensor(frag_shape, cutlass.Float32)
+            frag_out = [cute.make_rmem_tensor(frag_shape, self.out_dtypes[i])
+                        for i in range(n_out)]
+            frag_size = cute.size(frag)
+            mn_extent = (mD[0].shape[0], mD[0].shape[1])
+            # (m, n) of every accumulator register within the tile, straight from the MMA's
+            # own partition; acc is a compact fragment, so register j of the retiled view
+            # tRS_acc is acc element tRS_acc.layout(j).
+            tCcT = thr_mma.partition_C(cute.make_identity_tensor(self.tile_mnk[:2]))
+            acc_index = _register_order(tRS_acc)
+            gD = [cute.local_tile(mD[i], cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
+                  for i in range(n_out)]
+
+            epi_barrier = pipeline.NamedBarrier(barrier_id=_EPI_BARRIER_ID, num_threads=self.n_consumer_threads)
+            store_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=_EPI_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.n_consumer_threads),
+            )
+            is_store_warp = warp_idx == 4
+
+            sched = utils.StaticPersistentTileScheduler.create(
+                sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+            )
+            work = sched.initial_work_tile_info()
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            subtile_count = cutlass.Int32(0)
+            while work.is_valid_tile:
+                m_idx, n_idx, l_idx = work.tile_idx
+                # ---- mainloop: keep one WGMMA batch in flight, release the stage before it
+                acc.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                # order the zero-fill before the first WGMMA reads the accumulators
+                warpgroup.fence()
+                for k in range(k_tiles):
+                    mainloop.consumer_wait(read)
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        coord = (None, None, kb, read.index)
+                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)
+                    if k > 0:
+                        mainloop.consumer_release(release)
+                        release.advance()
+                    read.advance()
+                warpgroup.wait_group(0)
+                mainloop.consumer_release(release)
+                release.advance()
+
+                # ---- epilogue, one (tile_m x 32) subtile at a time
+                # (epi_m, epi_n, 1, subtiles) coordinates of this tile's outputs
+                bSG = [cpasync.tma_partition(
+                    tma_d[i], 0, cute.make_layout(1), cute.group_modes(sD[i], 0, 2),
+                    cute.zipped_divide(gD[i][(None, None, m_idx, n_idx, l_idx)], self.epi_tile),
+                ) for i in range(n_out)]
+                n_sub = self.tile_mnk[1] // _EPI_N
+                for s in cutlass.range_constexpr(n_sub):
+                    for v in cutlass.range_constexpr(frag_size):
+                        frag[v] = tRS_acc[s * frag_size + v]
+                    coords = _tile_coords(tCcT, acc_index[s * frag_size:(s + 1) * frag_size],
+                                          m_idx * self.tile_mnk[0], n_idx * self.tile_mnk[1])
+                    outs = self.visitor(frag.load(), coords, operands, mn_extent, l_idx)
+                    buf = subtile_count % _EPI_STAGES
+                    for i in cutlass.range_constexpr(n_out):
+                        frag_out[i].store(outs[i])
+                        cute.copy(r2s[i], frag_out[i], tRS_sD[i][(None, None, None, buf)])
+                    # make the generic-proxy smem writes visible to the TMA (async proxy)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    epi_barrier.arrive_and_wait()
+                    if is_store_warp:
+                        for i in cutlass.range_constexpr(n_out):
+                            s_part, g_part = bSG[i]
+                            cute.copy(tma_d[i], s_part[(None, buf)], g_part[(None, s)])
+                        store_pipe.producer_commit()
+                        store_pipe.producer_acquire()
+                    epi_barrier.arrive_and_wait()
+                    subtile_count += 1
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            if is_store_warp:
+                store_pipe.producer_tail()
+
+    def _r2s_atom(self, dtype):
+        if self.use_stmatrix:
+            return cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), dtype)
+        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
+
+
+def _register_order(retiled: cute.Tensor) -> list[int]:
+    """For each value of a retiled view of a compact register fragment, the fragment
+    element it aliases (trace-time integers)."""
+    return [retiled.layout(j) for j in range(cute.size(retiled))]
+
+
+def _tile_coords(tCcT: cute.Tensor, indices: list[int], m0, n0) -> list[tuple]:
+    """Global (m, n) of the accumulator elements ``indices``, for the tile at (m0, n0)."""
+    return [(m0 + tCcT[i][0], n0 + tCcT[i][1]) for i in indices]

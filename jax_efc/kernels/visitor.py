@@ -1,0 +1,197 @@
+"""The epilogue visitor: evaluates an :class:`~jax_efc.epilogue.EpilogueIR` on the
+accumulator fragment a thread holds for one epilogue subtile.
+
+Shared by every architecture's kernel. The kernel hands over, per subtile, the fp32
+accumulator values as a ``TensorSSA`` and, per value, its (m, n) coordinate in the output; the visitor gathers the operands at those coordinates
+(TILE at (m, n), ROW at n, COL at m, SCALAR once), runs the SSA program with CuTe math on
+whole fragments, and returns every output already converted to its storage dtype.
+
+Everything here runs at trace time inside a ``@cute.kernel``: loops are Python loops over
+static sizes (fully unrolled), there is no data-dependent Python control flow.
+Coordinates past the M/N edge are clamped to the last row/column so partial tiles never read
+out of bounds; the TMA store drops those lanes anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute import math as cmath
+
+from jax_efc.epilogue import EpilogueIR, Role
+
+__all__ = ["EpilogueVisitor", "cutlass_dtype"]
+
+_DTYPES = {
+    "float32": cutlass.Float32,
+    "bfloat16": cutlass.BFloat16,
+    "float16": cutlass.Float16,
+    "bool": cutlass.Boolean,
+}
+
+
+def cutlass_dtype(name: str) -> type:
+    """The cutlass numeric type for a NumPy dtype name."""
+    return _DTYPES[name]
+
+
+def _f32(v: cute.TensorSSA) -> cute.TensorSSA:
+    """Widen a 16-bit float fragment to fp32; 16-bit ops compute in fp32 and round after,
+    as XLA does on GPUs."""
+    return v.to(cutlass.Float32) if v.dtype in (cutlass.BFloat16, cutlass.Float16) else v
+
+
+def _full(like: cute.TensorSSA, value, dtype: type) -> cute.TensorSSA:
+    return cute.full(like.shape, value, dtype)
+
+
+def _sign(x):
+    one = _full(x, 1.0, cutlass.Float32)
+    return cute.where(x > 0.0, one, cute.where(x < 0.0, -one, x))
+
+
+def _integer_pow(x, exponent: int):
+    result = None
+    base, e = x, abs(exponent)
+    while e:  # square-and-multiply, unrolled at trace time
+        if e & 1:
+            result = base if result is None else result * base
+        e >>= 1
+        if e:
+            base = base * base
+    if result is None:
+        return _full(x, 1.0, cutlass.Float32)
+    return _full(x, 1.0, cutlass.Float32) / result if exponent < 0 else result
+
+
+# op -> function of fp32 (or Boolean) fragments. Keys match jax_efc.epilogue.OPS.
+# exp/exp2/tanh use the hardware approximations (ex2.approx, tanh.approx: ~1e-6 and ~5e-4
+# relative error), far below the bf16/fp16 rounding of the outputs, as XLA's fused GPU
+# kernels do; everything else keeps the accurate lowering.
+_FLOAT_OPS = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / b,
+    "max": lambda a, b: cmath.max(a, b, propagate_nan=True),
+    "min": lambda a, b: cmath.min(a, b, propagate_nan=True),
+    "pow": lambda a, b: cmath.pow(a, b),
+    "eq": lambda a, b: a == b,
+    "ne": lambda a, b: a != b,
+    "lt": lambda a, b: a < b,
+    "le": lambda a, b: a <= b,
+    "gt": lambda a, b: a > b,
+    "ge": lambda a, b: a >= b,
+    "neg": lambda a: -a,
+    "abs": lambda a: cmath.abs(a),
+    "sign": _sign,
+    "floor": lambda a: cmath.floor(a),
+    "ceil": lambda a: cmath.ceil(a),
+    "exp": lambda a: cmath.exp(a, fastmath=True),
+    "exp2": lambda a: cmath.exp2(a, fastmath=True),
+    "log": lambda a: cmath.log(a),
+    "log1p": lambda a: cmath.log1p(a),
+    "expm1": lambda a: cmath.expm1(a),
+    "tanh": lambda a: cmath.tanh(a, fastmath=True),
+    "logistic": lambda a: _full(a, 1.0, cutlass.Float32) / (cmath.exp(-a, fastmath=True) + 1.0),
+    "erf": lambda a: cmath.erf(a),
+    "erfc": lambda a: cmath.erfc(a),
+    "sqrt": lambda a: cmath.sqrt(a),
+    "rsqrt": lambda a: cmath.rsqrt(a),
+    "sin": lambda a: cmath.sin(a),
+    "cos": lambda a: cmath.cos(a),
+    "tan": lambda a: cmath.tan(a),
+}
+_BOOL_OPS = {
+    "and": lambda a, b: a & b,
+    "or": lambda a, b: a | b,
+    "ne": lambda a, b: a ^ b,
+    "eq": lambda a, b: (a ^ b) ^ _full(a, True, cutlass.Boolean),
+    "not": lambda a: a ^ _full(a, True, cutlass.Boolean),
+}
+
+
+class EpilogueVisitor:
+    """Trace-time evaluator of one epilogue program.
+
+    ``operand_batched[i]`` says whether operand i carries the batch dimension; an operand
+    without it is read at batch index 0 for every batch.
+    """
+
+    def __init__(self, ir: EpilogueIR, operand_batched: Sequence[bool]):
+        self.ir = ir
+        self.operand_batched = tuple(operand_batched)
+        self.out_dtypes = tuple(cutlass_dtype(o.dtype) for o in ir.outputs)
+        # an operand no output depends on is never loaded
+        self.live = tuple(ir.uses(i + 1) for i in range(len(ir.operands)))
+
+    def _gather(self, tensor: cute.Tensor, role: Role, batch, coords: Sequence[tuple],
+                extent_mn, like: cute.TensorSSA) -> cute.TensorSSA:
+        """Read an (M|1, N|1, L) operand at every fragment coordinate, widened to fp32."""
+        frag = cute.make_rmem_tensor(like.shape, cutlass.Float32)
+        m_last, n_last = extent_mn[0] - 1, extent_mn[1] - 1
+        for i in range(cute.size(frag)):
+            m, n = coords[i][0], coords[i][1]
+            mi = cutlass.min(m, m_last) if role in (Role.TILE, Role.COL) else 0
+            ni = cutlass.min(n, n_last) if role in (Role.TILE, Role.ROW) else 0
+            frag[i] = tensor[(mi, ni, batch)].to(cutlass.Float32)
+        return frag.load()
+
+    def __call__(self, acc: cute.TensorSSA, coords: Sequence[tuple],
+                 operands: Sequence[cute.Tensor], extent_mn, batch) -> list[cute.TensorSSA]:
+        """The outputs for one subtile, each converted to its storage dtype.
+
+        ``acc``: fp32 accumulator fragment; ``coords``: the (m, n) output coordinate of each
+        fragment value, in fragment order; ``operands``: the
+        epilogue operand tensors, each presented as (M|1, N|1, L|1); ``extent_mn``: (M, N)
+        of the output; ``batch``: this tile's batch index.
+        """
+        ir = self.ir
+        values: list = [acc]
+        for i, (inp, tensor) in enumerate(zip(ir.operands, operands)):
+            if not self.live[i]:
+                values.append(None)
+                continue
+            b = batch if self.operand_batched[i] else 0
+            if inp.role is Role.SCALAR:
+                values.append(_full(acc, tensor[(0, 0, b)].to(cutlass.Float32), cutlass.Float32))
+            else:
+                values.append(self._gather(tensor, inp.role, b, coords, extent_mn, acc))
+        for ins in ir.instrs:
+            values.append(self._instr(ins, [values[a] for a in ins.args], acc))
+        return [self._convert(values[o.value], dt) for o, dt in zip(ir.outputs, self.out_dtypes)]
+
+    @staticmethod
+    def _instr(ins, args, like):
+        dtype = cutlass_dtype(ins.dtype)
+        if ins.op == "const":
+            value = bool(ins.attr) if dtype is cutlass.Boolean else float(ins.attr)
+            return _full(like, value, dtype)
+        if ins.op == "convert":
+            return EpilogueVisitor._convert(args[0], dtype)
+        if ins.op == "select":
+            pred, on_false, on_true = args
+            return EpilogueVisitor._round(cute.where(pred, _f32(on_true), _f32(on_false)), dtype)
+        if all(a.dtype is cutlass.Boolean for a in args) and ins.op in _BOOL_OPS:
+            return _BOOL_OPS[ins.op](*args)
+        if ins.op == "integer_pow":
+            return EpilogueVisitor._round(_integer_pow(_f32(args[0]), ins.attr), dtype)
+        result = _FLOAT_OPS[ins.op](*[_f32(a) for a in args])
+        return result if dtype is cutlass.Boolean else EpilogueVisitor._round(result, dtype)
+
+    @staticmethod
+    def _round(v, dtype):
+        return v if v.dtype is dtype else v.to(dtype)
+
+    @staticmethod
+    def _convert(v, dtype):
+        if v.dtype is dtype:
+            return v
+        if v.dtype is cutlass.Boolean:
+            one = _full(v, 1.0, cutlass.Float32)
+            return EpilogueVisitor._round(cute.where(v, one, _full(v, 0.0, cutlass.Float32)), dtype)
+        if dtype is cutlass.Boolean:
+            return _f32(v) != 0.0
+        return v.to(dtype)

@@ -1,0 +1,197 @@
+"""Compile every supported SM90 kernel variant on the CPU (no GPU needed).
+
+All variants are built in one child process with ``CUTE_DSL_ARCH=sm_90a`` and the DSL told to
+keep its PTX (the DSL reads those settings once, at import, hence the child). Each variant is
+exported through ``jax.export(jax.jit(f), platforms=["cuda"])`` with ``f`` calling
+``jax_efc.ffi.fused_gemm``; the test then checks the exported module holds the custom call and
+the variant's PTX holds WGMMA, TMA loads and TMA stores. Variants get distinct M so their PTX
+files (named after the argument shapes) can be told apart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# name -> (dtype, transpose_a, transpose_b, batch, config (tile_m, tile_n, cluster_m, cluster_n), epilogue)
+VARIANTS = {
+    "bf16_kn_128x128": ("bfloat16", False, False, None, (128, 128, 1, 1), "identity"),
+    "fp16_mk_128x256": ("float16", True, True, None, (128, 256, 1, 1), "identity"),
+    "bf16_mn_128x256_c2x1": ("bfloat16", True, False, None, (128, 256, 2, 1), "bias_gelu"),
+    "bf16_kk_128x128_c1x2": ("bfloat16", False, True, None, (128, 128, 1, 2), "identity"),
+    "bf16_batched_64x128": ("bfloat16", False, False, 3, (64, 128, 1, 1), "identity"),
+    "fp16_c2x2_128x128": ("float16", False, False, None, (128, 128, 2, 2), "bias_gelu"),
+    "bf16_multi_batched_c2x1": ("bfloat16", True, True, 2, (128, 256, 2, 1), "multi"),
+}
+
+
+def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
+    """(ir, operand avals) for one of the test epilogues."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_efc.epilogue import trace_epilogue
+
+    acc_shape = (m, n) if batch is None else (batch, m, n)
+    if name == "identity":
+        fn, shapes, dtypes, outs = (lambda acc: acc), [], [], dtype
+    elif name == "bias_gelu":
+        fn = lambda acc, bias: jax.nn.gelu(acc + bias)  # noqa: E731
+        shapes, dtypes, outs = [(1, n)], [dtype], dtype
+    else:  # tile + row + col + scalar operands, three outputs of three dtypes
+        def fn(acc, c, bias, col, s, *, alpha):
+            y = acc * alpha + c * s + bias
+            return {"D": jax.nn.gelu(y) * col, "Y": jnp.where(y > 0, y, 0.0), "Z": jnp.tanh(y)}
+        shapes = [acc_shape, (batch, 1, n) if batch else (1, n), (m, 1), (batch, 1, 1) if batch else ()]
+        dtypes = [dtype, jnp.float32, dtype, jnp.float32]
+        outs = {"D": dtype, "Y": jnp.float32, "Z": jnp.float16}
+    ir, *_ = trace_epilogue(fn, acc_shape, shapes, dtypes, {"alpha": 2.0} if name == "multi" else {},
+                            {}, outs, dtype)
+    return ir, [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
+
+
+def _compile_all(dump_dir: str) -> dict:
+    """Child process: export every variant, return {name: {"custom_call": bool, "ptx": text}}."""
+    import jax
+    import jax.numpy as jnp
+    from cutlass.jax import get_export_disabled_safety_checks
+
+    import jax_efc.ffi as F
+    from jax_efc.config import GemmConfig
+
+    results = {}
+    for i, (name, (dt, ta, tb, batch, cfg, epi)) in enumerate(VARIANTS.items()):
+        dtype = jnp.dtype(dt)
+        m, n, k = 128 * (i + 2) + 8, 512, 256
+        ir, ops = _epilogue(epi, m, n, batch, dtype)
+        a_shape = (k, m) if ta else (m, k)
+        b_shape = (n, k) if tb else (k, n)
+        a = jax.ShapeDtypeStruct(a_shape if batch is None else (batch, *a_shape), dtype)
+        b = jax.ShapeDtypeStruct(b_shape, dtype)  # B shared across the batch
+        kw = dict(transpose_a=ta, transpose_b=tb, acc_dtype=jnp.float32, config=GemmConfig(*cfg),
+                  arch="sm_90a")
+        reason = F.unsupported_reason(ir, a, b, ops, **kw)
+        if reason:
+            results[name] = {"error": reason}
+            continue
+        before = set(os.listdir(dump_dir))
+        exported = jax.export.export(
+            jax.jit(lambda a, b, *ops: F.fused_gemm(ir, a, b, *ops, **kw)),
+            platforms=["cuda"],
+            disabled_checks=get_export_disabled_safety_checks(),
+        )(a, b, *ops)
+        new = [f for f in set(os.listdir(dump_dir)) - before if f.endswith(".ptx")]
+        ptx = "".join(open(os.path.join(dump_dir, f)).read() for f in new)
+        results[name] = {
+            "custom_call": "stablehlo.custom_call @CuteDSLRT" in exported.mlir_module(),
+            "out_shapes": [list(x.shape) for x in exported.out_avals],
+            "ptx": ptx,
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    pytest.importorskip("cutlass.jax")
+    dump = tmp_path_factory.mktemp("ptx")
+    out = dump / "results.json"
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump),
+               JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, __file__, str(dump), str(out)], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_compiles_to_wgmma(compiled, name):
+    result = compiled[name]
+    assert "error" not in result, result.get("error")
+    assert result["custom_call"]
+    ptx = result["ptx"]
+    assert "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx  # TMA loads into the pipeline
+    assert ".bulk_group" in ptx  # TMA stores of the epilogue
+    cfg = VARIANTS[name][4]
+    if cfg[2] * cfg[3] > 1:
+        assert "multicast::cluster" in ptx
+
+
+def test_output_shapes(compiled):
+    assert compiled["bf16_batched_64x128"]["out_shapes"] == [[3, 128 * 6 + 8, 512]]
+    assert len(compiled["bf16_multi_batched_c2x1"]["out_shapes"]) == 3
+
+
+def _aval(shape, dtype):
+    import jax
+
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (dict(k=1001), "K=1001"),
+        (dict(n=1001), "N=1001"),
+        (dict(dtype="float32"), "float32"),
+        (dict(config=(256, 128, 1, 1)), "tile_m=256"),
+        (dict(config=(128, 96, 1, 1)), "tile_n=96"),
+        (dict(config=(128, 128, 4, 2)), "at most 4"),
+        (dict(arch="sm_80"), "sm_80"),
+    ],
+)
+def test_unsupported_reasons(change, needle):
+    pytest.importorskip("cutlass.jax")
+    import jax.numpy as jnp
+
+    import jax_efc.ffi as F
+    from jax_efc.config import GemmConfig
+    from jax_efc.epilogue import trace_epilogue
+
+    m, n, k = change.get("m", 256), change.get("n", 512), change.get("k", 256)
+    dtype = jnp.dtype(change.get("dtype", "bfloat16"))
+    ir, *_ = trace_epilogue(lambda acc: acc, (m, n), [], [], {}, {}, jnp.bfloat16, jnp.bfloat16)
+    reason = F.unsupported_reason(
+        ir, _aval((m, k), dtype), _aval((k, n), dtype), [], transpose_a=False, transpose_b=False,
+        acc_dtype=jnp.float32, config=GemmConfig(*change.get("config", (128, 128, 1, 1))),
+        arch=change.get("arch", "sm_90a"),
+    )
+    assert reason is not None and needle in reason, reason
+
+
+def test_supported_and_heuristic():
+    pytest.importorskip("cutlass.jax")
+    import jax.numpy as jnp
+
+    import jax_efc.ffi as F
+    from jax_efc.config import GemmConfig
+    from jax_efc.epilogue import trace_epilogue
+    from jax_efc.kernels import KernelProblem, choose_config
+
+    ir, *_ = trace_epilogue(lambda acc: acc, (8192, 8192), [], [], {}, {}, jnp.bfloat16, jnp.bfloat16)
+    a = _aval((8192, 8192), jnp.bfloat16)
+    assert F.unsupported_reason(ir, a, a, [], transpose_a=False, transpose_b=False,
+                                acc_dtype=jnp.float32, config=None, arch="sm_90a") is None
+    problem = KernelProblem(ir, "bfloat16", "float32", "k", "n", False, False, False, (), "sm_90a",
+                            GemmConfig())
+    cfg = choose_config(problem, 8192, 8192, 8192, 1)
+    assert (cfg.tile_m, cfg.tile_n) == (128, 256)
+
+
+def test_device_arch_from_env(monkeypatch):
+    import jax_efc.ffi as F
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    assert F.device_arch() == "sm_90a"
+
+
+if __name__ == "__main__":
+    dump_dir, out_path = sys.argv[1], sys.argv[2]
+    with open(out_path, "w") as f:
+        json.dump(_compile_all(dump_dir), f)
