@@ -13,10 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_efc as efc
-
-
-def alpha_beta(acc, c, x, *, alpha, beta, x_factor):
-    return {"D": acc * alpha + c * beta + x * x_factor, "Y": acc}
+from jax_efc.seed_epilogues import alpha_beta
 
 
 def main() -> None:
@@ -47,7 +44,7 @@ def main() -> None:
     ok = True
     for name in ("D", "Y"):
         err = np.linalg.norm(f32(out[name]) - ref[name]) / np.linalg.norm(ref[name])
-        tol = 1e-5 if args.dtype == "float32" else 1e-2
+        tol = 5e-3 if args.dtype == "float32" else 1e-2  # float32: the GPU may use TF32
         ok &= err < tol
         print(f"  {name}: relative error vs float64 reference {err:.2e} ({'ok' if err < tol else 'FAIL'})")
     raise SystemExit(0 if ok else 1)

@@ -1,0 +1,372 @@
+"""Side-by-side speed and correctness of jax_efc's fused GEMMs against plain JAX.
+
+Follows BENCHMARKING.md: jitted functions, a warm-up, several rounds of many calls (the
+median round counts), blocking only at the end of a round, random normal inputs rotated
+among several sets when they fit in L2, and every variant checked against a float32
+reference in the same run. The baseline is the same epilogue in plain JAX under ``jax.jit``.
+
+    python -m jax_efc.bench [--quick | --shapes M,N,K[,L] ...] [--epilogues gemm,bias+gelu_tanh]
+                            [--also-no-triton] [--json out.json]
+
+``--also-no-triton`` repeats the run in a subprocess with
+``XLA_FLAGS=--xla_gpu_enable_triton_gemm=false`` (XLA reads its flags once, at start-up), so
+the baseline is XLA's cuBLASLt-epilogue path, and prints that second table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import activations, seed_epilogues
+from .config import GemmConfig
+from .ops import fused_dense, gemm
+from .primitive import backends
+
+__all__ = ["Problem", "Result", "STANDARD_SHAPES", "QUICK_SHAPES", "EPILOGUES", "epilogue_problem",
+           "bench_problem", "measure", "run", "format_table", "add_arguments", "run_from_args",
+           "text_progress", "main"]
+
+PEAK_TFLOPS = 790.0  # measured bf16 dense peak of the reference H200
+L2_BYTES = 60 * 2**20
+NO_TRITON_FLAG = "--xla_gpu_enable_triton_gemm=false"
+
+Shape = tuple[int, int, int, int]  # M, N, K, L
+
+_FFN = ((4096, 14336), (14336, 4096), (4096, 4096), (8192, 28672))  # (K, N) of LLM FFN layers
+STANDARD_SHAPES: list[Shape] = (
+    [(8192, 8192, 8192, 1)]
+    + [(m, n, k, 1) for m in (4096, 8192, 16384) for k, n in _FFN]
+    + [(m, n, k, 1) for m in (128, 1000, 2048) for k, n in ((4096, 4096), (4096, 14336))]
+)
+QUICK_SHAPES: list[Shape] = [(8192, 8192, 8192, 1), (8192, 14336, 4096, 1), (1000, 4096, 4096, 1)]
+EPILOGUES = ("gemm", "bias+gelu_tanh", "bias+gelu", "bias+silu", "alpha-beta")
+ALPHA_BETA_SCALARS = {"alpha": 2.0, "beta": 1.0, "x_factor": 3.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One fused GEMM to measure. ``ours``, ``baseline`` and ``reference`` (float32 math on
+    float32 copies of the inputs) are jitted functions of the inputs described by ``specs``
+    (``a``, ``b``, then the epilogue's operands)."""
+
+    epilogue: str
+    shape: Shape
+    dtype: str
+    specs: tuple[jax.ShapeDtypeStruct, ...]
+    ours: Callable[..., Any]
+    baseline: Callable[..., Any]
+    reference: Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """Times are seconds per call (median round); errors are relative Frobenius errors
+    against the float32 reference, the worst over the outputs (None when not checked)."""
+
+    epilogue: str
+    shape: Shape
+    dtype: str
+    backend: str
+    ours_s: float
+    baseline_s: float
+    tflops: float
+    ratio: float  # baseline time / our time: > 1 means we are faster
+    peak_fraction: float
+    gbytes: float  # least bytes any implementation must move (inputs read, outputs written)
+    err: float | None
+    baseline_err: float | None
+
+
+def _identity(acc: Any) -> Any:
+    return acc
+
+
+@functools.lru_cache(maxsize=None)
+def _bias_activation(name: str) -> Callable[..., Any]:
+    act = activations.resolve(name)
+
+    def epilogue(acc, bias):
+        return act(acc + bias)
+
+    return epilogue
+
+
+def _cast(tree: Any, out_dtypes: Any, default: Any) -> Any:
+    """Each output of an epilogue converted as ``gemm(out_dtypes=...)`` would store it."""
+    if isinstance(out_dtypes, dict):
+        return {k: v.astype(out_dtypes.get(k, default)) for k, v in tree.items()}
+    if isinstance(out_dtypes, (tuple, list)):
+        return type(tree)(v.astype(d) for v, d in zip(tree, out_dtypes))
+    return jax.tree.map(lambda v: v.astype(out_dtypes or default), tree)
+
+
+def epilogue_problem(
+    name: str,
+    fn: Callable[..., Any],
+    shape: Shape,
+    dtype: Any,
+    operands: Sequence[tuple[str, Any]] = (),
+    *,
+    scalars: dict[str, Any] | None = None,
+    out_dtypes: Any = None,
+    acc_dtype: Any = None,
+    epi_dtype: Any = jnp.float32,
+    config: GemmConfig | None = None,
+    ours: Callable[..., Any] | None = None,
+) -> Problem:
+    """A problem for ``fn(acc, *operands, **scalars)``: ours is ``jax_efc.gemm`` (or the
+    given ``ours``), the baseline is ``fn(a @ b, ...)`` in plain JAX. ``operands`` are
+    (role, dtype) with role "tile" ((L,) M, N) or "row" (N,)."""
+    m, n, k, l = shape
+    lead = (l,) if l > 1 else ()
+    dims = {"tile": (*lead, m, n), "row": (n,)}
+    specs = (jax.ShapeDtypeStruct((*lead, m, k), dtype), jax.ShapeDtypeStruct((*lead, k, n), dtype),
+             *(jax.ShapeDtypeStruct(dims[role], dt) for role, dt in operands))
+    scalars = scalars or {}
+    if ours is None:
+        def ours(a, b, *ops):
+            return gemm(a, b, fn, *ops, out_dtypes=out_dtypes, acc_dtype=acc_dtype,
+                        epi_dtype=epi_dtype, config=config, **scalars)
+
+    def baseline(a, b, *ops):
+        return _cast(fn(a @ b, *ops, **scalars), out_dtypes, a.dtype)
+
+    def reference(a, b, *ops):
+        f32 = [x.astype(jnp.float32) for x in (a, b, *ops)]
+        acc = jnp.matmul(f32[0], f32[1], precision=jax.lax.Precision.HIGHEST)
+        return fn(acc, *f32[2:], **scalars)
+
+    return Problem(name, tuple(shape), np.dtype(dtype).name, specs, jax.jit(ours),
+                   jax.jit(baseline), jax.jit(reference))
+
+
+def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16) -> Problem:
+    """One of the standard benchmark epilogues (``EPILOGUES``) at one shape."""
+    if epilogue == "gemm":
+        return epilogue_problem(epilogue, _identity, shape, dtype, ours=lambda a, b: gemm(a, b))
+    if epilogue.startswith("bias+"):
+        act = epilogue[len("bias+"):]
+        fn = _bias_activation(act)
+        batched = shape[3] > 1  # fused_dense takes a 2-D kernel; a batched b goes through gemm
+        ours = None if batched else (lambda a, b, bias: fused_dense(a, b, bias, activation=act))
+        return epilogue_problem(epilogue, fn, shape, dtype, [("row", dtype)], ours=ours)
+    if epilogue == "alpha-beta":
+        return epilogue_problem(epilogue, seed_epilogues.alpha_beta, shape, dtype,
+                                [("tile", dtype), ("tile", dtype)], scalars=ALPHA_BETA_SCALARS)
+    raise ValueError(f"unknown epilogue {epilogue!r}; choose from {', '.join(EPILOGUES)}.")
+
+
+def _random_inputs(specs: Sequence[jax.ShapeDtypeStruct], key: Any) -> tuple[Any, ...]:
+    keys = jax.random.split(key, len(specs))
+    return tuple(jax.random.normal(kk, s.shape, jnp.float32).astype(s.dtype) for kk, s in zip(keys, specs))
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _rel_err(out: Any, ref: Any) -> float:
+    errs = [jnp.linalg.norm((o.astype(jnp.float32) - r).ravel()) / jnp.linalg.norm(r.ravel())
+            for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref))]
+    return float(max(errs))
+
+
+def _time(fn: Callable[..., Any], input_sets: Sequence[tuple], rounds: int, calls: int | None,
+          min_round_s: float, warmup: int) -> float:
+    """Median over ``rounds`` of the mean time per call; ``calls=None`` picks enough calls for
+    a round to last ``min_round_s``. Compilation is excluded by ``warmup`` (>= 1) calls."""
+    for i in range(max(1, warmup)):
+        jax.block_until_ready(fn(*input_sets[i % len(input_sets)]))
+    if calls is None:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*input_sets[-1]))
+        calls = max(1, min(1000, math.ceil(min_round_s / max(time.perf_counter() - t0, 1e-7))))
+    per_call = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for i in range(calls):
+            out = fn(*input_sets[i % len(input_sets)])
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - t0) / calls)
+    return statistics.median(per_call)
+
+
+def measure(problem: Problem, *, rounds: int = 5, calls: int | None = None, warmup: int = 1,
+            min_round_s: float = 0.1, check: bool = True, seed: int = 0) -> Result:
+    """Time ``problem``'s op and baseline side by side, after checking both against the
+    reference (unless ``check=False``)."""
+    out_shapes = jax.eval_shape(problem.ours, *problem.specs)
+    moved = _nbytes(problem.specs) + _nbytes(out_shapes)
+    n_sets = 1 if moved >= L2_BYTES else min(16, math.ceil(2 * L2_BYTES / moved))
+    input_sets = [_random_inputs(problem.specs, k) for k in jax.random.split(jax.random.key(seed), n_sets)]
+
+    err = base_err = None
+    if check:
+        ref = problem.reference(*input_sets[0])
+        err = _rel_err(problem.ours(*input_sets[0]), ref)
+        base_err = _rel_err(problem.baseline(*input_sets[0]), ref)
+        del ref
+    ours_s = _time(problem.ours, input_sets, rounds, calls, min_round_s, warmup)
+    base_s = _time(problem.baseline, input_sets, rounds, calls, min_round_s, warmup)
+    m, n, k, l = problem.shape
+    tflops = 2 * m * n * k * l / ours_s / 1e12
+    backend = "; ".join(dict.fromkeys(backends(problem.ours, *problem.specs))) or "none"
+    return Result(problem.epilogue, problem.shape, problem.dtype, backend, ours_s, base_s, tflops,
+                  base_s / ours_s, tflops / PEAK_TFLOPS, moved / 1e9, err, base_err)
+
+
+def text_progress(done: int, total: int, label: str) -> None:
+    """A one-line progress bar on stderr (no dependency)."""
+    width = 30
+    filled = width * done // max(total, 1)
+    end = "\n" if done == total else ""
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40.40}{end}")
+    sys.stderr.flush()
+
+
+def run(problems: Sequence[Problem], *, progress: Callable[[int, int, str], None] | None = None,
+        **measure_kw: Any) -> list[Result]:
+    """``measure`` each problem in turn, reporting progress as ``progress(done, total, label)``."""
+    results = []
+    for i, p in enumerate(problems):
+        if progress:
+            progress(i, len(problems), f"{_shape_str(p.shape)} {p.epilogue}")
+        results.append(measure(p, **measure_kw))
+    if progress:
+        progress(len(problems), len(problems), "done")
+    return results
+
+
+def _shape_str(shape: Shape) -> str:
+    m, n, k, l = shape
+    return f"{m}x{n}x{k}" + (f"x{l}" if l > 1 else "")
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _err_str(e: float | None) -> str:
+    return "-" if e is None else f"{e:.1e}"
+
+
+def format_table(results: Sequence[Result], title: str = "") -> str:
+    """A fixed-width table of results (shape is M x N x K [x L])."""
+    head = ("shape", "dtype", "epilogue", "backend", "ours ms", "base ms", "TFLOP/s", "ratio",
+            "%peak", "GB", "err", "base err")
+    rows = [(_shape_str(r.shape), r.dtype, r.epilogue, _clip(r.backend, 40), f"{r.ours_s * 1e3:.3f}",
+             f"{r.baseline_s * 1e3:.3f}", f"{r.tflops:.4g}", f"{r.ratio:.2f}",
+             f"{100 * r.peak_fraction:.3g}", f"{r.gbytes:.2f}", _err_str(r.err), _err_str(r.baseline_err))
+            for r in results]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    lines = [title] if title else []
+    lines += ["  ".join(f"{x:<{w}}" for x, w in zip(row, widths)) for row in (head, *rows)]
+    lines.insert(len(lines) - len(rows), "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def baseline_title() -> str:
+    """Which XLA configuration the baseline in this process runs with."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    which = f"XLA with {NO_TRITON_FLAG}" if NO_TRITON_FLAG in flags else "XLA default flags"
+    return f"jax_efc vs plain JAX under jit (baseline: {which}) on {jax.devices()[0].device_kind}"
+
+
+# Command line (shared with `jax-efc bench`) --------------------------------------------------
+
+def parse_shape(text: str) -> Shape:
+    """"M,N,K" or "M,N,K,L" -> (M, N, K, L); raises ``argparse.ArgumentTypeError``."""
+    try:
+        dims = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        dims = ()
+    if len(dims) not in (3, 4) or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not M,N,K or M,N,K,L with positive integers")
+    return dims if len(dims) == 4 else (*dims, 1)
+
+
+def _epilogue_list(text: str) -> list[str]:
+    names = [e for e in text.split(",") if e]
+    bad = [e for e in names if e not in EPILOGUES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown epilogue(s) {bad}; choose from {','.join(EPILOGUES)}")
+    return names
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's options, for ``python -m jax_efc.bench`` and ``jax-efc bench``."""
+    p.add_argument("--shapes", nargs="+", type=parse_shape, metavar="M,N,K[,L]",
+                   help="problem shapes (default: the standard set of BENCHMARKING.md)")
+    p.add_argument("--quick", action="store_true", help=f"a quick subset: {QUICK_SHAPES}")
+    p.add_argument("--epilogues", type=_epilogue_list, default=list(EPILOGUES),
+                   help=f"comma-separated, from {','.join(EPILOGUES)} (default: all)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds; the median counts")
+    p.add_argument("--min-round-time", type=float, default=0.1, help="seconds per round (sets the calls)")
+    p.add_argument("--skip-check", action="store_true", help="skip the correctness check")
+    p.add_argument("--also-no-triton", action="store_true",
+                   help=f"also run with XLA_FLAGS={NO_TRITON_FLAG} in a subprocess")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+
+
+def run_from_args(args: argparse.Namespace,
+                  progress: Callable[[int, int, str], None] | None = text_progress) -> dict[str, Any]:
+    """Run the benchmark ``args`` ask for, print its table(s), write the JSON if asked, and
+    return {"results": [...], "no_triton": [...] or None} as dicts."""
+    shapes = args.shapes or (QUICK_SHAPES if args.quick else STANDARD_SHAPES)
+    problems = [bench_problem(e, s, args.dtype) for s in shapes for e in args.epilogues]
+    results = run(problems, progress=progress, rounds=args.rounds, min_round_s=args.min_round_time,
+                  check=not args.skip_check)
+    print(format_table(results, baseline_title()), flush=True)
+    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "results": [dataclasses.asdict(r) for r in results], "no_triton": None}
+    if args.also_no_triton:
+        report["no_triton"] = _run_without_triton(args, shapes)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+def _run_without_triton(args: argparse.Namespace, shapes: Sequence[Shape]) -> list[dict[str, Any]]:
+    """The same benchmark in a fresh process whose XLA has Triton GEMMs off; its table goes
+    to our stdout, its results come back through a JSON file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "no_triton.json")
+        argv = [sys.executable, "-m", "jax_efc.bench", "--shapes", *(",".join(map(str, s)) for s in shapes),
+                "--epilogues", ",".join(args.epilogues), "--dtype", args.dtype, "--rounds", str(args.rounds),
+                "--min-round-time", str(args.min_round_time), "--json", out]
+        if args.skip_check:
+            argv.append("--skip-check")
+        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {NO_TRITON_FLAG}".strip())
+        print(flush=True)
+        subprocess.run(argv, env=env, check=True)
+        with open(out) as f:
+            return json.load(f)["results"]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m jax_efc.bench", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    run_from_args(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

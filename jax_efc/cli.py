@@ -1,0 +1,269 @@
+"""The ``jax-efc`` command: run one fused GEMM, benchmark a set, or show the setup.
+
+    jax-efc run --mnkl 4096,4096,4096,1 --epilogue alpha-beta --ab_dtype BFloat16
+    jax-efc run --mnkl 1024,1024,512,1 --expr "jnp.tanh(acc) * 2"
+    jax-efc bench --shapes 8192,8192,8192 --epilogues gemm,bias+gelu_tanh --plot ratios.png
+    jax-efc info
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import importlib.metadata
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import bench, seed_epilogues
+from .config import GemmConfig
+from .epilogue import EpilogueError
+
+__all__ = ["main"]
+
+_DTYPE_ALIASES = {"bf16": "bfloat16", "f16": "float16", "fp16": "float16", "half": "float16",
+                  "f32": "float32", "fp32": "float32", "tf32": "float32", "f64": "float64"}
+
+
+def _dtype(text: str) -> str:
+    """A dtype from a CUTLASS name (``BFloat16``, ``Float16``, ``Float32``, ``Float8E4M3FN``),
+    a NumPy name (``bfloat16``) or a short one (``bf16``)."""
+    name = _DTYPE_ALIASES.get(text.lower(), text.lower())
+    if name.startswith("float8e"):  # CUTLASS's Float8E4M3FN is NumPy's float8_e4m3fn
+        name = "float8_" + name[len("float8"):]
+    try:
+        return np.dtype(getattr(jnp, name, name)).name
+    except TypeError:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r} (try BFloat16, Float16, Float32)") from None
+
+
+def _ints(count: int) -> Callable[[str], tuple[int, ...]]:
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            vals = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            vals = ()
+        if len(vals) != count or min(vals) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {count} comma-separated positive integers")
+        return vals
+
+    return parse
+
+
+def _expr_epilogue(expr: str) -> Callable[[Any], Any]:
+    """An epilogue from a Python expression of ``acc`` (with ``jnp`` and ``jax`` in scope).
+    It is evaluated as code: pass only expressions you wrote yourself."""
+    code = compile(expr, "<--expr>", "eval")
+
+    def epilogue(acc):
+        return eval(code, {"jnp": jnp, "jax": jax, "acc": acc})  # noqa: S307 (the user's own command line)
+
+    return epilogue
+
+
+# jax-efc run --------------------------------------------------------------------------------
+
+def _add_run(sub: Any) -> None:
+    p = sub.add_parser("run", help="run one fused GEMM, check it and time it",
+                       description="Run one fused GEMM (a seed epilogue or --expr), check it against a "
+                                   "float32 reference, and time it against the same math in plain JAX.")
+    p.add_argument("--mnkl", type=_ints(4), default=(1024, 1024, 512, 1), metavar="M,N,K,L")
+    for name, default in (("ab", "bfloat16"), ("c", None), ("d", None), ("acc", "float32"),
+                          ("epi", "float32"), ("x", None), ("y", None)):
+        p.add_argument(f"--{name}_dtype", type=_dtype, default=default,
+                       help=f"default: {default or 'ab_dtype'}")
+    p.add_argument("--mma_tiler_mn", type=_ints(2), metavar="M,N", help="kernel tile (default: heuristic)")
+    p.add_argument("--cluster_shape_mn", type=_ints(2), metavar="M,N", help="cluster shape (default: heuristic)")
+    p.add_argument("--alpha", type=float, default=2.0)
+    p.add_argument("--beta", type=float, default=1.0)
+    p.add_argument("--x_factor", type=float, default=3.0)
+    p.add_argument("--scale", type=float, default=0.5, help="the complex epilogue's scale")
+    p.add_argument("--warmup_iterations", type=int, default=2)
+    p.add_argument("--iterations", type=int, default=50, help="timed calls, in 5 rounds (median round)")
+    p.add_argument("--skip_ref_check", action="store_true")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--epilogue", choices=sorted(seed_epilogues.SEEDS), default="alpha-beta")
+    which.add_argument("--expr", help="an epilogue as a Python expression of acc, e.g. \"jnp.tanh(acc)*2\"; "
+                                      "evaluated as code, so only your own")
+    p.set_defaults(func=_run)
+
+
+def _config(args: argparse.Namespace) -> GemmConfig | None:
+    if args.mma_tiler_mn is None and args.cluster_shape_mn is None:
+        return None
+    tile = args.mma_tiler_mn or (GemmConfig.tile_m, GemmConfig.tile_n)
+    cluster = args.cluster_shape_mn or (GemmConfig.cluster_m, GemmConfig.cluster_n)
+    return GemmConfig(tile_m=tile[0], tile_n=tile[1], cluster_m=cluster[0], cluster_n=cluster[1])
+
+
+def _run_problem(args: argparse.Namespace) -> bench.Problem:
+    operand_dtype = {"c": args.c_dtype, "bias": args.c_dtype, "x": args.x_dtype}
+    out_dtype = {"D": args.d_dtype, "Y": args.y_dtype}
+    common = dict(acc_dtype=args.acc_dtype, epi_dtype=args.epi_dtype, config=_config(args))
+    if args.expr is not None:
+        return bench.epilogue_problem("expr", _expr_epilogue(args.expr), args.mnkl, args.ab_dtype,
+                                      out_dtypes=args.d_dtype, **common)
+    seed = seed_epilogues.SEEDS[args.epilogue]
+    values = {"alpha": args.alpha, "beta": args.beta, "x_factor": args.x_factor, "scale": args.scale}
+    return bench.epilogue_problem(
+        args.epilogue, seed.fn, args.mnkl, args.ab_dtype,
+        [(role, operand_dtype[name]) for name, role in seed.operands],
+        scalars={k: values[k] for k in seed.scalars},
+        out_dtypes={k: out_dtype[k] for k in seed.outputs}, **common)
+
+
+def _tolerance(args: argparse.Namespace) -> float:
+    """16-bit (or narrower) inputs or outputs land between 1e-3 and 1e-2; float32 GEMMs may
+    use TF32 on the GPU."""
+    dtypes = [args.ab_dtype, args.d_dtype, args.y_dtype]
+    return 2e-2 if min(np.dtype(d).itemsize for d in dtypes) <= 2 else 5e-3
+
+
+def _run(args: argparse.Namespace) -> int:
+    for name in ("c", "d", "x", "y"):
+        if getattr(args, f"{name}_dtype") is None:
+            setattr(args, f"{name}_dtype", args.ab_dtype)
+    if args.expr is not None:
+        try:
+            compile(args.expr, "<--expr>", "eval")
+        except SyntaxError as e:
+            args.parser.error(f"--expr is not a Python expression: {e.msg}")
+    rounds = max(1, min(5, args.iterations))
+    try:
+        r = bench.measure(_run_problem(args), rounds=rounds, calls=max(1, args.iterations // rounds),
+                          warmup=args.warmup_iterations, check=not args.skip_ref_check)
+    except (ValueError, TypeError, NameError, AttributeError, EpilogueError) as e:
+        args.parser.error(str(e))  # what jax_efc rejects (a shape, dtype, config or epilogue)
+    m, n, k, l = args.mnkl
+    print(f"jax_efc {args.expr or args.epilogue}: M,N,K,L = {m},{n},{k},{l}; ab {args.ab_dtype}, "
+          f"acc {args.acc_dtype}, epi {args.epi_dtype}; on {jax.devices()[0].device_kind}")
+    print(f"backend: {r.backend}")
+    print(f"time: {r.ours_s * 1e3:.4f} ms, {r.tflops:.4g} TFLOP/s; plain JAX {r.baseline_s * 1e3:.4f} ms "
+          f"(ratio {r.ratio:.2f})")
+    if r.err is None:
+        return 0
+    tol = _tolerance(args)
+    ok = r.err < tol
+    print(f"relative error vs float32 reference: {r.err:.2e} (plain JAX {r.baseline_err:.2e}); "
+          f"{'ok' if ok else 'FAIL'} (tolerance {tol:.0e})")
+    return 0 if ok else 1
+
+
+# jax-efc bench ------------------------------------------------------------------------------
+
+def _add_bench(sub: Any) -> None:
+    p = sub.add_parser("bench", help="benchmark fused GEMMs against plain JAX",
+                       description=bench.__doc__.splitlines()[0])
+    bench.add_arguments(p)
+    p.add_argument("--plot", metavar="FILE.png", help="bar chart of the ratios (needs matplotlib)")
+    p.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            args.parser.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+    report = bench.run_from_args(args)
+    if args.plot:
+        _plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _plot(report: dict[str, Any], path: str) -> None:
+    """Bars of baseline time / our time per case, one series per baseline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = [("XLA default", report["results"])]
+    if report["no_triton"]:
+        series.append(("XLA, Triton GEMM off", report["no_triton"]))
+    labels = ["x".join(map(str, r["shape"][:3])) + f"\n{r['epilogue']}" for r in report["results"]]
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(labels)), 4))
+    for i, (name, results) in enumerate(series):
+        ax.bar([j + i * width for j in range(len(results))], [r["ratio"] for r in results], width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, rotation=90, fontsize=7)
+    ax.set_ylabel("baseline time / jax_efc time")
+    ax.set_title(f"jax_efc vs XLA on {report['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# jax-efc info -------------------------------------------------------------------------------
+
+def _add_info(sub: Any) -> None:
+    p = sub.add_parser("info", help="versions, devices, GPU architecture, backends and caches")
+    p.set_defaults(func=_info)
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _info(args: argparse.Namespace) -> int:
+    import jax_efc as efc
+    from jax_efc import ffi
+
+    for dist in ("jax_efc", "jax", "jaxlib", "nvidia-cutlass-dsl", "flax"):
+        print(f"{dist + ':':<20}{_version(dist)}")
+    print(f"{'devices:':<20}{', '.join(f'{d.platform}:{d.id} {d.device_kind}' for d in jax.devices())}")
+    print(f"{'GPU arch:':<20}{ffi.device_arch() or 'none (no CUDA device; CUTE_DSL_ARCH unset)'}")
+    switches = {k: os.environ[k] for k in ("JAX_EFC_DISABLE", "JAX_EFC_STRICT", "CUTE_DSL_ARCH") if k in os.environ}
+    print(f"{'switches:':<20}{switches or 'none set'}")
+
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+    n = 4096
+    samples = {
+        "gemm": (lambda a, b: efc.gemm(a, b), bf16(n, n), bf16(n, n)),
+        "fused_dense gelu_tanh": (lambda x, w, b: efc.fused_dense(x, w, b, activation="gelu_tanh"),
+                                  bf16(n, n), bf16(n, n), bf16(n)),
+        "alpha-beta": (lambda a, b, c, x: efc.gemm(a, b, seed_epilogues.alpha_beta, c, x,
+                                                   **bench.ALPHA_BETA_SCALARS),
+                       bf16(n, n), bf16(n, n), bf16(n, n), bf16(n, n)),
+    }
+    print(f"backends for bf16 {n}x{n}x{n}:")
+    for name, (fn, *specs) in samples.items():
+        print(f"  {name + ':':<24}{'; '.join(efc.backends(fn, *specs))}")
+
+    dsl_cache = os.environ.get("CUTE_DSL_CACHE_DIR") or os.path.join(
+        os.environ.get("TMPDIR", tempfile.gettempdir()), getpass.getuser(), "cutlass_python_cache")
+    print("caches:")
+    print(f"  {'CuTe DSL kernels:':<24}{dsl_cache} (CUTE_DSL_CACHE_DIR)")
+    print(f"  {'JAX compilation:':<24}{jax.config.jax_compilation_cache_dir or 'off (jax_compilation_cache_dir)'}")
+    print(f"  {'jax_efc kernel objects:':<24}in memory, per process (keyed by the compile key)")
+    return 0
+
+
+# entry point --------------------------------------------------------------------------------
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default: the command line) and run the subcommand; returns its exit
+    status. Bad arguments exit with status 2 and a usage message."""
+    parser = argparse.ArgumentParser(prog="jax-efc", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,bench,info}")
+    _add_run(sub)
+    _add_bench(sub)
+    _add_info(sub)
+    args = parser.parse_args(argv)
+    args.parser = sub.choices[args.command]
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The jax-efc command, run in-process on tiny shapes."""
+
+import json
+
+import pytest
+
+from jax_efc import bench
+from jax_efc.cli import main
+
+TINY = ["--mnkl", "64,32,48,1", "--warmup_iterations", "1", "--iterations", "2"]
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    ["--epilogue", "complex", "--ab_dtype", "Float16", "--d_dtype", "Float32"],
+    ["--epilogue", "multi-output", "--mnkl", "32,64,16,2", "--y_dtype", "float32"],
+    ["--epilogue", "activation", "--mma_tiler_mn", "128,256", "--cluster_shape_mn", "2,1"],
+    ["--expr", "jnp.tanh(acc) * 2", "--ab_dtype", "BFloat16", "--acc_dtype", "Float32"],
+])
+def test_run(capsys, extra):
+    assert main(["run", *TINY, *extra]) == 0
+    out = capsys.readouterr().out
+    assert "backend: reference" in out and "TFLOP/s" in out and "ok" in out
+
+
+def test_run_skip_ref_check(capsys):
+    assert main(["run", *TINY, "--skip_ref_check"]) == 0
+    assert "relative error" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["run", "--mnkl", "64,32"], "--mnkl"),
+    (["run", "--ab_dtype", "Float5"], "unknown dtype"),
+    (["run", "--epilogue", "nope"], "invalid choice"),
+    (["run", "--expr", "acc +"], "not a Python expression"),
+    (["run", "--epilogue", "complex", "--expr", "acc"], "not allowed with"),
+    (["run", *TINY, "--expr", "undefined_name(acc)"], "undefined_name"),
+    (["bench", "--shapes", "1,2"], "M,N,K"),
+    (["bench", "--epilogues", "gemm,bias+relu6"], "bias+relu6"),
+    (["frobnicate"], "invalid choice"),
+    ([], "required"),
+])
+def test_bad_arguments_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_bench(capsys, tmp_path):
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "--shapes", "32,64,48", "32,16,8,2", "--epilogues", "gemm,bias+silu,alpha-beta",
+            "--rounds", "2", "--min-round-time", "0.001", "--json", str(out_json)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "bias+silu" in captured.out and "32x16x8x2" in captured.out
+    assert "6/6" in captured.err  # the progress bar
+    results = json.loads(out_json.read_text())["results"]
+    assert len(results) == 6
+    for r in results:
+        assert r["err"] < 1e-2 and r["baseline_err"] < 1e-2 and r["ours_s"] > 0
+
+
+def test_bench_plot_without_matplotlib(capsys, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--shapes", "32,32,32", "--plot", "x.png"])
+    assert e.value.code == 2 and "matplotlib" in capsys.readouterr().err
+
+
+def test_info(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    for field in ("jax:", "devices:", "GPU arch:", "fused_dense gelu_tanh:", "CuTe DSL kernels:"):
+        assert field in out
+
+
+def test_standard_shape_set():
+    assert len(bench.STANDARD_SHAPES) == 19 and (8192, 8192, 8192, 1) in bench.STANDARD_SHAPES
+    assert (16384, 28672, 8192, 1) in bench.STANDARD_SHAPES and (1000, 14336, 4096, 1) in bench.STANDARD_SHAPES

@@ -1,0 +1,36 @@
+"""Each example runs as a script with small arguments and passes its own check."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CASES = {
+    "alpha_beta.py": ["--mnkl", "128,64,32,2"],
+    "activation.py": ["--mnk", "128,64,32"],
+    "multi_output.py": ["--mnkl", "128,64,32,2"],
+    "complex_epilogue.py": ["--mnk", "128,64,32", "--dtype", "float16"],
+    "flax_mlp.py": ["--steps", "5", "--batch", "32", "--features", "16,32,8"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_example(script):
+    if script == "flax_mlp.py":
+        pytest.importorskip("flax")
+        pytest.importorskip("optax")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *CASES[script]],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "backend" in proc.stdout
+
+
+def test_benchmark_script():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--shapes", "32,64,16",
+                           "--epilogues", "gemm,bias+gelu", "--rounds", "1", "--min-round-time", "0.001"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "bias+gelu" in proc.stdout
