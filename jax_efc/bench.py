@@ -187,24 +187,27 @@ def _rel_err(out: Any, ref: Any) -> float:
     return float(max(errs))
 
 
-def _time(fn: Callable[..., Any], input_sets: Sequence[tuple], rounds: int, calls: int | None,
-          min_round_s: float, warmup: int) -> float:
-    """Median over ``rounds`` of the mean time per call; ``calls=None`` picks enough calls for
-    a round to last ``min_round_s``. Compilation is excluded by ``warmup`` (>= 1) calls."""
-    for i in range(max(1, warmup)):
-        jax.block_until_ready(fn(*input_sets[i % len(input_sets)]))
-    if calls is None:
+def _time(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tuple], rounds: int,
+          calls: int | None, min_round_s: float, warmup: int) -> list[float]:
+    """For each function, the median over ``rounds`` of the mean time per call. Rounds of the
+    functions alternate, so a drift in clocks hits them alike. ``calls=None`` picks enough
+    calls for a round to last ``min_round_s``; ``warmup`` (>= 1) calls exclude compilation."""
+    counts = []
+    for fn in fns:
+        for i in range(max(1, warmup)):
+            jax.block_until_ready(fn(*input_sets[i % len(input_sets)]))
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*input_sets[-1]))
-        calls = max(1, min(1000, math.ceil(min_round_s / max(time.perf_counter() - t0, 1e-7))))
-    per_call = []
+        counts.append(calls or max(1, min(1000, math.ceil(min_round_s / max(time.perf_counter() - t0, 1e-7)))))
+    per_call: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        for i in range(calls):
-            out = fn(*input_sets[i % len(input_sets)])
-        jax.block_until_ready(out)
-        per_call.append((time.perf_counter() - t0) / calls)
-    return statistics.median(per_call)
+        for fn, n, times in zip(fns, counts, per_call):
+            t0 = time.perf_counter()
+            for i in range(n):
+                out = fn(*input_sets[i % len(input_sets)])
+            jax.block_until_ready(out)
+            times.append((time.perf_counter() - t0) / n)
+    return [statistics.median(t) for t in per_call]
 
 
 def measure(problem: Problem, *, rounds: int = 5, calls: int | None = None, warmup: int = 1,
@@ -222,8 +225,8 @@ def measure(problem: Problem, *, rounds: int = 5, calls: int | None = None, warm
         err = _rel_err(problem.ours(*input_sets[0]), ref)
         base_err = _rel_err(problem.baseline(*input_sets[0]), ref)
         del ref
-    ours_s = _time(problem.ours, input_sets, rounds, calls, min_round_s, warmup)
-    base_s = _time(problem.baseline, input_sets, rounds, calls, min_round_s, warmup)
+    ours_s, base_s = _time((problem.ours, problem.baseline), input_sets, rounds, calls, min_round_s,
+                           warmup)
     m, n, k, l = problem.shape
     tflops = 2 * m * n * k * l / ours_s / 1e12
     backend = "; ".join(dict.fromkeys(backends(problem.ours, *problem.specs))) or "none"
