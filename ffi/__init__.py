@@ -155,7 +155,7 @@ def _kernel(problem, sm_count: int):
     return key, kernel
 
 
-def fused_gemm(ir: EpilogueIR, a, b, *operands, transpose_a: bool, transpose_b: bool,
+def fused_gemm(a, b, *operands, ir: EpilogueIR, transpose_a: bool, transpose_b: bool,
                acc_dtype: Any, config: GemmConfig | None, arch: str | None) -> list:
     """``ir``'s outputs of ``epilogue(op(a) @ op(b), *operands)``, one array per output in
     shape (M, N), or (L, M, N) when a or b is batched.

@@ -26,6 +26,9 @@ class GemmConfig:
     swizzle: int = 1
     # A/B shared-memory pipeline depth; 0 = as many as fit next to the epilogue buffers
     stages: int = 0
+    # epilogue subtile width in columns (32 or 64): wider means fewer barriers and TMA
+    # stores per tile, but more registers and shared memory per subtile
+    epi_n: int = 32
 
 
 def disabled() -> bool:

@@ -45,7 +45,8 @@ def _run(fn, shapes_dtypes, *, m, n, k, batch=None, a_batched=True, b_batched=Tr
     ir, *_ = trace_epilogue(fn, acc_shape, [s for s, _ in shapes_dtypes], [d for _, d in shapes_dtypes],
                             static or {}, {}, out_dtypes, dtype)
     kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, acc_dtype=jnp.float32,
-              config=None if config is None else GemmConfig(*config), arch=F.device_arch())
+              config=None if config is None else GemmConfig(*config[:4], **(config[4] if len(config) > 4 else {})),
+              arch=F.device_arch())
     reason = F.unsupported_reason(ir, a, b, ops, **kw)
     assert reason is None, reason
 
@@ -55,7 +56,7 @@ def _run(fn, shapes_dtypes, *, m, n, k, batch=None, a_batched=True, b_batched=Tr
         acc = jnp.matmul(a_, b_, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
         return evaluate(ir, acc, ops)
 
-    kernel = jax.jit(lambda a, b, *ops: F.fused_gemm(ir, a, b, *ops, **kw))
+    kernel = jax.jit(lambda a, b, *ops: F.fused_gemm(a, b, *ops, ir=ir, **kw))
     jax.block_until_ready(kernel(a, b, *ops))  # compile first so priming is the last allocation
     # prime the allocator: NaN blocks of each output's size, freed just before the call
     poison = [jnp.full(acc_shape, jnp.nan, o.dtype) for o in ir.outputs]
@@ -123,3 +124,38 @@ def test_math_ops():
                 + jnp.where((x > 0) & (c < 0), 1.0, -1.0) + 1 / (1 + jnp.exp(-x)))
 
     _run(fn, [((512, 512), "float32")], m=512, n=512, k=256, config=(128, 128, 1, 1))
+
+
+# TILE operands are TMA-loaded per epilogue subtile into shared memory (two buffers, the first
+# two subtiles fetched under the mainloop): partial edge tiles, several outputs of different
+# dtypes, 16- and 32-bit operands, operands shared across the batch, 32- and 64-wide subtiles.
+@pytest.mark.parametrize("config", [(128, 256, 1, 1), (128, 128, 2, 1), (64, 128, 1, 1, {"epi_n": 64}),
+                                    (128, 192, 1, 1)])
+def test_tile_operands_alpha_beta_edges(config):
+    import jax.numpy as jnp
+
+    def fn(acc, c, x):
+        return {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}
+
+    m, n = 1000, 1000  # partial tiles on both edges (N a multiple of 8 for TMA)
+    _run(fn, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=520, config=config,
+         out_dtypes={"D": jnp.bfloat16, "Y": jnp.float32})
+
+
+def test_tile_operand_f32_shared_across_batch():
+    import jax.numpy as jnp
+
+    def fn(acc, c, x):
+        return {"D": jnp.maximum(acc, c) * x, "E": acc - c}
+
+    L, m, n = 3, 300, 392
+    _run(fn, [((m, n), "float32"), ((L, m, n), "float16")], m=m, n=n, k=264, batch=L,
+         dtype="float16", config=(64, 128, 1, 1, {"epi_n": 64}),
+         out_dtypes={"D": jnp.float16, "E": jnp.float32})
+
+
+def test_bias_gelu_epi64_cluster():
+    import jax
+
+    _run(lambda acc, bias: jax.nn.gelu(acc + bias), [((1, 1024), "bfloat16")], m=1032, n=1024,
+         k=520, config=(128, 256, 2, 1, {"epi_n": 64}))

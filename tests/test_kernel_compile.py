@@ -10,6 +10,7 @@ files (named after the argument shapes) can be told apart.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,7 +18,8 @@ import sys
 
 import pytest
 
-# name -> (dtype, transpose_a, transpose_b, batch, config (tile_m, tile_n, cluster_m, cluster_n), epilogue)
+# name -> (dtype, transpose_a, transpose_b, batch, config (tile_m, tile_n, cluster_m, cluster_n
+# [, other GemmConfig fields as a dict]), epilogue)
 VARIANTS = {
     "bf16_kn_128x128": ("bfloat16", False, False, None, (128, 128, 1, 1), "identity"),
     "fp16_mk_128x256": ("float16", True, True, None, (128, 256, 1, 1), "identity"),
@@ -26,7 +28,24 @@ VARIANTS = {
     "bf16_batched_64x128": ("bfloat16", False, False, 3, (64, 128, 1, 1), "identity"),
     "fp16_c2x2_128x128": ("float16", False, False, None, (128, 128, 2, 2), "bias_gelu"),
     "bf16_multi_batched_c2x1": ("bfloat16", True, True, 2, (128, 256, 2, 1), "multi"),
+    # two TILE operands (TMA-loaded epilogue operands), two outputs: the seed's alpha-beta
+    "bf16_alpha_beta_128x256": ("bfloat16", False, False, None, (128, 256, 1, 1), "alpha_beta"),
+    "fp16_alpha_beta_epi64_64x128": ("float16", False, True, None, (64, 128, 1, 1, {"epi_n": 64}),
+                                     "alpha_beta"),
+    "bf16_bias_gelu_epi64_c2x1": ("bfloat16", False, False, None, (128, 256, 2, 1, {"epi_n": 64}),
+                                  "bias_gelu"),
+    "bf16_bias_silu_128x256": ("bfloat16", False, False, None, (128, 256, 1, 1), "bias_silu"),
+    # fp32 TILE operand, shared across the batch, 192-wide tile (3 subtiles of 64)
+    "bf16_f32tile_batched_192_epi64": ("bfloat16", False, False, 2, (128, 192, 1, 1, {"epi_n": 64}),
+                                       "f32_tile"),
 }
+
+
+def _config(cfg):
+    from jax_efc.config import GemmConfig
+
+    extra = cfg[4] if len(cfg) > 4 else {}
+    return GemmConfig(*cfg[:4], **extra)
 
 
 def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
@@ -39,6 +58,15 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
     acc_shape = (m, n) if batch is None else (batch, m, n)
     if name == "identity":
         fn, shapes, dtypes, outs = (lambda acc: acc), [], [], dtype
+    elif name == "alpha_beta":
+        fn = lambda acc, c, x: {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}  # noqa: E731
+        shapes, dtypes, outs = [acc_shape, acc_shape], [dtype, dtype], {"D": dtype, "Y": dtype}
+    elif name == "f32_tile":
+        fn = lambda acc, c: jnp.maximum(acc, c) * c  # noqa: E731
+        shapes, dtypes, outs = [(m, n)], [jnp.float32], jnp.float32
+    elif name == "bias_silu":
+        fn = lambda acc, bias: jax.nn.silu(acc + bias)  # noqa: E731
+        shapes, dtypes, outs = [(1, n)], [dtype], dtype
     elif name == "bias_gelu":
         fn = lambda acc, bias: jax.nn.gelu(acc + bias)  # noqa: E731
         shapes, dtypes, outs = [(1, n)], [dtype], dtype
@@ -61,8 +89,6 @@ def _compile_all(dump_dir: str) -> dict:
     from cutlass.jax import get_export_disabled_safety_checks
 
     import jax_efc.ffi as F
-    from jax_efc.config import GemmConfig
-
     results = {}
     for i, (name, (dt, ta, tb, batch, cfg, epi)) in enumerate(VARIANTS.items()):
         dtype = jnp.dtype(dt)
@@ -72,7 +98,7 @@ def _compile_all(dump_dir: str) -> dict:
         b_shape = (n, k) if tb else (k, n)
         a = jax.ShapeDtypeStruct(a_shape if batch is None else (batch, *a_shape), dtype)
         b = jax.ShapeDtypeStruct(b_shape, dtype)  # B shared across the batch
-        kw = dict(transpose_a=ta, transpose_b=tb, acc_dtype=jnp.float32, config=GemmConfig(*cfg),
+        kw = dict(transpose_a=ta, transpose_b=tb, acc_dtype=jnp.float32, config=_config(cfg),
                   arch="sm_90a")
         reason = F.unsupported_reason(ir, a, b, ops, **kw)
         if reason:
@@ -80,7 +106,7 @@ def _compile_all(dump_dir: str) -> dict:
             continue
         before = set(os.listdir(dump_dir))
         exported = jax.export.export(
-            jax.jit(lambda a, b, *ops: F.fused_gemm(ir, a, b, *ops, **kw)),
+            jax.jit(lambda a, b, *ops: F.fused_gemm(a, b, *ops, ir=ir, **kw)),
             platforms=["cuda"],
             disabled_checks=get_export_disabled_safety_checks(),
         )(a, b, *ops)
@@ -109,6 +135,11 @@ def compiled(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+def test_sigmoid_uses_a_reciprocal_not_a_division(compiled):
+    ptx = compiled["bf16_bias_silu_128x256"]["ptx"]
+    assert "rcp." in ptx and "ex2.approx" in ptx and "div.rn" not in ptx
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_variant_compiles_to_wgmma(compiled, name):
     result = compiled[name]
@@ -118,6 +149,11 @@ def test_variant_compiles_to_wgmma(compiled, name):
     assert "wgmma.mma_async" in ptx
     assert "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx  # TMA loads into the pipeline
     assert ".bulk_group" in ptx  # TMA stores of the epilogue
+    if VARIANTS[name][5] in ("alpha_beta", "f32_tile", "multi"):
+        # TILE operands are TMA-loaded into smem and read from there, not gathered from
+        # global memory ("multi" still gathers its row/column vectors)
+        assert "ld.shared" in ptx
+        assert "ld.global" not in ptx or VARIANTS[name][5] == "multi"
     cfg = VARIANTS[name][4]
     if cfg[2] * cfg[3] > 1:
         assert "multicast::cluster" in ptx
@@ -143,6 +179,7 @@ def _aval(shape, dtype):
         (dict(config=(256, 128, 1, 1)), "tile_m=256"),
         (dict(config=(128, 96, 1, 1)), "tile_n=96"),
         (dict(config=(128, 128, 4, 2)), "at most 4"),
+        (dict(config=(128, 192, 1, 1, {"epi_n": 128})), "epi_n=128"),
         (dict(arch="sm_80"), "sm_80"),
     ],
 )
@@ -151,7 +188,6 @@ def test_unsupported_reasons(change, needle):
     import jax.numpy as jnp
 
     import jax_efc.ffi as F
-    from jax_efc.config import GemmConfig
     from jax_efc.epilogue import trace_epilogue
 
     m, n, k = change.get("m", 256), change.get("n", 512), change.get("k", 256)
@@ -159,7 +195,7 @@ def test_unsupported_reasons(change, needle):
     ir, *_ = trace_epilogue(lambda acc: acc, (m, n), [], [], {}, {}, jnp.bfloat16, jnp.bfloat16)
     reason = F.unsupported_reason(
         ir, _aval((m, k), dtype), _aval((k, n), dtype), [], transpose_a=False, transpose_b=False,
-        acc_dtype=jnp.float32, config=GemmConfig(*change.get("config", (128, 128, 1, 1))),
+        acc_dtype=jnp.float32, config=_config(change.get("config", (128, 128, 1, 1))),
         arch=change.get("arch", "sm_90a"),
     )
     assert reason is not None and needle in reason, reason
@@ -181,7 +217,27 @@ def test_supported_and_heuristic():
     problem = KernelProblem(ir, "bfloat16", "float32", "k", "n", False, False, False, (), "sm_90a",
                             GemmConfig())
     cfg = choose_config(problem, 8192, 8192, 8192, 1)
-    assert (cfg.tile_m, cfg.tile_n) == (128, 256)
+    assert (cfg.tile_m, cfg.tile_n, cfg.epi_n) == (128, 256, 32)
+
+    # an epilogue with work gets 64-wide subtiles; four epilogue buffers (two TILE operands,
+    # two outputs) would leave too few stages at 64, and fp32 outputs too few at 128x256
+    bias, *_ = trace_epilogue(lambda acc, b: acc + b, (8192, 8192), [(1, 8192)], [jnp.bfloat16], {}, {},
+                              jnp.bfloat16, jnp.bfloat16)
+    cfg = choose_config(dataclasses.replace(problem, ir=bias, operand_batched=(False,)), 8192, 8192, 8192, 1)
+    assert (cfg.tile_n, cfg.epi_n) == (256, 64)
+    ab, *_ = trace_epilogue(lambda acc, c, x: {"D": acc * 2 + c + x, "Y": acc}, (8192, 8192),
+                            [(8192, 8192)] * 2, [jnp.bfloat16] * 2, {}, {},
+                            {"D": jnp.bfloat16, "Y": jnp.bfloat16}, jnp.bfloat16)
+    p_ab = dataclasses.replace(problem, ir=ab, operand_batched=(False, False))
+    cfg = choose_config(p_ab, 8192, 8192, 8192, 1)
+    assert (cfg.tile_n, cfg.epi_n) == (256, 32)
+    from jax_efc.kernels import pipeline_stages
+    assert pipeline_stages(dataclasses.replace(p_ab, config=cfg)) == 3
+    ab32, *_ = trace_epilogue(lambda acc, c, x: {"D": acc * 2 + c + x, "Y": acc}, (8192, 8192),
+                              [(8192, 8192)] * 2, [jnp.bfloat16] * 2, {}, {},
+                              {"D": jnp.float32, "Y": jnp.float32}, jnp.bfloat16)
+    cfg = choose_config(dataclasses.replace(p_ab, ir=ab32), 8192, 8192, 8192, 1)
+    assert cfg.tile_n == 128
 
 
 def test_device_arch_from_env(monkeypatch):

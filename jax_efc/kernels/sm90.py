@@ -28,7 +28,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from jax_efc.kernels import KernelProblem
+from jax_efc.kernels import KernelProblem, pipeline_stages, tile_operand_indices
 from jax_efc.kernels.visitor import EpilogueVisitor, cutlass_dtype
 
 __all__ = ["Sm90FusedGemm"]
@@ -36,15 +36,15 @@ __all__ = ["Sm90FusedGemm"]
 # WGMMA for 16-bit inputs consumes K in steps of 16; four steps per pipeline stage make a
 # 64-deep k-tile = 128 bytes of a K-major row, exactly one 128-byte swizzle atom.
 _TILE_K = 64
-# Epilogue subtile width: 32 columns keeps the per-thread output fragment at 16 values
-# (128 rows x 32 cols / 256 threads), i.e. few live registers on top of the accumulators.
-_EPI_N = 32
+# Epilogue subtile width (GemmConfig.epi_n): 32 columns keeps the per-thread output
+# fragment at 16 values (128 rows x 32 cols / 256 threads), i.e. few live registers on top
+# of the accumulators; 64 halves the barriers and TMA stores per tile.
+# Two smem buffers per output (TMA stores) and per TILE operand (TMA loads, prefetched two
+# subtiles ahead; the first two are issued before the mainloop so they land under it).
 _EPI_STAGES = 2
-# Hopper: 227 KiB of shared memory per CTA (dynamic, opt-in), minus what we keep for the
-# mbarriers and the 1 KiB alignment of each buffer (the 128-byte swizzle repeats every 1 KiB).
-_SMEM_BYTES = 232448
+# Each smem buffer is 1 KiB aligned (the 128-byte swizzle repeats every 1 KiB); the stage
+# count that fits Hopper's 227 KiB is computed by jax_efc.kernels.pipeline_stages.
 _ALIGN = 1024
-_MAX_STAGES = 8
 # Register split across warpgroups (setmaxnreg): the producer needs few, the consumers hold
 # up to 128 fp32 accumulators each plus epilogue temporaries. 40 + 2 * 232 (x 128 threads)
 # fits the 64K-register file; the values must be multiples of 8.
@@ -78,14 +78,19 @@ class Sm90FusedGemm:
         self.n_consumer_wg = cfg.tile_m // 64
         self.n_consumer_threads = self.n_consumer_wg * _WG
         self.threads = _WG * (1 + self.n_consumer_wg)
-        self.epi_tile = (cfg.tile_m, _EPI_N)
+        self.epi_n = cfg.epi_n
+        self.epi_tile = (cfg.tile_m, cfg.epi_n)
+        # TILE operands that some output uses are staged through smem by TMA
+        ops = problem.ir.operands
+        self.tile_ops = tile_operand_indices(problem.ir)
+        self.tile_op_dtypes = tuple(cutlass_dtype(ops[i].dtype) for i in self.tile_ops)
+        self.tile_op_batched = tuple(problem.operand_batched[i] for i in self.tile_ops)
+        # bytes one subtile of every TILE operand brings in (the TMA transaction count)
+        self.tile_op_bytes = sum(cfg.tile_m * cfg.epi_n * dt.width // 8 for dt in self.tile_op_dtypes)
         # stmatrix stores 8x8 blocks of 16-bit values; it only helps when every output is
         # 16-bit (one register->smem partition is shared by all outputs).
         self.use_stmatrix = all(dt.width == 16 for dt in self.out_dtypes)
-        ab_bytes = (cfg.tile_m + cfg.tile_n) * _TILE_K * self.ab_dtype.width // 8
-        epi_bytes = sum(cfg.tile_m * _EPI_N * dt.width // 8 * _EPI_STAGES + _ALIGN for dt in self.out_dtypes)
-        fit = (_SMEM_BYTES - epi_bytes - 3 * _ALIGN) // ab_bytes
-        self.stages = min(cfg.stages or _MAX_STAGES, fit)
+        self.stages = pipeline_stages(problem)
         if self.stages < 2:
             raise ValueError(f"{cfg} with {len(self.out_dtypes)} outputs leaves room for "
                              f"{self.stages} pipeline stages; use a smaller tile.")
@@ -109,6 +114,18 @@ class Sm90FusedGemm:
         # A is shared by the CTAs of a cluster row (same M tile): multicast over cluster_n.
         tma_a, g_a = self._tma_load(a, a_smem, (self.tile_mnk[0], self.tile_mnk[2]), self.cluster_mn[1])
         tma_b, g_b = self._tma_load(b, b_smem, (self.tile_mnk[1], self.tile_mnk[2]), self.cluster_mn[0])
+        c_smem = tuple(
+            sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, self.epi_tile, _EPI_STAGES)
+            for dt in self.tile_op_dtypes
+        )
+        tma_c, g_c = [], []
+        for j in cutlass.range_constexpr(len(self.tile_ops)):
+            atom, tensor = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), operands[self.tile_ops[j]],
+                cute.slice_(c_smem[j], (None, None, 0)), self.epi_tile,
+            )
+            tma_c.append(atom)
+            g_c.append(tensor)
         tma_d, g_d = [], []
         for i in cutlass.range_constexpr(len(outputs)):
             atom, tensor = cpasync.make_tiled_tma_atom(
@@ -126,7 +143,7 @@ class Sm90FusedGemm:
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, self.max_active_clusters)
         self.kernel(
             tiled_mma, tma_a, g_a, tma_b, g_b, tuple(tma_d), tuple(g_d), tuple(operands),
-            a_smem, b_smem, d_smem, sched,
+            tuple(tma_c), tuple(g_c), a_smem, b_smem, d_smem, c_smem, sched,
         ).launch(
             grid=grid, block=[self.threads, 1, 1], cluster=(*self.cluster_mn, 1),
             min_blocks_per_mp=1, stream=stream,
@@ -143,17 +160,21 @@ class Sm90FusedGemm:
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor,
                tma_b: cute.CopyAtom, mB: cute.Tensor, tma_d: tuple, mD: tuple, operands: tuple,
+               tma_c: tuple, mC: tuple,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, d_smem: tuple,
-               sched_params: utils.PersistentTileSchedulerParams):
+               c_smem: tuple, sched_params: utils.PersistentTileSchedulerParams):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
         n_out = len(self.out_dtypes)
+        n_tc = len(self.tile_ops)
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
             for i in cutlass.range_constexpr(n_out):
                 cpasync.prefetch_descriptor(tma_d[i])
+            for j in cutlass.range_constexpr(n_tc):
+                cpasync.prefetch_descriptor(tma_c[j])
 
         # ---- cluster geometry and multicast masks
         cta_layout = cute.make_layout((*self.cluster_mn, 1))
@@ -172,6 +193,18 @@ class Sm90FusedGemm:
         sB = smem.allocate_tensor(self.ab_dtype, b_smem.outer, _ALIGN, b_smem.inner)
         sD = [smem.allocate_tensor(self.out_dtypes[i], d_smem[i].outer, _ALIGN, d_smem[i].inner)
               for i in range(n_out)]
+        sC = [smem.allocate_tensor(self.tile_op_dtypes[j], c_smem[j].outer, _ALIGN, c_smem[j].inner)
+              for j in range(n_tc)]
+        c_bar = None
+        c_bytes = self.tile_op_bytes
+        if cutlass.const_expr(n_tc > 0):
+            # one "full" mbarrier per operand buffer, completed by the TMA transaction bytes
+            c_bar = smem.allocate_array(cutlass.Int64, _EPI_STAGES, byte_alignment=8)
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    for b in cutlass.range_constexpr(_EPI_STAGES):
+                        cute.arch.mbarrier_init(c_bar + b, 1)
+            cute.arch.mbarrier_init_fence()
 
         stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + \
             cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))
@@ -260,6 +293,7 @@ class Sm90FusedGemm:
             frag_out = [cute.make_rmem_tensor(frag_shape, self.out_dtypes[i])
                         for i in range(n_out)]
             frag_size = cute.size(frag)
+            frag_c = [cute.make_rmem_tensor(frag_shape, cutlass.Float32) for _ in range(n_tc)]
             mn_extent = (mD[0].shape[0], mD[0].shape[1])
             # (m, n) of every accumulator register within the tile, straight from the MMA's
             # own partition; acc is a compact fragment, so register j of the retiled view
@@ -275,6 +309,8 @@ class Sm90FusedGemm:
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.n_consumer_threads),
             )
             is_store_warp = warp_idx == 4
+            gC = [cute.local_tile(mC[j], cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
+                  for j in range(n_tc)]
 
             sched = utils.StaticPersistentTileScheduler.create(
                 sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
@@ -285,6 +321,20 @@ class Sm90FusedGemm:
             subtile_count = cutlass.Int32(0)
             while work.is_valid_tile:
                 m_idx, n_idx, l_idx = work.tile_idx
+                n_sub = self.tile_mnk[1] // self.epi_n
+                # ---- TILE operands: TMA partitions of this tile's subtiles; the first two
+                # subtiles are fetched now and arrive while the mainloop runs
+                bSC = [cpasync.tma_partition(
+                    tma_c[j], 0, cute.make_layout(1), cute.group_modes(sC[j], 0, 2),
+                    cute.zipped_divide(
+                        gC[j][(None, None, m_idx, n_idx, l_idx if self.tile_op_batched[j] else 0)],
+                        self.epi_tile),
+                ) for j in range(n_tc)]
+                if cutlass.const_expr(n_tc > 0):
+                    if is_store_warp:
+                        for s in cutlass.range_constexpr(min(n_sub, _EPI_STAGES)):
+                            self._load_tile_ops(tma_c, bSC, c_bar, c_bytes, s,
+                                                (subtile_count + s) % _EPI_STAGES)
                 # ---- mainloop: keep one WGMMA batch in flight, release the stage before it
                 acc.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -305,20 +355,29 @@ class Sm90FusedGemm:
                 mainloop.consumer_release(release)
                 release.advance()
 
-                # ---- epilogue, one (tile_m x 32) subtile at a time
+                # ---- epilogue, one (tile_m x epi_n) subtile at a time
                 # (epi_m, epi_n, 1, subtiles) coordinates of this tile's outputs
                 bSG = [cpasync.tma_partition(
                     tma_d[i], 0, cute.make_layout(1), cute.group_modes(sD[i], 0, 2),
                     cute.zipped_divide(gD[i][(None, None, m_idx, n_idx, l_idx)], self.epi_tile),
                 ) for i in range(n_out)]
-                n_sub = self.tile_mnk[1] // _EPI_N
                 for s in cutlass.range_constexpr(n_sub):
                     for v in cutlass.range_constexpr(frag_size):
                         frag[v] = tRS_acc[s * frag_size + v]
-                    coords = _tile_coords(tCcT, acc_index[s * frag_size:(s + 1) * frag_size],
+                    sub_index = acc_index[s * frag_size:(s + 1) * frag_size]
+                    coords = _tile_coords(tCcT, sub_index,
                                           m_idx * self.tile_mnk[0], n_idx * self.tile_mnk[1])
-                    outs = self.visitor(frag.load(), coords, operands, mn_extent, l_idx)
                     buf = subtile_count % _EPI_STAGES
+                    preloaded = {}
+                    if cutlass.const_expr(n_tc > 0):
+                        # subtile_count-th load into this buffer: its parity is the phase
+                        cute.arch.mbarrier_wait(c_bar + buf, (subtile_count // _EPI_STAGES) % 2)
+                        for j in cutlass.range_constexpr(n_tc):
+                            for v in cutlass.range_constexpr(frag_size):
+                                mc = tCcT[sub_index[v]]
+                                frag_c[j][v] = sC[j][(mc[0], mc[1] - s * self.epi_n, buf)].to(cutlass.Float32)
+                            preloaded[self.tile_ops[j]] = frag_c[j].load()
+                    outs = self.visitor(frag.load(), coords, operands, mn_extent, l_idx, preloaded)
                     for i in cutlass.range_constexpr(n_out):
                         frag_out[i].store(outs[i])
                         cute.copy(r2s[i], frag_out[i], tRS_sD[i][(None, None, None, buf)])
@@ -330,6 +389,9 @@ class Sm90FusedGemm:
                             s_part, g_part = bSG[i]
                             cute.copy(tma_d[i], s_part[(None, buf)], g_part[(None, s)])
                         store_pipe.producer_commit()
+                        # every thread has read operand buffer `buf` (barrier above): refill it
+                        if cutlass.const_expr(n_tc > 0 and s + _EPI_STAGES < n_sub):
+                            self._load_tile_ops(tma_c, bSC, c_bar, c_bytes, s + _EPI_STAGES, buf)
                         store_pipe.producer_acquire()
                     epi_barrier.arrive_and_wait()
                     subtile_count += 1
@@ -337,6 +399,15 @@ class Sm90FusedGemm:
                 work = sched.get_current_work()
             if is_store_warp:
                 store_pipe.producer_tail()
+
+    @staticmethod
+    def _load_tile_ops(tma_c, bSC, c_bar, c_bytes, s, buf):
+        """TMA-load subtile ``s`` of every TILE operand into buffer ``buf`` (one warp)."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(c_bar + buf, c_bytes)
+        for j in range(len(bSC)):  # plain Python: helpers are not preprocessed
+            s_part, g_part = bSC[j]
+            cute.copy(tma_c[j], g_part[(None, s)], s_part[(None, buf)], tma_bar_ptr=c_bar + buf)
 
     def _r2s_atom(self, dtype):
         if self.use_stmatrix:

@@ -95,7 +95,8 @@ _FLOAT_OPS = {
     "log1p": lambda a: cmath.log1p(a),
     "expm1": lambda a: cmath.expm1(a),
     "tanh": lambda a: cmath.tanh(a, fastmath=True),
-    "logistic": lambda a: _full(a, 1.0, cutlass.Float32) / (cmath.exp(-a, fastmath=True) + 1.0),
+    # a reciprocal (rcp.rn) rather than a full IEEE division: same result, fewer instructions
+    "logistic": lambda a: cmath.rcp(cmath.exp(-a, fastmath=True) + 1.0, fastmath=True),
     "erf": lambda a: cmath.erf(a),
     "erfc": lambda a: cmath.erfc(a),
     "sqrt": lambda a: cmath.sqrt(a),
@@ -140,13 +141,15 @@ class EpilogueVisitor:
         return frag.load()
 
     def __call__(self, acc: cute.TensorSSA, coords: Sequence[tuple],
-                 operands: Sequence[cute.Tensor], extent_mn, batch) -> list[cute.TensorSSA]:
+                 operands: Sequence[cute.Tensor], extent_mn, batch,
+                 preloaded: dict | None = None) -> list[cute.TensorSSA]:
         """The outputs for one subtile, each converted to its storage dtype.
 
         ``acc``: fp32 accumulator fragment; ``coords``: the (m, n) output coordinate of each
         fragment value, in fragment order; ``operands``: the
         epilogue operand tensors, each presented as (M|1, N|1, L|1); ``extent_mn``: (M, N)
-        of the output; ``batch``: this tile's batch index.
+        of the output; ``batch``: this tile's batch index; ``preloaded``: operand index ->
+        fp32 fragment the kernel already read (TILE operands staged in smem by TMA).
         """
         ir = self.ir
         values: list = [acc]
@@ -155,7 +158,9 @@ class EpilogueVisitor:
                 values.append(None)
                 continue
             b = batch if self.operand_batched[i] else 0
-            if inp.role is Role.SCALAR:
+            if preloaded is not None and i in preloaded:
+                values.append(preloaded[i])
+            elif inp.role is Role.SCALAR:
                 values.append(_full(acc, tensor[(0, 0, b)].to(cutlass.Float32), cutlass.Float32))
             else:
                 values.append(self._gather(tensor, inp.role, b, coords, extent_mn, acc))
