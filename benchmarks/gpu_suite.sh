@@ -15,7 +15,7 @@ step() {  # step NAME COMMAND...: run, log, and remember the exit status
   summary+=("$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$(tail -n 1 "$logs/$name.log")")")
 }
 step gpu-tests python3 -m pytest -q -m gpu tests
-step jax-efc-run jax-efc run --mnkl 8192,8192,8192,1 --ab_dtype Float16 --c_dtype Float16 --d_dtype Float16 \
+step jax-efc-run python3 -m jax_efc run --mnkl 8192,8192,8192,1 --ab_dtype Float16 --c_dtype Float16 --d_dtype Float16 \
   --x_dtype Float16 --y_dtype Float16 --epilogue alpha-beta --alpha 2.0 --beta 1.0 --x_factor 3.0
 step alpha-beta python3 examples/alpha_beta.py --mnkl 8192,8192,8192,1
 step activation python3 examples/activation.py --mnk 8192,4096,4096
@@ -23,7 +23,7 @@ step multi-output python3 examples/multi_output.py --mnkl 4096,4096,4096,2
 step complex python3 examples/complex_epilogue.py --mnk 4096,4096,4096
 step flax-mlp python3 examples/flax_mlp.py --features 4096,14336,4096 --batch 8192 --dtype bfloat16 --steps 20
 step sharded python3 examples/sharded_training.py --mesh 1,1 --dtype bfloat16 --batch 8192 --width 4096 --hidden 14336
-step info jax-efc info
+step info python3 -m jax_efc info
 if [[ ${2:-} == --quick ]]; then
   step bench python3 benchmarks/run.py --quick --also-no-triton --json "$logs/bench.json"
 else

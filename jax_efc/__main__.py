@@ -1,0 +1,5 @@
+"""``python -m jax_efc ...`` is the ``jax-efc`` command."""
+
+from jax_efc.cli import main
+
+raise SystemExit(main())
