@@ -247,6 +247,35 @@ def test_device_arch_from_env(monkeypatch):
     assert F.device_arch() == "sm_90a"
 
 
+_EXPORT_PUBLIC = """
+import jax, jax.numpy as jnp
+import jax_efc as efc
+from cutlass.jax import get_export_disabled_safety_checks
+specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(256, 128), (128, 256), (256,)]]
+def layer(x, w, b):
+    return efc.fused_dense(x, w, b, activation="gelu")
+def loss(x, w, b):
+    return layer(x, w, b).astype(jnp.float32).sum()
+for fn in (layer, jax.grad(loss, argnums=(0, 1, 2))):
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=get_export_disabled_safety_checks())(*specs)
+    print(exported.mlir_module().count("NvJaxCutlassCall"))
+"""
+
+
+def test_export_of_the_public_op_holds_the_kernels():
+    """``jax.export`` for CUDA of a jitted ``fused_dense``, and of its gradient, on a machine
+    without a GPU: one kernel forward, three with the two backward GEMMs."""
+    pytest.importorskip("cutlass.jax")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", _EXPORT_PUBLIC], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.split() == ["1", "3"]
+
+
 if __name__ == "__main__":
     dump_dir, out_path = sys.argv[1], sys.argv[2]
     with open(out_path, "w") as f:
