@@ -159,3 +159,27 @@ def test_bias_gelu_epi64_cluster():
 
     _run(lambda acc, bias: jax.nn.gelu(acc + bias), [((1, 1024), "bfloat16")], m=1032, n=1024,
          k=520, config=(128, 256, 2, 1, {"epi_n": 64}))
+
+
+# Ping-pong schedule (GemmConfig(pingpong=True)): two consumer warpgroups on alternate 64x256
+# tiles, per-consumer epilogue buffers; partial edge tiles, TILE operands, clusters.
+@pytest.mark.parametrize("shape", [(1000, 1000, 1000), (8192, 4096, 4096)])
+@pytest.mark.parametrize("epilogue", ["plain", "bias_gelu", "alpha_beta"])
+def test_pingpong(shape, epilogue):
+    import jax
+    import jax.numpy as jnp
+
+    m, n, k = shape
+    cluster = (2, 1) if epilogue != "plain" else (1, 1)
+    config = (64, 256, *cluster, {"pingpong": True})
+    if epilogue == "plain":
+        _run(lambda acc: acc, [], m=m, n=n, k=k, config=config)
+    elif epilogue == "bias_gelu":
+        _run(lambda acc, bias: jax.nn.gelu(acc + bias), [((1, n), "bfloat16")], m=m, n=n, k=k,
+             config=(*config[:4], {"pingpong": True, "epi_n": 64}))
+    else:
+        def fn(acc, c, x):
+            return {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}
+
+        _run(fn, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=k, config=config,
+             out_dtypes={"D": jnp.bfloat16, "Y": jnp.float32})

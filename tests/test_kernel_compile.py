@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -38,6 +39,15 @@ VARIANTS = {
     # fp32 TILE operand, shared across the batch, 192-wide tile (3 subtiles of 64)
     "bf16_f32tile_batched_192_epi64": ("bfloat16", False, False, 2, (128, 192, 1, 1, {"epi_n": 64}),
                                        "f32_tile"),
+    # ping-pong schedule: two consumer warpgroups with 64x256 tiles each, ordered by named
+    # barriers; TILE operands with per-consumer epilogue buffers, clusters, 64-wide subtiles
+    "bf16_pingpong_64x256": ("bfloat16", False, False, None, (64, 256, 1, 1, {"pingpong": True}),
+                             "identity"),
+    "bf16_pingpong_alpha_beta_64x256_c2x1": ("bfloat16", False, False, None,
+                                             (64, 256, 2, 1, {"pingpong": True}), "alpha_beta"),
+    "fp16_pingpong_bias_gelu_epi64_c1x2": ("float16", False, True, None,
+                                           (64, 256, 1, 2, {"pingpong": True, "epi_n": 64}),
+                                           "bias_gelu"),
 }
 
 
@@ -157,6 +167,14 @@ def test_variant_compiles_to_wgmma(compiled, name):
     cfg = VARIANTS[name][4]
     if cfg[2] * cfg[3] > 1:
         assert "multicast::cluster" in ptx
+    if len(cfg) > 4 and cfg[4].get("pingpong"):
+        # the consumers take turns through 256-thread named barriers (both consumer
+        # warpgroups): each waits on its own (bar.sync id, 256) and opens the other's
+        # (bar.arrive id, 256); their epilogues sync on 128-thread ones
+        assert re.search(r"\bbar(?:rier)?\.sync(?:\.aligned)?\s+\S+,\s*256;", ptx)
+        assert re.search(r"\bbar(?:rier)?\.arrive(?:\.aligned)?\s+\S+,\s*256;", ptx)
+        assert re.search(r"\bbar(?:rier)?\.sync(?:\.aligned)?\s+\S+,\s*128;", ptx)
+        assert "setmaxnreg" in ptx
 
 
 def test_output_shapes(compiled):
@@ -180,6 +198,7 @@ def _aval(shape, dtype):
         (dict(config=(128, 96, 1, 1)), "tile_n=96"),
         (dict(config=(128, 128, 4, 2)), "at most 4"),
         (dict(config=(128, 192, 1, 1, {"epi_n": 128})), "epi_n=128"),
+        (dict(config=(128, 256, 1, 1, {"pingpong": True})), "pingpong=True needs tile_m=64"),
         (dict(arch="sm_80"), "sm_80"),
     ],
 )
@@ -218,6 +237,7 @@ def test_supported_and_heuristic():
                             GemmConfig())
     cfg = choose_config(problem, 8192, 8192, 8192, 1)
     assert (cfg.tile_m, cfg.tile_n, cfg.epi_n) == (128, 256, 32)
+    assert not cfg.pingpong  # opt-in only: the heuristic never picks it
 
     # an epilogue with work gets 64-wide subtiles; four epilogue buffers (two TILE operands,
     # two outputs) would leave too few stages at 64, and fp32 outputs too few at 128x256

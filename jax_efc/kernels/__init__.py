@@ -104,6 +104,12 @@ def _config_reason(config: GemmConfig) -> str | None:
         return f"stages={config.stages} must be 0 (as many as fit) or between 2 and 8."
     if config.epi_n not in (32, 64) or config.tile_n % config.epi_n:
         return (f"epi_n={config.epi_n} must be 32 or 64 and divide tile_n={config.tile_n}.")
+    if not isinstance(config.pingpong, bool):
+        return f"pingpong={config.pingpong!r} must be True or False."
+    if config.pingpong and config.tile_m != 64:
+        return (f"pingpong=True needs tile_m=64 (got tile_m={config.tile_m}): each of the two "
+                "ping-pong consumer warpgroups owns a whole 64-row tile; use tile_m=64 or "
+                "pingpong=False for the cooperative 128-row schedule.")
     return None
 
 
@@ -186,12 +192,15 @@ def tile_operand_indices(ir: EpilogueIR) -> tuple[int, ...]:
 
 def pipeline_stages(problem: KernelProblem) -> int:
     """A/B shared-memory pipeline depth of ``problem``'s kernel: ``config.stages`` or as many
-    as fit next to the epilogue buffers (two per output and per TILE operand)."""
+    as fit next to the epilogue buffers (two per output and per TILE operand, per consumer
+    warpgroup that runs its own epilogue: two with ``pingpong``)."""
     cfg = problem.config
     ab_bytes = (cfg.tile_m + cfg.tile_n) * _TILE_K * _BITS[problem.ab_dtype] // 8
     epi_dtypes = [o.dtype for o in problem.ir.outputs] + \
         [problem.ir.operands[i].dtype for i in tile_operand_indices(problem.ir)]
-    epi_bytes = sum(cfg.tile_m * cfg.epi_n * _BITS[d] // 8 * _EPI_STAGES + _SMEM_ALIGN for d in epi_dtypes)
+    epi_groups = 2 if cfg.pingpong else 1
+    epi_bytes = sum(cfg.tile_m * cfg.epi_n * _BITS[d] // 8 * _EPI_STAGES * epi_groups + _SMEM_ALIGN
+                    for d in epi_dtypes)
     fit = (_SMEM_BYTES - epi_bytes - 3 * _SMEM_ALIGN) // ab_bytes
     return min(cfg.stages or _MAX_STAGES, fit)
 

@@ -1,6 +1,12 @@
 """Warp-specialized persistent GEMM with a fused epilogue for Hopper (sm_90a).
 
-One CTA = one producer warpgroup + ``tile_m // 64`` consumer warpgroups:
+Two schedules share this code. Cooperative (default): one CTA = one producer warpgroup +
+``tile_m // 64`` consumer warpgroups that work on the same tile. Ping-pong
+(``GemmConfig(pingpong=True)``, tile_m = 64): one producer + two consumer warpgroups, each
+owning whole 64-row tiles and taking alternate tiles of the persistent schedule; a pair of
+ordered named barriers makes their mainloops alternate, so one consumer's epilogue runs
+while the other's WGMMAs do. Each ping-pong consumer has its own epilogue smem buffers,
+TILE-operand mbarriers, epilogue named barrier and TMA-store warp.
 
 - the producer's first warp walks the persistent tile schedule and issues TMA loads of the
   A and B k-tiles into a ``stages``-deep shared-memory ring (``PipelineTmaAsync``: an
@@ -51,7 +57,10 @@ _ALIGN = 1024
 _PRODUCER_REGS = 40
 _CONSUMER_REGS = 232
 _WG = 128  # threads per warpgroup
-_EPI_BARRIER_ID = 1  # named barrier 0 is __syncthreads
+_EPI_BARRIER_ID = 1  # named barrier 0 is __syncthreads; ping-pong consumer g uses 1 + g
+# ping-pong: consumer g waits on named barrier _ORDER_BARRIER_ID + g before its mainloop and,
+# once its WGMMAs are issued, arrives on the other consumer's (256 threads: both warpgroups)
+_ORDER_BARRIER_ID = 3
 
 
 class Sm90FusedGemm:
@@ -75,8 +84,15 @@ class Sm90FusedGemm:
         self.visitor = EpilogueVisitor(problem.ir, problem.operand_batched)
         self.n_operands = len(problem.ir.operands)
         self.out_dtypes = self.visitor.out_dtypes
-        self.n_consumer_wg = cfg.tile_m // 64
-        self.n_consumer_threads = self.n_consumer_wg * _WG
+        self.pingpong = bool(cfg.pingpong)
+        if self.pingpong and cfg.tile_m != 64:
+            raise ValueError(f"{cfg}: pingpong needs tile_m=64")
+        # warpgroups that cooperate on one tile (its MMA and its epilogue)
+        self.n_mma_wg = cfg.tile_m // 64
+        # consumer warpgroups per CTA; each group of n_mma_wg runs its own tiles and epilogue
+        self.n_epi_groups = 2 if self.pingpong else 1
+        self.n_consumer_wg = self.n_mma_wg * self.n_epi_groups
+        self.n_epi_threads = self.n_mma_wg * _WG
         self.threads = _WG * (1 + self.n_consumer_wg)
         self.epi_n = cfg.epi_n
         self.epi_tile = (cfg.tile_m, cfg.epi_n)
@@ -103,19 +119,21 @@ class Sm90FusedGemm:
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype,
             self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-            cutlass.Float32, (self.n_consumer_wg, 1, 1), tiler_mn=(64, self.tile_mnk[1]),
+            cutlass.Float32, (self.n_mma_wg, 1, 1), tiler_mn=(64, self.tile_mnk[1]),
         )
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.ab_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.ab_dtype, self.stages)
+        # _EPI_STAGES buffers per epilogue group: group g uses buffers g * _EPI_STAGES + b
+        epi_bufs = _EPI_STAGES * self.n_epi_groups
         d_smem = tuple(
-            sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, self.epi_tile, _EPI_STAGES)
+            sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, self.epi_tile, epi_bufs)
             for dt in self.out_dtypes
         )
         # A is shared by the CTAs of a cluster row (same M tile): multicast over cluster_n.
         tma_a, g_a = self._tma_load(a, a_smem, (self.tile_mnk[0], self.tile_mnk[2]), self.cluster_mn[1])
         tma_b, g_b = self._tma_load(b, b_smem, (self.tile_mnk[1], self.tile_mnk[2]), self.cluster_mn[0])
         c_smem = tuple(
-            sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, self.epi_tile, _EPI_STAGES)
+            sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, self.epi_tile, epi_bufs)
             for dt in self.tile_op_dtypes
         )
         tma_c, g_c = [], []
@@ -199,18 +217,19 @@ class Sm90FusedGemm:
         c_bytes = self.tile_op_bytes
         if cutlass.const_expr(n_tc > 0):
             # one "full" mbarrier per operand buffer, completed by the TMA transaction bytes
-            c_bar = smem.allocate_array(cutlass.Int64, _EPI_STAGES, byte_alignment=8)
+            c_bar = smem.allocate_array(cutlass.Int64, _EPI_STAGES * self.n_epi_groups, byte_alignment=8)
             if warp_idx == 0:
                 with cute.arch.elect_one():
-                    for b in cutlass.range_constexpr(_EPI_STAGES):
+                    for b in cutlass.range_constexpr(_EPI_STAGES * self.n_epi_groups):
                         cute.arch.mbarrier_init(c_bar + b, 1)
             cute.arch.mbarrier_init_fence()
 
         stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + \
             cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))
-        # every consumer warp of every CTA that multicasts into this CTA's stage must release
-        # it before the producer may overwrite it
-        consumer_arrivals = (self.cluster_mn[0] + self.cluster_mn[1] - 1) * self.n_consumer_wg * 4
+        # every consumer warp (of the warpgroups that consume the stage: one per stage with
+        # ping-pong) of every CTA that multicasts into this CTA's stage must release it before
+        # the producer may overwrite it
+        consumer_arrivals = (self.cluster_mn[0] + self.cluster_mn[1] - 1) * self.n_mma_wg * 4
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers,
             num_stages=self.stages,
@@ -271,13 +290,20 @@ class Sm90FusedGemm:
         # ================================================================ consumers
         if wg_idx > 0:
             cute.arch.warpgroup_reg_alloc(_CONSUMER_REGS)
-            ctid = tidx - _WG
+            # epilogue group of this warpgroup (ping-pong: 0 or 1, each with its own tiles)
+            # and this thread's index within the group
+            if cutlass.const_expr(self.pingpong):
+                group = wg_idx - 1
+                ctid = tidx % _WG
+            else:
+                group = 0
+                ctid = tidx - _WG
+            buf_base = group * _EPI_STAGES  # this group's epilogue smem buffers / mbarriers
             thr_mma = tiled_mma.get_slice(ctid)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             gD0 = cute.local_tile(mD[0], cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
             acc = cute.make_rmem_tensor(thr_mma.partition_C(gD0).shape[:3], cutlass.Float32)
-            k_blocks = cute.size(tCrA, mode=[2])
 
             # register -> smem copies share one thread/value partition for all outputs so
             # the visitor's fragments line up with every output's buffer.
@@ -292,9 +318,7 @@ class Sm90FusedGemm:
             frag = cute.make_rmem_tensor(frag_shape, cutlass.Float32)
             frag_out = [cute.make_rmem_tensor(frag_shape, self.out_dtypes[i])
                         for i in range(n_out)]
-            frag_size = cute.size(frag)
             frag_c = [cute.make_rmem_tensor(frag_shape, cutlass.Float32) for _ in range(n_tc)]
-            mn_extent = (mD[0].shape[0], mD[0].shape[1])
             # (m, n) of every accumulator register within the tile, straight from the MMA's
             # own partition; acc is a compact fragment, so register j of the retiled view
             # tRS_acc is acc element tRS_acc.layout(j).
@@ -303,21 +327,32 @@ class Sm90FusedGemm:
             gD = [cute.local_tile(mD[i], cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
                   for i in range(n_out)]
 
-            epi_barrier = pipeline.NamedBarrier(barrier_id=_EPI_BARRIER_ID, num_threads=self.n_consumer_threads)
+            epi_barrier = pipeline.NamedBarrier(barrier_id=_EPI_BARRIER_ID + group,
+                                                num_threads=self.n_epi_threads)
             store_pipe = pipeline.PipelineTmaStore.create(
                 num_stages=_EPI_STAGES,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.n_consumer_threads),
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.n_epi_threads),
             )
-            is_store_warp = warp_idx == 4
+            # the first warp of the group issues its TMA stores and TILE-operand loads
+            is_store_warp = warp_idx == 4 + 4 * self.n_mma_wg * group
             gC = [cute.local_tile(mC[j], cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
                   for j in range(n_tc)]
 
             sched = utils.StaticPersistentTileScheduler.create(
                 sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
             )
-            work = sched.initial_work_tile_info()
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            if cutlass.const_expr(self.pingpong):
+                # group 1 starts at the CTA's second tile, whose k-tiles follow the first's in
+                # the ring; group 0 goes first (group 1 opens group 0's order barrier)
+                if group == 1:
+                    self._order_barrier(0).arrive()
+                    # rebinding `sched` in the branch makes the tracer carry its new state out
+                    sched = self._skip_tile(sched)
+                read.advance(cutlass.Int32(group * k_tiles))
+                release.advance(cutlass.Int32(group * k_tiles))
+            work = sched.get_current_work()
             subtile_count = cutlass.Int32(0)
             while work.is_valid_tile:
                 m_idx, n_idx, l_idx = work.tile_idx
@@ -334,71 +369,124 @@ class Sm90FusedGemm:
                     if is_store_warp:
                         for s in cutlass.range_constexpr(min(n_sub, _EPI_STAGES)):
                             self._load_tile_ops(tma_c, bSC, c_bar, c_bytes, s,
-                                                (subtile_count + s) % _EPI_STAGES)
-                # ---- mainloop: keep one WGMMA batch in flight, release the stage before it
-                acc.fill(0.0)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                # order the zero-fill before the first WGMMA reads the accumulators
-                warpgroup.fence()
-                for k in range(k_tiles):
-                    mainloop.consumer_wait(read)
-                    for kb in cutlass.range_constexpr(k_blocks):
-                        coord = (None, None, kb, read.index)
-                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(1)
-                    if k > 0:
-                        mainloop.consumer_release(release)
-                        release.advance()
-                    read.advance()
+                                                buf_base + (subtile_count + s) % _EPI_STAGES)
+                # ---- mainloop (ping-pong: in turn with the other consumer)
+                if cutlass.const_expr(self.pingpong):
+                    self._order_barrier(group).arrive_and_wait()
+                read, release, tiled_mma = self._mainloop(mainloop, read, release, tiled_mma, acc,
+                                                          tCrA, tCrB, k_tiles)
+                if cutlass.const_expr(self.pingpong):
+                    # our WGMMAs are issued: the other consumer may issue its own
+                    self._order_barrier(1 - group).arrive()
                 warpgroup.wait_group(0)
                 mainloop.consumer_release(release)
                 release.advance()
+                if cutlass.const_expr(self.pingpong):
+                    # skip the other consumer's tile in the ring
+                    read.advance(cutlass.Int32(k_tiles))
+                    release.advance(cutlass.Int32(k_tiles))
 
-                # ---- epilogue, one (tile_m x epi_n) subtile at a time
-                # (epi_m, epi_n, 1, subtiles) coordinates of this tile's outputs
-                bSG = [cpasync.tma_partition(
-                    tma_d[i], 0, cute.make_layout(1), cute.group_modes(sD[i], 0, 2),
-                    cute.zipped_divide(gD[i][(None, None, m_idx, n_idx, l_idx)], self.epi_tile),
-                ) for i in range(n_out)]
-                for s in cutlass.range_constexpr(n_sub):
-                    for v in cutlass.range_constexpr(frag_size):
-                        frag[v] = tRS_acc[s * frag_size + v]
-                    sub_index = acc_index[s * frag_size:(s + 1) * frag_size]
-                    coords = _tile_coords(tCcT, sub_index,
-                                          m_idx * self.tile_mnk[0], n_idx * self.tile_mnk[1])
-                    buf = subtile_count % _EPI_STAGES
-                    preloaded = {}
-                    if cutlass.const_expr(n_tc > 0):
-                        # subtile_count-th load into this buffer: its parity is the phase
-                        cute.arch.mbarrier_wait(c_bar + buf, (subtile_count // _EPI_STAGES) % 2)
-                        for j in cutlass.range_constexpr(n_tc):
-                            for v in cutlass.range_constexpr(frag_size):
-                                mc = tCcT[sub_index[v]]
-                                frag_c[j][v] = sC[j][(mc[0], mc[1] - s * self.epi_n, buf)].to(cutlass.Float32)
-                            preloaded[self.tile_ops[j]] = frag_c[j].load()
-                    outs = self.visitor(frag.load(), coords, operands, mn_extent, l_idx, preloaded)
-                    for i in cutlass.range_constexpr(n_out):
-                        frag_out[i].store(outs[i])
-                        cute.copy(r2s[i], frag_out[i], tRS_sD[i][(None, None, None, buf)])
-                    # make the generic-proxy smem writes visible to the TMA (async proxy)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    epi_barrier.arrive_and_wait()
-                    if is_store_warp:
-                        for i in cutlass.range_constexpr(n_out):
-                            s_part, g_part = bSG[i]
-                            cute.copy(tma_d[i], s_part[(None, buf)], g_part[(None, s)])
-                        store_pipe.producer_commit()
-                        # every thread has read operand buffer `buf` (barrier above): refill it
-                        if cutlass.const_expr(n_tc > 0 and s + _EPI_STAGES < n_sub):
-                            self._load_tile_ops(tma_c, bSC, c_bar, c_bytes, s + _EPI_STAGES, buf)
-                        store_pipe.producer_acquire()
-                    epi_barrier.arrive_and_wait()
-                    subtile_count += 1
-                sched.advance_to_next_work()
+                # ---- epilogue
+                subtile_count = self._epilogue(
+                    tRS_acc, acc_index, tCcT, frag, frag_out, frag_c, r2s, tRS_sD, sC, sD, gD,
+                    tma_d, tma_c, bSC, c_bar, c_bytes, operands, mD[0], epi_barrier, store_pipe,
+                    is_store_warp, m_idx, n_idx, l_idx, subtile_count, buf_base,
+                )
+                sched.advance_to_next_work(advance_count=self.n_epi_groups)
                 work = sched.get_current_work()
             if is_store_warp:
                 store_pipe.producer_tail()
+
+    @staticmethod
+    def _skip_tile(sched):
+        """Advance ``sched`` one tile (ping-pong consumer 1 starts on the CTA's second)."""
+        sched.advance_to_next_work()
+        return sched
+
+    @staticmethod
+    def _order_barrier(group):
+        """Ping-pong: the named barrier consumer ``group`` waits on before its mainloop."""
+        return pipeline.NamedBarrier(barrier_id=_ORDER_BARRIER_ID + group, num_threads=2 * _WG)
+
+    @cute.jit
+    def _mainloop(self, mainloop, read, release, tiled_mma: cute.TiledMma, acc: cute.Tensor,
+                  tCrA: cute.Tensor, tCrB: cute.Tensor, k_tiles):
+        """Issue one tile's WGMMAs, keeping one k-tile batch in flight and releasing each
+        stage once the batch after it is issued; the last batch is left in flight (the caller
+        waits for it and releases its stage). Returns the advanced (read, release) states and
+        ``tiled_mma`` (its accumulate field is set here; the caller rebinds all three so the
+        tracer carries them through the tile loop)."""
+        k_blocks = cute.size(tCrA, mode=[2])
+        acc.fill(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        # order the zero-fill before the first WGMMA reads the accumulators
+        warpgroup.fence()
+        for k in range(k_tiles):
+            mainloop.consumer_wait(read)
+            for kb in cutlass.range_constexpr(k_blocks):
+                coord = (None, None, kb, read.index)
+                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)
+            if k > 0:
+                mainloop.consumer_release(release)
+                release.advance()
+            read.advance()
+        return read, release, tiled_mma
+
+    @cute.jit
+    def _epilogue(self, tRS_acc: cute.Tensor, acc_index, tCcT: cute.Tensor, frag: cute.Tensor,
+                  frag_out, frag_c, r2s, tRS_sD, sC, sD, gD, tma_d, tma_c, bSC, c_bar, c_bytes,
+                  operands, mD0: cute.Tensor, epi_barrier, store_pipe, is_store_warp,
+                  m_idx, n_idx, l_idx, subtile_count, buf_base):
+        """The fused epilogue of one tile, one (tile_m x epi_n) subtile at a time, through
+        this epilogue group's smem buffers ``buf_base + {0, 1}``. Returns the group's
+        running subtile count."""
+        n_out = len(self.out_dtypes)
+        n_tc = len(self.tile_ops)
+        n_sub = self.tile_mnk[1] // self.epi_n
+        frag_size = cute.size(frag)
+        mn_extent = (mD0.shape[0], mD0.shape[1])
+        # (epi_m, epi_n, 1, subtiles) coordinates of this tile's outputs
+        bSG = [cpasync.tma_partition(
+            tma_d[i], 0, cute.make_layout(1), cute.group_modes(sD[i], 0, 2),
+            cute.zipped_divide(gD[i][(None, None, m_idx, n_idx, l_idx)], self.epi_tile),
+        ) for i in range(n_out)]
+        for s in cutlass.range_constexpr(n_sub):
+            for v in cutlass.range_constexpr(frag_size):
+                frag[v] = tRS_acc[s * frag_size + v]
+            sub_index = acc_index[s * frag_size:(s + 1) * frag_size]
+            coords = _tile_coords(tCcT, sub_index,
+                                  m_idx * self.tile_mnk[0], n_idx * self.tile_mnk[1])
+            buf = buf_base + subtile_count % _EPI_STAGES
+            preloaded = {}
+            if cutlass.const_expr(n_tc > 0):
+                # subtile_count-th load into this buffer: its parity is the phase
+                cute.arch.mbarrier_wait(c_bar + buf, (subtile_count // _EPI_STAGES) % 2)
+                for j in cutlass.range_constexpr(n_tc):
+                    for v in cutlass.range_constexpr(frag_size):
+                        mc = tCcT[sub_index[v]]
+                        frag_c[j][v] = sC[j][(mc[0], mc[1] - s * self.epi_n, buf)].to(cutlass.Float32)
+                    preloaded[self.tile_ops[j]] = frag_c[j].load()
+            outs = self.visitor(frag.load(), coords, operands, mn_extent, l_idx, preloaded)
+            for i in cutlass.range_constexpr(n_out):
+                frag_out[i].store(outs[i])
+                cute.copy(r2s[i], frag_out[i], tRS_sD[i][(None, None, None, buf)])
+            # make the generic-proxy smem writes visible to the TMA (async proxy)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epi_barrier.arrive_and_wait()
+            if is_store_warp:
+                for i in cutlass.range_constexpr(n_out):
+                    s_part, g_part = bSG[i]
+                    cute.copy(tma_d[i], s_part[(None, buf)], g_part[(None, s)])
+                store_pipe.producer_commit()
+                # every thread has read operand buffer `buf` (barrier above): refill it
+                if cutlass.const_expr(n_tc > 0 and s + _EPI_STAGES < n_sub):
+                    self._load_tile_ops(tma_c, bSC, c_bar, c_bytes, s + _EPI_STAGES, buf)
+                store_pipe.producer_acquire()
+            epi_barrier.arrive_and_wait()
+            subtile_count += 1
+        return subtile_count
 
     @staticmethod
     def _load_tile_ops(tma_c, bSC, c_bar, c_bytes, s, buf):
