@@ -68,6 +68,7 @@ class Problem:
     epilogue: str
     shape: Shape
     dtype: str
+    config: str  # "auto" (the heuristic) or the pinned GemmConfig, as given on the command line
     specs: tuple[jax.ShapeDtypeStruct, ...]
     ours: Callable[..., Any]
     baseline: Callable[..., Any]
@@ -82,6 +83,7 @@ class Result:
     epilogue: str
     shape: Shape
     dtype: str
+    config: str
     backend: str
     ours_s: float
     baseline_s: float
@@ -152,23 +154,27 @@ def epilogue_problem(
         acc = jnp.matmul(f32[0], f32[1], precision=jax.lax.Precision.HIGHEST)
         return fn(acc, *f32[2:], **scalars)
 
-    return Problem(name, tuple(shape), np.dtype(dtype).name, specs, jax.jit(ours),
-                   jax.jit(baseline), jax.jit(reference))
+    return Problem(name, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
+                   jax.jit(ours), jax.jit(baseline), jax.jit(reference))
 
 
-def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16) -> Problem:
-    """One of the standard benchmark epilogues (``EPILOGUES``) at one shape."""
+def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
+                  config: GemmConfig | None = None) -> Problem:
+    """One of the standard benchmark epilogues (``EPILOGUES``) at one shape; ``config`` pins
+    the kernel's configuration (None: the heuristic's)."""
     if epilogue == "gemm":
-        return epilogue_problem(epilogue, _identity, shape, dtype, ours=lambda a, b: gemm(a, b))
+        return epilogue_problem(epilogue, _identity, shape, dtype, config=config,
+                                ours=lambda a, b: gemm(a, b, config=config))
     if epilogue.startswith("bias+"):
         act = epilogue[len("bias+"):]
         fn = _bias_activation(act)
         batched = shape[3] > 1  # fused_dense takes a 2-D kernel; a batched b goes through gemm
-        ours = None if batched else (lambda a, b, bias: fused_dense(a, b, bias, activation=act))
-        return epilogue_problem(epilogue, fn, shape, dtype, [("row", dtype)], ours=ours)
+        ours = None if batched else (lambda a, b, bias: fused_dense(a, b, bias, activation=act, config=config))
+        return epilogue_problem(epilogue, fn, shape, dtype, [("row", dtype)], config=config, ours=ours)
     if epilogue == "alpha-beta":
         return epilogue_problem(epilogue, seed_epilogues.alpha_beta, shape, dtype,
-                                [("tile", dtype), ("tile", dtype)], scalars=ALPHA_BETA_SCALARS)
+                                [("tile", dtype), ("tile", dtype)], scalars=ALPHA_BETA_SCALARS,
+                                config=config)
     raise ValueError(f"unknown epilogue {epilogue!r}; choose from {', '.join(EPILOGUES)}.")
 
 
@@ -230,7 +236,8 @@ def measure(problem: Problem, *, rounds: int = 5, calls: int | None = None, warm
     m, n, k, l = problem.shape
     tflops = 2 * m * n * k * l / ours_s / 1e12
     backend = "; ".join(dict.fromkeys(backends(problem.ours, *problem.specs))) or "none"
-    return Result(problem.epilogue, problem.shape, problem.dtype, backend, ours_s, base_s, tflops,
+    return Result(problem.epilogue, problem.shape, problem.dtype, problem.config, backend, ours_s,
+                  base_s, tflops,
                   base_s / ours_s, tflops / PEAK_TFLOPS, moved / 1e9, err, base_err)
 
 
@@ -271,9 +278,9 @@ def _err_str(e: float | None) -> str:
 
 def format_table(results: Sequence[Result], title: str = "") -> str:
     """A fixed-width table of results (shape is M x N x K [x L])."""
-    head = ("shape", "dtype", "epilogue", "backend", "ours ms", "base ms", "TFLOP/s", "ratio",
+    head = ("shape", "dtype", "epilogue", "config", "backend", "ours ms", "base ms", "TFLOP/s", "ratio",
             "%peak", "GB", "err", "base err")
-    rows = [(_shape_str(r.shape), r.dtype, r.epilogue, _clip(r.backend, 40), f"{r.ours_s * 1e3:.3f}",
+    rows = [(_shape_str(r.shape), r.dtype, r.epilogue, r.config, _clip(r.backend, 40), f"{r.ours_s * 1e3:.3f}",
              f"{r.baseline_s * 1e3:.3f}", f"{r.tflops:.4g}", f"{r.ratio:.2f}",
              f"{100 * r.peak_fraction:.3g}", f"{r.gbytes:.2f}", _err_str(r.err), _err_str(r.baseline_err))
             for r in results]
@@ -304,6 +311,42 @@ def parse_shape(text: str) -> Shape:
     return dims if len(dims) == 4 else (*dims, 1)
 
 
+def parse_config(text: str) -> GemmConfig | None:
+    """"auto" -> None; "tile_m,tile_n[,cluster_m,cluster_n][,field=value ...]" -> a GemmConfig,
+    e.g. "128,256,2,1,swizzle=8" or "64,256,pingpong=1"."""
+    if text == "auto":
+        return None
+    positional, named = [], {}
+    fields = {f.name: f.type for f in dataclasses.fields(GemmConfig)}
+    try:
+        for part in text.split(","):
+            if "=" in part:
+                key, value = part.split("=", 1)
+                if key not in fields:
+                    raise ValueError(f"no GemmConfig field {key!r}")
+                named[key] = value if fields[key] == "str" else int(value)
+            else:
+                positional.append(int(part))
+        if len(positional) > 4:
+            raise ValueError("at most tile_m,tile_n,cluster_m,cluster_n go by position")
+        config = GemmConfig(*positional, **named)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a config ({e}); write 'auto' or "
+                                         "tile_m,tile_n[,cluster_m,cluster_n][,field=value...]") from None
+    return dataclasses.replace(config, pingpong=bool(config.pingpong))
+
+
+def config_label(config: GemmConfig | None) -> str:
+    """The inverse of :func:`parse_config`: only the fields that differ from the defaults."""
+    if config is None:
+        return "auto"
+    default = GemmConfig()
+    core = f"{config.tile_m},{config.tile_n},{config.cluster_m},{config.cluster_n}"
+    extra = [f"{f.name}={int(v) if isinstance(v, bool) else v}" for f in dataclasses.fields(GemmConfig)[4:]
+             if (v := getattr(config, f.name)) != getattr(default, f.name)]
+    return ",".join([core, *extra])
+
+
 def _epilogue_list(text: str) -> list[str]:
     names = [e for e in text.split(",") if e]
     bad = [e for e in names if e not in EPILOGUES]
@@ -319,6 +362,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help=f"a quick subset: {QUICK_SHAPES}")
     p.add_argument("--epilogues", type=_epilogue_list, default=list(EPILOGUES),
                    help=f"comma-separated, from {','.join(EPILOGUES)} (default: all)")
+    p.add_argument("--configs", nargs="+", type=parse_config, default=[None], metavar="CONFIG",
+                   help="kernel configs to compare: 'auto' (the heuristic, default) or "
+                        "tile_m,tile_n[,cluster_m,cluster_n][,field=value...]")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--rounds", type=int, default=5, help="timed rounds; the median counts")
     p.add_argument("--min-round-time", type=float, default=0.1, help="seconds per round (sets the calls)")
@@ -333,7 +379,8 @@ def run_from_args(args: argparse.Namespace,
     """Run the benchmark ``args`` ask for, print its table(s), write the JSON if asked, and
     return {"results": [...], "no_triton": [...] or None} as dicts."""
     shapes = args.shapes or (QUICK_SHAPES if args.quick else STANDARD_SHAPES)
-    problems = [bench_problem(e, s, args.dtype) for s in shapes for e in args.epilogues]
+    problems = [bench_problem(e, s, args.dtype, c) for s in shapes for e in args.epilogues
+                for c in args.configs]
     results = run(problems, progress=progress, rounds=args.rounds, min_round_s=args.min_round_time,
                   check=not args.skip_check)
     print(format_table(results, baseline_title()), flush=True)
@@ -355,6 +402,7 @@ def _run_without_triton(args: argparse.Namespace, shapes: Sequence[Shape]) -> li
         out = os.path.join(tmp, "no_triton.json")
         argv = [sys.executable, "-m", "jax_efc.bench", "--shapes", *(",".join(map(str, s)) for s in shapes),
                 "--epilogues", ",".join(args.epilogues), "--dtype", args.dtype, "--rounds", str(args.rounds),
+                "--configs", *(config_label(c) for c in args.configs),
                 "--min-round-time", str(args.min_round_time), "--json", out]
         if args.skip_check:
             argv.append("--skip-check")

@@ -88,3 +88,19 @@ def test_info(capsys):
 def test_standard_shape_set():
     assert len(bench.STANDARD_SHAPES) == 19 and (8192, 8192, 8192, 1) in bench.STANDARD_SHAPES
     assert (16384, 28672, 8192, 1) in bench.STANDARD_SHAPES and (1000, 14336, 4096, 1) in bench.STANDARD_SHAPES
+
+
+def test_bench_configs_round_trip():
+    import argparse
+
+    from jax_efc.bench import config_label, parse_config
+    from jax_efc.config import GemmConfig
+
+    assert parse_config("auto") is None and config_label(None) == "auto"
+    cfg = parse_config("128,256,2,1,swizzle=8,raster=n,pingpong=0")
+    assert cfg == GemmConfig(128, 256, 2, 1, raster="n", swizzle=8)
+    assert parse_config(config_label(cfg)) == cfg
+    assert parse_config(config_label(GemmConfig(64, 256, pingpong=True))).pingpong is True
+    for bad in ("128,x", "128,256,colour=1", "1,2,3,4,5,6,7,8,9"):
+        with pytest.raises(argparse.ArgumentTypeError, match="is not a config"):
+            parse_config(bad)
