@@ -108,3 +108,29 @@ def test_bf16_grads_close(rng):
     ref = jax.grad(lambda a, b, bias: loss(jax.nn.gelu(a @ b + bias)), (0, 1, 2))(*up)
     for u, v in zip(g, ref):
         assert u.dtype == jnp.bfloat16 and rel_err(u, v) < 2e-2
+
+
+def test_scan_remat_and_loops(rng):
+    """Layers stacked with lax.scan under jax.checkpoint, as Flax's nn.scan/nn.remat build them."""
+    W, B, x = (jnp.asarray(rng.standard_normal(s) * 0.2, jnp.float32) for s in [(3, 24, 24), (3, 24), (8, 24)])
+
+    def net(dense):
+        def f(x, W, B):
+            def body(h, wb):
+                return jax.checkpoint(lambda h: dense(h, *wb))(h), None
+            return loss(jax.lax.scan(body, x, (W, B))[0])
+        return f
+
+    check_grads(net(lambda h, w, b: efc.fused_dense(h, w, b, activation="gelu_tanh")),
+                net(lambda h, w, b: jax.nn.gelu(h @ w + b)), (x, W, B))
+    looped = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda i, h: efc.fused_dense(h, W[i], B[i], activation="tanh"), x))
+    want = x
+    for i in range(3):
+        want = jnp.tanh(want @ W[i] + B[i])
+    assert rel_err(looped(x), want) < 1e-5
+
+
+def test_forward_mode_is_refused_clearly(rng):
+    x, w = arrays(rng, (4, 8), (8, 8))
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(lambda x: efc.fused_dense(x, w), (x,), (x,))
