@@ -9,7 +9,6 @@ ran (the CuTe DSL kernel on Hopper, the XLA reference elsewhere).
 import argparse
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import jax_efc as efc

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from jax_efc.config import GemmConfig
-from jax_efc.epilogue import EpilogueIR, Role
+from jax_efc.epilogue import EpilogueIR
 
 __all__ = ["device_arch", "unsupported_reason", "fused_gemm"]
 
@@ -96,42 +96,17 @@ def _problem(ir: EpilogueIR, a, b, operands, transpose_a, transpose_b, acc_dtype
     return problem, mnkl
 
 
-def _shape_reason(ir, a, b, operands, transpose_a, transpose_b) -> str | None:
-    if len(a.shape) not in (2, 3) or len(b.shape) not in (2, 3):
-        return f"a has shape {a.shape} and b {b.shape}; both must be 2-D or 3-D (batched)."
-    if np.dtype(a.dtype) != np.dtype(b.dtype):
-        return f"a is {np.dtype(a.dtype).name} but b is {np.dtype(b.dtype).name}; the kernel needs one A/B dtype."
-    k_a = a.shape[-2] if transpose_a else a.shape[-1]
-    k_b = b.shape[-1] if transpose_b else b.shape[-2]
-    if k_a != k_b:
-        return f"contraction sizes differ: a gives K={k_a}, b gives K={k_b}."
-    if len(a.shape) == 3 and len(b.shape) == 3 and a.shape[0] != b.shape[0]:
-        return f"batch sizes differ: a has L={a.shape[0]}, b has L={b.shape[0]}."
-    m, n, _, batch = _dims(a, b, transpose_a, transpose_b)
-    if len(operands) != len(ir.operands):
-        return f"{len(operands)} operands given, the epilogue takes {len(ir.operands)}."
-    from jax_efc.epilogue import canonical_shape
-
-    for x, inp in zip(operands, ir.operands):
-        allowed = {canonical_shape(inp.role, None, m, n)}
-        if batch is not None:
-            allowed.add(canonical_shape(inp.role, batch, m, n))
-        if tuple(x.shape) not in allowed:
-            return f"{inp.name} has shape {tuple(x.shape)}; expected one of {sorted(allowed)}."
-    return None
-
-
 def unsupported_reason(ir: EpilogueIR, a, b, operands: Sequence[Any], *, transpose_a: bool,
                        transpose_b: bool, acc_dtype: Any, config: GemmConfig | None,
                        arch: str | None) -> str | None:
     """``None`` when the kernel can run this call; otherwise one sentence naming the cause.
 
     ``a``, ``b`` and ``operands`` are avals (anything with ``shape``/``dtype``) in the
-    primitive's canonical shapes.
+    primitive's canonical shapes, which its abstract evaluation has already checked.
     """
     if arch is None:
         return "no CUDA device and CUTE_DSL_ARCH is unset; the kernels need an sm_90a GPU."
-    reason = _dsl_reason() or _shape_reason(ir, a, b, operands, transpose_a, transpose_b)
+    reason = _dsl_reason()
     if reason:
         return reason
     from jax_efc.kernels import unsupported_reason as kernel_reason

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import getpass
 import importlib.metadata
 import os
@@ -166,11 +167,8 @@ def _add_bench(sub: Any) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            args.parser.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        args.parser.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
     report = bench.run_from_args(args)
     if args.plot:
         _plot(report, args.plot)

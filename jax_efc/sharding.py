@@ -22,7 +22,6 @@ import dataclasses
 from functools import partial
 from typing import Any
 
-import jax
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir

@@ -4,7 +4,6 @@ import jax
 import numpy as np
 import pytest
 
-from jax_efc.primitive import fused_gemm_eqns  # noqa: F401  (re-exported for the tests)
 
 # eight host devices, so the sharding tests run on any machine
 jax.config.update("jax_num_cpu_devices", 8)

@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import jax.numpy as jnp
 import pytest
 
@@ -115,7 +114,7 @@ def test_fused_dense_errors(ab):
 def test_fingerprint_is_stable_across_processes():
     code = (
         "import jax, jax.numpy as jnp, jax_efc as efc\n"
-        "from conftest import fused_gemm_eqns\n"
+        "from jax_efc.primitive import fused_gemm_eqns\n"
         "from test_gemm import alpha_beta\n"
         "args = [jnp.ones(s) for s in [(8, 4), (4, 6), (8, 6), (8, 6)]]\n"
         "f = lambda a, b, c, x: efc.gemm(a, b, alpha_beta, c, x, alpha=2.0, beta=1.0, x_factor=3.0)\n"

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import jax_efc as efc
-from conftest import fused_gemm_eqns, rel_err
+from conftest import rel_err
+from jax_efc.primitive import fused_gemm_eqns
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 

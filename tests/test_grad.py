@@ -2,11 +2,11 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jax_efc as efc
-from conftest import fused_gemm_eqns, rel_err
+from conftest import rel_err
+from jax_efc.primitive import fused_gemm_eqns
 from test_gemm import alpha_beta, complex_expr, multi_output
 
 

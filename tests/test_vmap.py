@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import jax_efc as efc
-from conftest import fused_gemm_eqns, rel_err
+from conftest import rel_err
+from jax_efc.primitive import fused_gemm_eqns
 
 
 def arrays(rng, *shapes):
