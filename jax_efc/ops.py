@@ -211,8 +211,6 @@ def _fused_bwd(static: _Static, residuals, cts):
             (acc,) = static.bind(a, b, (), ir=identity_ir(static.ir.epi_dtype))
         else:
             acc = jnp.zeros(cts[0].shape, static.ir.epi_dtype)  # unused by the VJP
-    cts = [jnp.zeros(o.shape, o.dtype) if type(o) is jax.custom_derivatives.SymbolicZero else o
-           for o in cts]
     _, pullback = jax.vjp(lambda acc, *ops: evaluate(static.ir, acc, ops),
                           acc.astype(static.ir.epi_dtype), *ops)
     d_acc, *d_ops = pullback(list(cts))

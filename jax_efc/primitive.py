@@ -22,7 +22,7 @@ from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import config as _config
-from .epilogue import EpilogueIR, Role
+from .epilogue import EpilogueIR, Role, canonical_shape
 from .reference import fused_gemm_reference
 
 __all__ = ["fused_gemm_p", "fused_gemm", "FallbackError", "fused_gemm_eqns", "backends",
@@ -86,7 +86,9 @@ def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, pre
     if len(operands) != len(ir.operands):
         raise ValueError(f"the epilogue takes {len(ir.operands)} operands, got {len(operands)}.")
     for spec, x in zip(ir.operands, operands):
-        allowed = _canonical_shapes(spec.role, batch, m, n)
+        allowed = [canonical_shape(spec.role, None, m, n)]
+        if batch is not None:
+            allowed.append(canonical_shape(spec.role, batch, m, n))
         if tuple(x.shape) not in allowed:
             raise ValueError(f"{spec.name} has shape {tuple(x.shape)}; expected one of {allowed}.")
     shape = (m, n) if batch is None else (batch, m, n)
@@ -124,14 +126,6 @@ def match_varying(args: Sequence[Any]) -> list[Any]:
     union = frozenset().union(*(_varying(x) for x in args))
     return [jax.lax.pcast(x, tuple(sorted(union - _varying(x))), to="varying")
             if union - _varying(x) else x for x in args]
-
-
-def _canonical_shapes(role: Role, batch: int | None, m: int, n: int) -> list[tuple[int, ...]]:
-    core = {Role.TILE: (m, n), Role.ROW: (1, n), Role.COL: (m, 1), Role.SCALAR: ()}[role]
-    if batch is None:
-        return [core]
-    batched = (batch, 1, 1) if role is Role.SCALAR else (batch, *core)
-    return [core, batched]
 
 
 fused_gemm_p.def_abstract_eval(_abstract_eval)
