@@ -2,7 +2,7 @@
 # Everything that must be seen on a GPU, in one go: the GPU tests, each example, the seed's
 # `jax-efc run`, and the benchmark with both XLA baselines. Logs go to $1 (default: ./gpu-logs);
 # the summary is printed last.
-#   usage: benchmarks/gpu_suite.sh [LOGDIR] [--quick]
+#   usage: benchmarks/gpu_suite.sh [LOGDIR] [--quick | --no-bench]
 set -uo pipefail
 logs=${1:-gpu-logs}
 mkdir -p "$logs"
@@ -24,13 +24,16 @@ step complex python3 examples/complex_epilogue.py --mnk 4096,4096,4096
 step flax-mlp python3 examples/flax_mlp.py --features 4096,14336,4096 --batch 8192 --dtype bfloat16 --steps 20
 step sharded python3 examples/sharded_training.py --mesh 1,1 --dtype bfloat16 --batch 8192 --width 4096 --hidden 14336
 step info python3 -m jax_efc info
-if [[ ${2:-} == --quick ]]; then
+if [[ ${2:-} == --no-bench ]]; then
+  :
+elif [[ ${2:-} == --quick ]]; then
   step bench python3 benchmarks/run.py --quick --also-no-triton --json "$logs/bench.json"
 else
   step bench python3 benchmarks/run.py --also-no-triton --json "$logs/bench.json" \
     --shapes 8192,8192,8192 8192,14336,4096 8192,4096,14336 8192,4096,4096 1000,4096,4096
 fi
 for f in "$logs"/gpu-tests.log "$logs"/jax-efc-run.log "$logs"/flax-mlp.log "$logs"/sharded.log "$logs"/bench.log; do
+  [[ -f $f ]] || continue
   printf '\n===== %s\n' "$f"; tail -n 40 "$f"
 done
 printf '\n===== summary\n'

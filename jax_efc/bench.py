@@ -246,20 +246,23 @@ def text_progress(done: int, total: int, label: str) -> None:
     width = 30
     filled = width * done // max(total, 1)
     end = "\n" if done == total else ""
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40.40}{end}")
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<48.48}{end}")
     sys.stderr.flush()
 
 
 def run(problems: Sequence[Problem], *, progress: Callable[[int, int, str], None] | None = None,
         **measure_kw: Any) -> list[Result]:
-    """``measure`` each problem in turn, reporting progress as ``progress(done, total, label)``."""
+    """``measure`` each problem in turn, reporting progress as ``progress(done, total, label)``:
+    the problem about to run, then the one just measured with its ratio (so a log of an
+    interrupted run still holds every finished figure)."""
     results = []
     for i, p in enumerate(problems):
+        label = f"{_shape_str(p.shape)} {p.epilogue}" + ("" if p.config == "auto" else f" {p.config}")
         if progress:
-            progress(i, len(problems), f"{_shape_str(p.shape)} {p.epilogue}")
+            progress(i, len(problems), label)
         results.append(measure(p, **measure_kw))
-    if progress:
-        progress(len(problems), len(problems), "done")
+        if progress:
+            progress(i + 1, len(problems), f"{label} {results[-1].ratio:.2f}x")
     return results
 
 
@@ -407,6 +410,8 @@ def _run_without_triton(args: argparse.Namespace, shapes: Sequence[Shape]) -> li
         if args.skip_check:
             argv.append("--skip-check")
         env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {NO_TRITON_FLAG}".strip())
+        # this process keeps its preallocated GPU pool: the child allocates as it goes
+        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         print(flush=True)
         subprocess.run(argv, env=env, check=True)
         with open(out) as f:

@@ -1,6 +1,7 @@
 """The jax-efc command, run in-process on tiny shapes."""
 
 import json
+import re
 
 import pytest
 
@@ -55,7 +56,8 @@ def test_bench(capsys, tmp_path):
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert "bias+silu" in captured.out and "32x16x8x2" in captured.out
-    assert "6/6" in captured.err  # the progress bar
+    assert "6/6" in captured.err  # the progress bar, with each finished problem's ratio
+    assert re.search(r"1/6 32x64x48 gemm \d+\.\d\dx", captured.err)
     results = json.loads(out_json.read_text())["results"]
     assert len(results) == 6
     for r in results:

@@ -161,17 +161,18 @@ def test_bias_gelu_epi64_cluster():
          k=520, config=(128, 256, 2, 1, {"epi_n": 64}))
 
 
-# Ping-pong schedule (GemmConfig(pingpong=True)): two consumer warpgroups on alternate 64x256
-# tiles, per-consumer epilogue buffers; partial edge tiles, TILE operands, clusters.
+# Ping-pong schedule (GemmConfig(pingpong=True)): two consumer warpgroups on alternate tiles
+# taking turns with the epilogue buffers; partial edge tiles, TILE operands, clusters.
+@pytest.mark.parametrize("tile", [(64, 256), (128, 128)])
 @pytest.mark.parametrize("shape", [(1000, 1000, 1000), (8192, 4096, 4096)])
 @pytest.mark.parametrize("epilogue", ["plain", "bias_gelu", "alpha_beta"])
-def test_pingpong(shape, epilogue):
+def test_pingpong(tile, shape, epilogue):
     import jax
     import jax.numpy as jnp
 
     m, n, k = shape
     cluster = (2, 1) if epilogue != "plain" else (1, 1)
-    config = (64, 256, *cluster, {"pingpong": True})
+    config = (*tile, *cluster, {"pingpong": True})
     if epilogue == "plain":
         _run(lambda acc: acc, [], m=m, n=n, k=k, config=config)
     elif epilogue == "bias_gelu":

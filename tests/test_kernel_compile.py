@@ -39,8 +39,9 @@ VARIANTS = {
     # fp32 TILE operand, shared across the batch, 192-wide tile (3 subtiles of 64)
     "bf16_f32tile_batched_192_epi64": ("bfloat16", False, False, 2, (128, 192, 1, 1, {"epi_n": 64}),
                                        "f32_tile"),
-    # ping-pong schedule: two consumer warpgroups with 64x256 tiles each, ordered by named
-    # barriers; TILE operands with per-consumer epilogue buffers, clusters, 64-wide subtiles
+    # ping-pong schedule: two consumer warpgroups with 64x256 or 128x128 tiles each, ordered
+    # by named barriers; TILE operands through the shared epilogue buffers, clusters,
+    # 64-wide subtiles
     "bf16_pingpong_64x256": ("bfloat16", False, False, None, (64, 256, 1, 1, {"pingpong": True}),
                              "identity"),
     "bf16_pingpong_alpha_beta_64x256_c2x1": ("bfloat16", False, False, None,
@@ -48,6 +49,10 @@ VARIANTS = {
     "fp16_pingpong_bias_gelu_epi64_c1x2": ("float16", False, True, None,
                                            (64, 256, 1, 2, {"pingpong": True, "epi_n": 64}),
                                            "bias_gelu"),
+    "bf16_pingpong_128x128_c2x1": ("bfloat16", False, False, None,
+                                   (128, 128, 2, 1, {"pingpong": True}), "bias_gelu"),
+    "bf16_pingpong_alpha_beta_128x128": ("bfloat16", True, True, 2,
+                                         (128, 128, 1, 1, {"pingpong": True}), "alpha_beta"),
 }
 
 
@@ -198,7 +203,7 @@ def _aval(shape, dtype):
         (dict(config=(128, 96, 1, 1)), "tile_n=96"),
         (dict(config=(128, 128, 4, 2)), "at most 4"),
         (dict(config=(128, 192, 1, 1, {"epi_n": 128})), "epi_n=128"),
-        (dict(config=(128, 256, 1, 1, {"pingpong": True})), "pingpong=True needs tile_m=64"),
+        (dict(config=(128, 256, 1, 1, {"pingpong": True})), "pingpong=True with a 128x256 tile"),
         (dict(arch="sm_80"), "sm_80"),
     ],
 )
@@ -235,16 +240,24 @@ def test_supported_and_heuristic():
                                 acc_dtype=jnp.float32, config=None, arch="sm_90a") is None
     problem = KernelProblem(ir, "bfloat16", "float32", "k", "n", False, False, False, (), "sm_90a",
                             GemmConfig())
+    # large problems: ping-pong 128x128 in 1x2 clusters; smaller ones: cooperative
     cfg = choose_config(problem, 8192, 8192, 8192, 1)
-    assert (cfg.tile_m, cfg.tile_n, cfg.epi_n) == (128, 256, 32)
-    assert not cfg.pingpong  # opt-in only: the heuristic never picks it
+    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (128, 128, 1, 2, True)
+    cfg = choose_config(problem, 1000, 4096, 4096, 1)
+    assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 128, False)
+    cfg = choose_config(problem, 512, 16384, 4096, 1)
+    assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 256, False)
+    assert not choose_config(problem, 8192, 128, 8192, 1).pingpong  # one N tile: no 1x2 cluster
 
-    # an epilogue with work gets 64-wide subtiles; four epilogue buffers (two TILE operands,
-    # two outputs) would leave too few stages at 64, and fp32 outputs too few at 128x256
+    # a cooperative epilogue with work gets 64-wide subtiles; four epilogue buffers (two
+    # TILE operands, two outputs) would leave too few stages at 64, and fp32 outputs too few
+    # at 128x256
     bias, *_ = trace_epilogue(lambda acc, b: acc + b, (8192, 8192), [(1, 8192)], [jnp.bfloat16], {}, {},
                               jnp.bfloat16, jnp.bfloat16)
-    cfg = choose_config(dataclasses.replace(problem, ir=bias, operand_batched=(False,)), 8192, 8192, 8192, 1)
-    assert (cfg.tile_n, cfg.epi_n) == (256, 64)
+    p_bias = dataclasses.replace(problem, ir=bias, operand_batched=(False,))
+    assert choose_config(p_bias, 8192, 8192, 8192, 1).pingpong
+    cfg = choose_config(p_bias, 512, 16384, 8192, 1)
+    assert (cfg.tile_n, cfg.epi_n, cfg.pingpong) == (256, 64, False)
     ab, *_ = trace_epilogue(lambda acc, c, x: {"D": acc * 2 + c + x, "Y": acc}, (8192, 8192),
                             [(8192, 8192)] * 2, [jnp.bfloat16] * 2, {}, {},
                             {"D": jnp.bfloat16, "Y": jnp.bfloat16}, jnp.bfloat16)

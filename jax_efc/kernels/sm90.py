@@ -1,12 +1,13 @@
 """Warp-specialized persistent GEMM with a fused epilogue for Hopper (sm_90a).
 
-Two schedules share this code. Cooperative (default): one CTA = one producer warpgroup +
+Two schedules share this code. Cooperative: one CTA = one producer warpgroup +
 ``tile_m // 64`` consumer warpgroups that work on the same tile. Ping-pong
-(``GemmConfig(pingpong=True)``, tile_m = 64): one producer + two consumer warpgroups, each
-owning whole 64-row tiles and taking alternate tiles of the persistent schedule; a pair of
-ordered named barriers makes their mainloops alternate, so one consumer's epilogue runs
-while the other's WGMMAs do. Each ping-pong consumer has its own epilogue smem buffers,
-TILE-operand mbarriers, epilogue named barrier and TMA-store warp.
+(``GemmConfig(pingpong=True)``): one producer + two consumer warpgroups, each owning whole
+tiles (64 or 128 rows) and taking alternate tiles of the persistent schedule. Two pairs of
+named barriers order them: their mainloops alternate, so one consumer's epilogue runs while
+the other's WGMMAs do, and their epilogues alternate, so both share one set of epilogue
+smem buffers (a consumer hands them over once its TMA stores have read them). Each
+consumer has its own epilogue named barrier and TMA-store warp.
 
 - the producer's first warp walks the persistent tile schedule and issues TMA loads of the
   A and B k-tiles into a ``stages``-deep shared-memory ring (``PipelineTmaAsync``: an
@@ -58,9 +59,11 @@ _PRODUCER_REGS = 40
 _CONSUMER_REGS = 232
 _WG = 128  # threads per warpgroup
 _EPI_BARRIER_ID = 1  # named barrier 0 is __syncthreads; ping-pong consumer g uses 1 + g
-# ping-pong: consumer g waits on named barrier _ORDER_BARRIER_ID + g before its mainloop and,
-# once its WGMMAs are issued, arrives on the other consumer's (256 threads: both warpgroups)
-_ORDER_BARRIER_ID = 3
+# ping-pong: consumer g waits on named barrier _MMA_ORDER_ID + g before its mainloop and,
+# once its WGMMAs are issued, arrives on the other consumer's; likewise _EPI_ORDER_ID + g
+# around its epilogue (256 threads each: both warpgroups)
+_MMA_ORDER_ID = 3
+_EPI_ORDER_ID = 5
 
 
 class Sm90FusedGemm:
@@ -85,10 +88,9 @@ class Sm90FusedGemm:
         self.n_operands = len(problem.ir.operands)
         self.out_dtypes = self.visitor.out_dtypes
         self.pingpong = bool(cfg.pingpong)
-        if self.pingpong and cfg.tile_m != 64:
-            raise ValueError(f"{cfg}: pingpong needs tile_m=64")
-        # warpgroups that cooperate on one tile (its MMA and its epilogue)
-        self.n_mma_wg = cfg.tile_m // 64
+        # warpgroups that cooperate on one tile (its MMA and its epilogue); a ping-pong
+        # consumer covers all tile_m rows itself (two 64-row WGMMAs per k-block at 128)
+        self.n_mma_wg = 1 if self.pingpong else cfg.tile_m // 64
         # consumer warpgroups per CTA; each group of n_mma_wg runs its own tiles and epilogue
         self.n_epi_groups = 2 if self.pingpong else 1
         self.n_consumer_wg = self.n_mma_wg * self.n_epi_groups
@@ -123,8 +125,7 @@ class Sm90FusedGemm:
         )
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.ab_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.ab_dtype, self.stages)
-        # _EPI_STAGES buffers per epilogue group: group g uses buffers g * _EPI_STAGES + b
-        epi_bufs = _EPI_STAGES * self.n_epi_groups
+        epi_bufs = _EPI_STAGES
         d_smem = tuple(
             sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, self.epi_tile, epi_bufs)
             for dt in self.out_dtypes
@@ -217,10 +218,10 @@ class Sm90FusedGemm:
         c_bytes = self.tile_op_bytes
         if cutlass.const_expr(n_tc > 0):
             # one "full" mbarrier per operand buffer, completed by the TMA transaction bytes
-            c_bar = smem.allocate_array(cutlass.Int64, _EPI_STAGES * self.n_epi_groups, byte_alignment=8)
+            c_bar = smem.allocate_array(cutlass.Int64, _EPI_STAGES, byte_alignment=8)
             if warp_idx == 0:
                 with cute.arch.elect_one():
-                    for b in cutlass.range_constexpr(_EPI_STAGES * self.n_epi_groups):
+                    for b in cutlass.range_constexpr(_EPI_STAGES):
                         cute.arch.mbarrier_init(c_bar + b, 1)
             cute.arch.mbarrier_init_fence()
 
@@ -298,7 +299,6 @@ class Sm90FusedGemm:
             else:
                 group = 0
                 ctid = tidx - _WG
-            buf_base = group * _EPI_STAGES  # this group's epilogue smem buffers / mbarriers
             thr_mma = tiled_mma.get_slice(ctid)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
@@ -313,17 +313,15 @@ class Sm90FusedGemm:
             r2s = [cute.make_tiled_copy_S(self._r2s_atom(self.out_dtypes[i]), c_layout_atom)
                    for i in range(n_out)]
             tRS_sD = [r2s[i].get_slice(ctid).partition_D(sD[i]) for i in range(n_out)]
-            tRS_acc = r2s[0].retile(acc)
             frag_shape = cute.shape(r2s[0].get_slice(ctid).partition_S(sD[0]))[:3]
             frag = cute.make_rmem_tensor(frag_shape, cutlass.Float32)
             frag_out = [cute.make_rmem_tensor(frag_shape, self.out_dtypes[i])
                         for i in range(n_out)]
             frag_c = [cute.make_rmem_tensor(frag_shape, cutlass.Float32) for _ in range(n_tc)]
             # (m, n) of every accumulator register within the tile, straight from the MMA's
-            # own partition; acc is a compact fragment, so register j of the retiled view
-            # tRS_acc is acc element tRS_acc.layout(j).
+            # own partition, and which registers make up each subtile's fragment
             tCcT = thr_mma.partition_C(cute.make_identity_tensor(self.tile_mnk[:2]))
-            acc_index = _register_order(tRS_acc)
+            acc_index = self._subtile_acc_indices(tiled_mma, r2s[0])
             gD = [cute.local_tile(mD[i], cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
                   for i in range(n_out)]
 
@@ -343,41 +341,42 @@ class Sm90FusedGemm:
             )
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            n_sub = self.tile_mnk[1] // self.epi_n
+            # subtiles through the shared epilogue buffers so far (both consumers' with
+            # ping-pong): it picks the buffer and the TILE-operand mbarrier phase
+            subtile_count = cutlass.Int32(0)
             if cutlass.const_expr(self.pingpong):
                 # group 1 starts at the CTA's second tile, whose k-tiles follow the first's in
-                # the ring; group 0 goes first (group 1 opens group 0's order barrier)
+                # the ring; group 0 goes first (group 1 opens group 0's order barriers)
                 if group == 1:
-                    self._order_barrier(0).arrive()
+                    self._order_barrier(_MMA_ORDER_ID, 0).arrive()
+                    self._order_barrier(_EPI_ORDER_ID, 0).arrive()
                     # rebinding `sched` in the branch makes the tracer carry its new state out
                     sched = self._skip_tile(sched)
                 read.advance(cutlass.Int32(group * k_tiles))
                 release.advance(cutlass.Int32(group * k_tiles))
+                subtile_count = cutlass.Int32(group * n_sub)
             work = sched.get_current_work()
-            subtile_count = cutlass.Int32(0)
             while work.is_valid_tile:
                 m_idx, n_idx, l_idx = work.tile_idx
-                n_sub = self.tile_mnk[1] // self.epi_n
-                # ---- TILE operands: TMA partitions of this tile's subtiles; the first two
-                # subtiles are fetched now and arrive while the mainloop runs
+                # ---- TILE operands: TMA partitions of this tile's subtiles
                 bSC = [cpasync.tma_partition(
                     tma_c[j], 0, cute.make_layout(1), cute.group_modes(sC[j], 0, 2),
                     cute.zipped_divide(
                         gC[j][(None, None, m_idx, n_idx, l_idx if self.tile_op_batched[j] else 0)],
                         self.epi_tile),
                 ) for j in range(n_tc)]
-                if cutlass.const_expr(n_tc > 0):
-                    if is_store_warp:
-                        for s in cutlass.range_constexpr(min(n_sub, _EPI_STAGES)):
-                            self._load_tile_ops(tma_c, bSC, c_bar, c_bytes, s,
-                                                buf_base + (subtile_count + s) % _EPI_STAGES)
+                if cutlass.const_expr(not self.pingpong):
+                    # the buffers are free: the first subtiles arrive while the mainloop runs
+                    self._prefetch_tile_ops(tma_c, bSC, c_bar, c_bytes, is_store_warp, subtile_count)
                 # ---- mainloop (ping-pong: in turn with the other consumer)
                 if cutlass.const_expr(self.pingpong):
-                    self._order_barrier(group).arrive_and_wait()
+                    self._order_barrier(_MMA_ORDER_ID, group).arrive_and_wait()
                 read, release, tiled_mma = self._mainloop(mainloop, read, release, tiled_mma, acc,
                                                           tCrA, tCrB, k_tiles)
                 if cutlass.const_expr(self.pingpong):
                     # our WGMMAs are issued: the other consumer may issue its own
-                    self._order_barrier(1 - group).arrive()
+                    self._order_barrier(_MMA_ORDER_ID, 1 - group).arrive()
                 warpgroup.wait_group(0)
                 mainloop.consumer_release(release)
                 release.advance()
@@ -385,13 +384,23 @@ class Sm90FusedGemm:
                     # skip the other consumer's tile in the ring
                     read.advance(cutlass.Int32(k_tiles))
                     release.advance(cutlass.Int32(k_tiles))
+                    # our turn with the epilogue buffers (the other consumer's stores have
+                    # read them); the first subtiles load while the acc is converted
+                    self._order_barrier(_EPI_ORDER_ID, group).arrive_and_wait()
+                    self._prefetch_tile_ops(tma_c, bSC, c_bar, c_bytes, is_store_warp, subtile_count)
 
                 # ---- epilogue
                 subtile_count = self._epilogue(
-                    tRS_acc, acc_index, tCcT, frag, frag_out, frag_c, r2s, tRS_sD, sC, sD, gD,
+                    acc, acc_index, tCcT, frag, frag_out, frag_c, r2s, tRS_sD, sC, sD, gD,
                     tma_d, tma_c, bSC, c_bar, c_bytes, operands, mD[0], epi_barrier, store_pipe,
-                    is_store_warp, m_idx, n_idx, l_idx, subtile_count, buf_base,
+                    is_store_warp, m_idx, n_idx, l_idx, subtile_count,
                 )
+                if cutlass.const_expr(self.pingpong):
+                    # hand the buffers over once our TMA stores have read them
+                    if is_store_warp:
+                        store_pipe.producer_tail()
+                    self._order_barrier(_EPI_ORDER_ID, 1 - group).arrive()
+                    subtile_count += n_sub  # the other consumer's tile
                 sched.advance_to_next_work(advance_count=self.n_epi_groups)
                 work = sched.get_current_work()
             if is_store_warp:
@@ -404,9 +413,18 @@ class Sm90FusedGemm:
         return sched
 
     @staticmethod
-    def _order_barrier(group):
-        """Ping-pong: the named barrier consumer ``group`` waits on before its mainloop."""
-        return pipeline.NamedBarrier(barrier_id=_ORDER_BARRIER_ID + group, num_threads=2 * _WG)
+    def _order_barrier(first_id, group):
+        """Ping-pong: the named barrier consumer ``group`` waits on before its mainloop
+        (``_MMA_ORDER_ID``) or its epilogue (``_EPI_ORDER_ID``)."""
+        return pipeline.NamedBarrier(barrier_id=first_id + group, num_threads=2 * _WG)
+
+    @cute.jit
+    def _prefetch_tile_ops(self, tma_c, bSC, c_bar, c_bytes, is_store_warp, subtile_count):
+        """Start the TMA loads of a tile's first ``_EPI_STAGES`` TILE-operand subtiles."""
+        if cutlass.const_expr(len(bSC) > 0):
+            if is_store_warp:
+                for s in cutlass.range_constexpr(min(self.tile_mnk[1] // self.epi_n, _EPI_STAGES)):
+                    self._load_tile_ops(tma_c, bSC, c_bar, c_bytes, s, (subtile_count + s) % _EPI_STAGES)
 
     @cute.jit
     def _mainloop(self, mainloop, read, release, tiled_mma: cute.TiledMma, acc: cute.Tensor,
@@ -435,13 +453,12 @@ class Sm90FusedGemm:
         return read, release, tiled_mma
 
     @cute.jit
-    def _epilogue(self, tRS_acc: cute.Tensor, acc_index, tCcT: cute.Tensor, frag: cute.Tensor,
+    def _epilogue(self, acc: cute.Tensor, acc_index, tCcT: cute.Tensor, frag: cute.Tensor,
                   frag_out, frag_c, r2s, tRS_sD, sC, sD, gD, tma_d, tma_c, bSC, c_bar, c_bytes,
                   operands, mD0: cute.Tensor, epi_barrier, store_pipe, is_store_warp,
-                  m_idx, n_idx, l_idx, subtile_count, buf_base):
+                  m_idx, n_idx, l_idx, subtile_count):
         """The fused epilogue of one tile, one (tile_m x epi_n) subtile at a time, through
-        this epilogue group's smem buffers ``buf_base + {0, 1}``. Returns the group's
-        running subtile count."""
+        the ``_EPI_STAGES`` epilogue smem buffers. Returns the running subtile count."""
         n_out = len(self.out_dtypes)
         n_tc = len(self.tile_ops)
         n_sub = self.tile_mnk[1] // self.epi_n
@@ -453,12 +470,12 @@ class Sm90FusedGemm:
             cute.zipped_divide(gD[i][(None, None, m_idx, n_idx, l_idx)], self.epi_tile),
         ) for i in range(n_out)]
         for s in cutlass.range_constexpr(n_sub):
+            sub_index = acc_index[s]
             for v in cutlass.range_constexpr(frag_size):
-                frag[v] = tRS_acc[s * frag_size + v]
-            sub_index = acc_index[s * frag_size:(s + 1) * frag_size]
+                frag[v] = acc[sub_index[v]]
             coords = _tile_coords(tCcT, sub_index,
                                   m_idx * self.tile_mnk[0], n_idx * self.tile_mnk[1])
-            buf = buf_base + subtile_count % _EPI_STAGES
+            buf = subtile_count % _EPI_STAGES
             preloaded = {}
             if cutlass.const_expr(n_tc > 0):
                 # subtile_count-th load into this buffer: its parity is the phase
@@ -497,16 +514,24 @@ class Sm90FusedGemm:
             s_part, g_part = bSC[j]
             cute.copy(tma_c[j], g_part[(None, s)], s_part[(None, buf)], tma_bar_ptr=c_bar + buf)
 
+    def _subtile_acc_indices(self, tiled_mma: cute.TiledMma, r2s: cute.TiledCopy) -> list[list[int]]:
+        """For each epilogue subtile, the accumulator element behind each value of the
+        register fragment that ``r2s`` stores (trace-time integers).
+
+        Matched by coordinates: a thread's accumulator and fragment values are the same
+        (m, n) points up to one per-thread offset, since the copy is built from the MMA's
+        C layout; so thread 0's static coordinates give every thread's mapping."""
+        acc_coords = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor(self.tile_mnk[:2]))
+        where = {tuple(acc_coords[i]): i for i in range(cute.size(acc_coords))}
+        frag_coords = r2s.get_slice(0).partition_S(cute.make_identity_tensor(self.epi_tile))
+        n_frag = cute.size(frag_coords)
+        return [[where[(frag_coords[v][0], frag_coords[v][1] + s * self.epi_n)] for v in range(n_frag)]
+                for s in range(self.tile_mnk[1] // self.epi_n)]
+
     def _r2s_atom(self, dtype):
         if self.use_stmatrix:
             return cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), dtype)
         return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
-
-
-def _register_order(retiled: cute.Tensor) -> list[int]:
-    """For each value of a retiled view of a compact register fragment, the fragment
-    element it aliases (trace-time integers)."""
-    return [retiled.layout(j) for j in range(cute.size(retiled))]
 
 
 def _tile_coords(tCcT: cute.Tensor, indices: list[int], m0, n0) -> list[tuple]:
