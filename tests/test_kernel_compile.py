@@ -49,6 +49,10 @@ VARIANTS = {
     "fp16_pingpong_bias_gelu_epi64_c1x2": ("float16", False, True, None,
                                            (64, 256, 1, 2, {"pingpong": True, "epi_n": 64}),
                                            "bias_gelu"),
+    # what the heuristic runs for large problems
+    "bf16_pingpong_128x128_c1x2_swizzle8": ("bfloat16", False, False, None,
+                                            (128, 128, 1, 2, {"pingpong": True, "swizzle": 8}),
+                                            "identity"),
     "bf16_pingpong_128x128_c2x1": ("bfloat16", False, False, None,
                                    (128, 128, 2, 1, {"pingpong": True}), "bias_gelu"),
     "bf16_pingpong_alpha_beta_128x128": ("bfloat16", True, True, 2,

@@ -15,8 +15,8 @@ consumer has its own epilogue named barrier and TMA-store warp.
   released by the consumers). Inside a cluster, A tiles are multicast to the CTAs that share
   the tile's M coordinate and B tiles to those that share its N coordinate;
 - the consumers walk the same schedule, issue WGMMA on each stage (fp32 accumulators in
-  registers; two warpgroups cooperate on a 128-row tile, 64 rows each) and run the epilogue:
-  per ``tile_m x 32`` subtile, the :class:`EpilogueVisitor` evaluates the user's program on
+  registers; cooperative: two warpgroups share a 128-row tile, 64 rows each) and run the
+  epilogue: per ``tile_m x epi_n`` subtile, the :class:`EpilogueVisitor` evaluates the user's program on
   the accumulator fragment, each output is converted to its dtype, written to its own smem
   buffer and stored with TMA (the TMA store clips the M/N edges).
 
@@ -47,7 +47,8 @@ _TILE_K = 64
 # fragment at 16 values (128 rows x 32 cols / 256 threads), i.e. few live registers on top
 # of the accumulators; 64 halves the barriers and TMA stores per tile.
 # Two smem buffers per output (TMA stores) and per TILE operand (TMA loads, prefetched two
-# subtiles ahead; the first two are issued before the mainloop so they land under it).
+# subtiles ahead; a tile's first two are issued before its mainloop when cooperative, at
+# the start of its epilogue with ping-pong, where the other consumer may hold the buffers).
 _EPI_STAGES = 2
 # Each smem buffer is 1 KiB aligned (the 128-byte swizzle repeats every 1 KiB); the stage
 # count that fits Hopper's 227 KiB is computed by jax_efc.kernels.pipeline_stages.
