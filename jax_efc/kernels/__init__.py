@@ -37,7 +37,7 @@ _MAX_STAGES = 8
 # a ping-pong consumer warpgroup (128 threads) holds a whole tile's fp32 accumulators; past
 # 128 per thread the epilogue's temporaries no longer fit the 232-register budget
 _WG = 128
-_PINGPONG_ACC = 128 * _WG
+_PINGPONG_ACC_PER_THREAD = 128
 _BITS = {"bfloat16": 16, "float16": 16, "float32": 32}
 
 
@@ -110,9 +110,9 @@ def _config_reason(config: GemmConfig) -> str | None:
         return (f"epi_n={config.epi_n} must be 32 or 64 and divide tile_n={config.tile_n}.")
     if not isinstance(config.pingpong, bool):
         return f"pingpong={config.pingpong!r} must be True or False."
-    if config.pingpong and config.tile_m * config.tile_n > _PINGPONG_ACC:
+    if config.pingpong and config.tile_m * config.tile_n > _PINGPONG_ACC_PER_THREAD * _WG:
         return (f"pingpong=True with a {config.tile_m}x{config.tile_n} tile: one ping-pong "
-                f"warpgroup holds the whole tile's fp32 accumulators, at most {_PINGPONG_ACC // _WG} "
+                f"warpgroup holds the whole tile's fp32 accumulators, at most {_PINGPONG_ACC_PER_THREAD} "
                 "per thread; use 128x128 or 64x256 (or pingpong=False for the cooperative "
                 "schedule, where two warpgroups share a 128-row tile).")
     return None
@@ -230,8 +230,8 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int) -> Gem
     def tiles(tm: int, tn: int) -> int:
         return -(-m // tm) * -(-n // tn) * l
 
-    def stages(tm: int, tn: int, **kw) -> int:
-        return pipeline_stages(dataclasses.replace(problem, config=GemmConfig(tile_m=tm, tile_n=tn, **kw)))
+    def stages(tm: int, tn: int) -> int:
+        return pipeline_stages(dataclasses.replace(problem, config=GemmConfig(tile_m=tm, tile_n=tn)))
 
     # Measured on H200 (bf16, one run, ratio to XLA): ping-pong 128x128 1x2 against the
     # cooperative 128x256 2x1 default at 8192x4096x4096 / 8192x14336x4096 / 8192^3:
@@ -239,7 +239,7 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int) -> Gem
     # 1.08/1.02/1.05, bias+silu 1.13/1.07/1.07 vs 1.02/0.95/1.01; alpha-beta (4 stages)
     # 1.03/0.99/0.99 vs 1.03/0.98/1.01.
     if (-(-m // 128) >= 8 and -(-n // 128) >= 2 and tiles(128, 128) >= 2 * sms
-            and stages(128, 128, pingpong=True) >= 5):
+            and stages(128, 128) >= 5):
         return GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=2, swizzle=8, pingpong=True)
 
     # 128x256 only while its epilogue buffers (outputs and TILE operands) leave >= 3 stages

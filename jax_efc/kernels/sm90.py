@@ -44,8 +44,9 @@ __all__ = ["Sm90FusedGemm"]
 # 64-deep k-tile = 128 bytes of a K-major row, exactly one 128-byte swizzle atom.
 _TILE_K = 64
 # Epilogue subtile width (GemmConfig.epi_n): 32 columns keeps the per-thread output
-# fragment at 16 values (128 rows x 32 cols / 256 threads), i.e. few live registers on top
-# of the accumulators; 64 halves the barriers and TMA stores per tile.
+# fragment at 16 values (128 rows x 32 cols / 256 cooperative threads; 32 for a 128-row
+# ping-pong consumer), i.e. few live registers on top of the accumulators; 64 halves the
+# barriers and TMA stores per tile.
 # Two smem buffers per output (TMA stores) and per TILE operand (TMA loads, prefetched two
 # subtiles ahead; a tile's first two are issued before its mainloop when cooperative, at
 # the start of its epilogue with ping-pong, where the other consumer may hold the buffers).
@@ -126,16 +127,15 @@ class Sm90FusedGemm:
         )
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.ab_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.ab_dtype, self.stages)
-        epi_bufs = _EPI_STAGES
         d_smem = tuple(
-            sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, self.epi_tile, epi_bufs)
+            sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, self.epi_tile, _EPI_STAGES)
             for dt in self.out_dtypes
         )
         # A is shared by the CTAs of a cluster row (same M tile): multicast over cluster_n.
         tma_a, g_a = self._tma_load(a, a_smem, (self.tile_mnk[0], self.tile_mnk[2]), self.cluster_mn[1])
         tma_b, g_b = self._tma_load(b, b_smem, (self.tile_mnk[1], self.tile_mnk[2]), self.cluster_mn[0])
         c_smem = tuple(
-            sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, self.epi_tile, epi_bufs)
+            sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, self.epi_tile, _EPI_STAGES)
             for dt in self.tile_op_dtypes
         )
         tma_c, g_c = [], []
