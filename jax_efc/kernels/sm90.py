@@ -526,8 +526,12 @@ class Sm90FusedGemm:
         where = {tuple(acc_coords[i]): i for i in range(cute.size(acc_coords))}
         frag_coords = r2s.get_slice(0).partition_S(cute.make_identity_tensor(self.epi_tile))
         n_frag = cute.size(frag_coords)
-        return [[where[(frag_coords[v][0], frag_coords[v][1] + s * self.epi_n)] for v in range(n_frag)]
-                for s in range(self.tile_mnk[1] // self.epi_n)]
+        indices = [[where[(frag_coords[v][0], frag_coords[v][1] + s * self.epi_n)] for v in range(n_frag)]
+                   for s in range(self.tile_mnk[1] // self.epi_n)]
+        if sorted(i for sub in indices for i in sub) != list(range(len(where))):
+            raise RuntimeError(f"epilogue subtiles of {self.epi_tile} do not cover the "
+                               f"{self.tile_mnk[:2]} accumulators exactly once")
+        return indices
 
     def _r2s_atom(self, dtype):
         if self.use_stmatrix:
