@@ -169,9 +169,10 @@ def test_variant_compiles_to_wgmma(compiled, name):
     assert "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx  # TMA loads into the pipeline
     assert ".bulk_group" in ptx  # TMA stores of the epilogue
     if VARIANTS[name][5] in ("alpha_beta", "f32_tile", "multi"):
-        # TILE operands are TMA-loaded into smem and read from there, not gathered from
-        # global memory ("multi" still gathers its row/column vectors)
-        assert "ld.shared" in ptx
+        # TILE operands are TMA-loaded into smem and read from there (16-bit ones by
+        # ldmatrix), not gathered from global memory ("multi" still gathers its row/column
+        # vectors)
+        assert ("ld.shared" if VARIANTS[name][5] == "f32_tile" else "ldmatrix") in ptx
         assert "ld.global" not in ptx or VARIANTS[name][5] == "multi"
     cfg = VARIANTS[name][4]
     if cfg[2] * cfg[3] > 1:

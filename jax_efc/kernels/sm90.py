@@ -318,7 +318,12 @@ class Sm90FusedGemm:
             frag = cute.make_rmem_tensor(frag_shape, cutlass.Float32)
             frag_out = [cute.make_rmem_tensor(frag_shape, self.out_dtypes[i])
                         for i in range(n_out)]
-            frag_c = [cute.make_rmem_tensor(frag_shape, cutlass.Float32) for _ in range(n_tc)]
+            # TILE operands come back from smem through the same partition (ldmatrix for
+            # 16-bit operands: four 8x8 blocks per instruction instead of one value per load)
+            s2r = [cute.make_tiled_copy_S(self._s2r_atom(dt), c_layout_atom) for dt in self.tile_op_dtypes]
+            tSR_sC = [s2r[j].get_slice(ctid).partition_S(sC[j]) for j in range(n_tc)]
+            frag_c = [cute.make_rmem_tensor(frag_shape, dt) for dt in self.tile_op_dtypes]
+            tSR_rC = [s2r[j].retile(frag_c[j]) for j in range(n_tc)]
             # (m, n) of every accumulator register within the tile, straight from the MMA's
             # own partition, and which registers make up each subtile's fragment
             tCcT = thr_mma.partition_C(cute.make_identity_tensor(self.tile_mnk[:2]))
@@ -392,7 +397,7 @@ class Sm90FusedGemm:
 
                 # ---- epilogue
                 subtile_count = self._epilogue(
-                    acc, acc_index, tCcT, frag, frag_out, frag_c, r2s, tRS_sD, sC, sD, gD,
+                    acc, acc_index, tCcT, frag, frag_out, frag_c, r2s, tRS_sD, s2r, tSR_sC, tSR_rC, sD, gD,
                     tma_d, tma_c, bSC, c_bar, c_bytes, operands, mD[0], epi_barrier, store_pipe,
                     is_store_warp, m_idx, n_idx, l_idx, subtile_count,
                 )
@@ -455,7 +460,8 @@ class Sm90FusedGemm:
 
     @cute.jit
     def _epilogue(self, acc: cute.Tensor, acc_index, tCcT: cute.Tensor, frag: cute.Tensor,
-                  frag_out, frag_c, r2s, tRS_sD, sC, sD, gD, tma_d, tma_c, bSC, c_bar, c_bytes,
+                  frag_out, frag_c, r2s, tRS_sD, s2r, tSR_sC, tSR_rC, sD, gD, tma_d, tma_c, bSC,
+                  c_bar, c_bytes,
                   operands, mD0: cute.Tensor, epi_barrier, store_pipe, is_store_warp,
                   m_idx, n_idx, l_idx, subtile_count):
         """The fused epilogue of one tile, one (tile_m x epi_n) subtile at a time, through
@@ -482,10 +488,8 @@ class Sm90FusedGemm:
                 # subtile_count-th load into this buffer: its parity is the phase
                 cute.arch.mbarrier_wait(c_bar + buf, (subtile_count // _EPI_STAGES) % 2)
                 for j in cutlass.range_constexpr(n_tc):
-                    for v in cutlass.range_constexpr(frag_size):
-                        mc = tCcT[sub_index[v]]
-                        frag_c[j][v] = sC[j][(mc[0], mc[1] - s * self.epi_n, buf)].to(cutlass.Float32)
-                    preloaded[self.tile_ops[j]] = frag_c[j].load()
+                    cute.copy(s2r[j], tSR_sC[j][(None, None, None, buf)], tSR_rC[j])
+                    preloaded[self.tile_ops[j]] = frag_c[j].load().to(cutlass.Float32)
             outs = self.visitor(frag.load(), coords, operands, mn_extent, l_idx, preloaded)
             for i in cutlass.range_constexpr(n_out):
                 frag_out[i].store(outs[i])
@@ -536,6 +540,12 @@ class Sm90FusedGemm:
     def _r2s_atom(self, dtype):
         if self.use_stmatrix:
             return cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), dtype)
+        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
+
+    @staticmethod
+    def _s2r_atom(dtype):
+        if dtype.width == 16:
+            return cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), dtype)
         return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
 
 
