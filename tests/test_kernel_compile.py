@@ -248,7 +248,9 @@ def test_supported_and_heuristic():
     # large problems: ping-pong 128x128 in 1x2 clusters; smaller ones: cooperative
     cfg = choose_config(problem, 8192, 8192, 8192, 1)
     assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (128, 128, 1, 2, True)
-    cfg = choose_config(problem, 1000, 4096, 4096, 1)
+    cfg = choose_config(problem, 1000, 4096, 4096, 1)  # 128 tiles of 128x256: one wave
+    assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 256, False)
+    cfg = choose_config(problem, 1000, 2048, 4096, 1)
     assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 128, False)
     cfg = choose_config(problem, 512, 16384, 4096, 1)
     assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 256, False)
