@@ -26,6 +26,8 @@ for epilogue operands; which mode is contiguous (the "major") is a compile-time 
 
 from __future__ import annotations
 
+import dataclasses
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -66,6 +68,38 @@ _EPI_BARRIER_ID = 1  # named barrier 0 is __syncthreads; ping-pong consumer g us
 # around its epilogue (256 threads each: both warpgroups)
 _MMA_ORDER_ID = 3
 _EPI_ORDER_ID = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class _ConsumerEpilogue:
+    """One consumer group's epilogue machinery, built at trace time before its tile loop.
+    Frozen, so the DSL's loops read it rather than carry it as loop state."""
+
+    operands: tuple  # the epilogue operand tensors, (M|1, N|1, L|1)
+    mn_extent: tuple  # (M, N) of the outputs
+    # per output: smem buffers, (bM, bN, RestM, RestN, RestL) global tiles, TMA-store atom,
+    # register->smem copy and its smem partition, and the converted register fragment
+    sD: list
+    gD: list
+    tma_d: tuple
+    r2s: list
+    tRS_sD: list
+    frag_out: list
+    # per TILE operand: the same the other way, plus the "full" mbarriers of its buffers
+    sC: list
+    gC: list
+    tma_c: tuple
+    s2r: list
+    tSR_sC: list
+    tSR_rC: list
+    frag_c: list
+    c_bar: object
+    frag: cute.Tensor  # fp32 accumulator values of one subtile
+    tCcT: cute.Tensor  # (m, n) within the tile of each accumulator register
+    acc_index: list  # per subtile, the accumulator registers behind `frag`
+    barrier: pipeline.NamedBarrier  # the group's epilogue threads
+    store_pipe: pipeline.PipelineTmaStore
+    is_store_warp: object  # this warp issues the group's TMA stores and TILE-operand loads
 
 
 class Sm90FusedGemm:
@@ -216,7 +250,6 @@ class Sm90FusedGemm:
         sC = [smem.allocate_tensor(self.tile_op_dtypes[j], c_smem[j].outer, _ALIGN, c_smem[j].inner)
               for j in range(n_tc)]
         c_bar = None
-        c_bytes = self.tile_op_bytes
         if cutlass.const_expr(n_tc > 0):
             # one "full" mbarrier per operand buffer, completed by the TMA transaction bytes
             c_bar = smem.allocate_array(cutlass.Int64, _EPI_STAGES, byte_alignment=8)
@@ -303,45 +336,9 @@ class Sm90FusedGemm:
             thr_mma = tiled_mma.get_slice(ctid)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-            gD0 = cute.local_tile(mD[0], cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
-            acc = cute.make_rmem_tensor(thr_mma.partition_C(gD0).shape[:3], cutlass.Float32)
-
-            # register -> smem copies share one thread/value partition for all outputs so
-            # the visitor's fragments line up with every output's buffer.
-            c_layout_atom = cute.make_tiled_copy_C_atom(
-                cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.BFloat16), tiled_mma
-            )
-            r2s = [cute.make_tiled_copy_S(self._r2s_atom(self.out_dtypes[i]), c_layout_atom)
-                   for i in range(n_out)]
-            tRS_sD = [r2s[i].get_slice(ctid).partition_D(sD[i]) for i in range(n_out)]
-            frag_shape = cute.shape(r2s[0].get_slice(ctid).partition_S(sD[0]))[:3]
-            frag = cute.make_rmem_tensor(frag_shape, cutlass.Float32)
-            frag_out = [cute.make_rmem_tensor(frag_shape, self.out_dtypes[i])
-                        for i in range(n_out)]
-            # TILE operands come back from smem through the same partition (ldmatrix for
-            # 16-bit operands: four 8x8 blocks per instruction instead of one value per load)
-            s2r = [cute.make_tiled_copy_S(self._s2r_atom(dt), c_layout_atom) for dt in self.tile_op_dtypes]
-            tSR_sC = [s2r[j].get_slice(ctid).partition_S(sC[j]) for j in range(n_tc)]
-            frag_c = [cute.make_rmem_tensor(frag_shape, dt) for dt in self.tile_op_dtypes]
-            tSR_rC = [s2r[j].retile(frag_c[j]) for j in range(n_tc)]
-            # (m, n) of every accumulator register within the tile, straight from the MMA's
-            # own partition, and which registers make up each subtile's fragment
-            tCcT = thr_mma.partition_C(cute.make_identity_tensor(self.tile_mnk[:2]))
-            acc_index = self._subtile_acc_indices(tiled_mma, r2s[0])
-            gD = [cute.local_tile(mD[i], cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
-                  for i in range(n_out)]
-
-            epi_barrier = pipeline.NamedBarrier(barrier_id=_EPI_BARRIER_ID + group,
-                                                num_threads=self.n_epi_threads)
-            store_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=_EPI_STAGES,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.n_epi_threads),
-            )
-            # the first warp of the group issues its TMA stores and TILE-operand loads
-            is_store_warp = warp_idx == 4 + 4 * self.n_mma_wg * group
-            gC = [cute.local_tile(mC[j], cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
-                  for j in range(n_tc)]
-
+            epi = self._consumer_epilogue(tiled_mma, ctid, group, warp_idx, mD, sD, tma_d,
+                                          operands, mC, sC, tma_c, c_bar)
+            acc = cute.make_rmem_tensor(cute.shape(epi.tCcT), cutlass.Float32)
             sched = utils.StaticPersistentTileScheduler.create(
                 sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
             )
@@ -365,16 +362,11 @@ class Sm90FusedGemm:
             work = sched.get_current_work()
             while work.is_valid_tile:
                 m_idx, n_idx, l_idx = work.tile_idx
-                # ---- TILE operands: TMA partitions of this tile's subtiles
-                bSC = [cpasync.tma_partition(
-                    tma_c[j], 0, cute.make_layout(1), cute.group_modes(sC[j], 0, 2),
-                    cute.zipped_divide(
-                        gC[j][(None, None, m_idx, n_idx, l_idx if self.tile_op_batched[j] else 0)],
-                        self.epi_tile),
-                ) for j in range(n_tc)]
+                # TMA partitions of this tile's TILE-operand subtiles
+                bSC = self._tile_op_partitions(epi, m_idx, n_idx, l_idx)
                 if cutlass.const_expr(not self.pingpong):
                     # the buffers are free: the first subtiles arrive while the mainloop runs
-                    self._prefetch_tile_ops(tma_c, bSC, c_bar, c_bytes, is_store_warp, subtile_count)
+                    self._prefetch_tile_ops(epi, bSC, subtile_count)
                 # ---- mainloop (ping-pong: in turn with the other consumer)
                 if cutlass.const_expr(self.pingpong):
                     self._order_barrier(_MMA_ORDER_ID, group).arrive_and_wait()
@@ -393,24 +385,20 @@ class Sm90FusedGemm:
                     # our turn with the epilogue buffers (the other consumer's stores have
                     # read them); the first subtiles load while the acc is converted
                     self._order_barrier(_EPI_ORDER_ID, group).arrive_and_wait()
-                    self._prefetch_tile_ops(tma_c, bSC, c_bar, c_bytes, is_store_warp, subtile_count)
+                    self._prefetch_tile_ops(epi, bSC, subtile_count)
 
                 # ---- epilogue
-                subtile_count = self._epilogue(
-                    acc, acc_index, tCcT, frag, frag_out, frag_c, r2s, tRS_sD, s2r, tSR_sC, tSR_rC, sD, gD,
-                    tma_d, tma_c, bSC, c_bar, c_bytes, operands, mD[0], epi_barrier, store_pipe,
-                    is_store_warp, m_idx, n_idx, l_idx, subtile_count,
-                )
+                subtile_count = self._epilogue(epi, acc, bSC, m_idx, n_idx, l_idx, subtile_count)
                 if cutlass.const_expr(self.pingpong):
                     # hand the buffers over once our TMA stores have read them
-                    if is_store_warp:
-                        store_pipe.producer_tail()
+                    if epi.is_store_warp:
+                        epi.store_pipe.producer_tail()
                     self._order_barrier(_EPI_ORDER_ID, 1 - group).arrive()
                     subtile_count += n_sub  # the other consumer's tile
                 sched.advance_to_next_work(advance_count=self.n_epi_groups)
                 work = sched.get_current_work()
-            if is_store_warp:
-                store_pipe.producer_tail()
+            if epi.is_store_warp:
+                epi.store_pipe.producer_tail()
 
     @staticmethod
     def _skip_tile(sched):
@@ -425,12 +413,12 @@ class Sm90FusedGemm:
         return pipeline.NamedBarrier(barrier_id=first_id + group, num_threads=2 * _WG)
 
     @cute.jit
-    def _prefetch_tile_ops(self, tma_c, bSC, c_bar, c_bytes, is_store_warp, subtile_count):
+    def _prefetch_tile_ops(self, epi: _ConsumerEpilogue, bSC, subtile_count):
         """Start the TMA loads of a tile's first ``_EPI_STAGES`` TILE-operand subtiles."""
         if cutlass.const_expr(len(bSC) > 0):
-            if is_store_warp:
+            if epi.is_store_warp:
                 for s in cutlass.range_constexpr(min(self.tile_mnk[1] // self.epi_n, _EPI_STAGES)):
-                    self._load_tile_ops(tma_c, bSC, c_bar, c_bytes, s, (subtile_count + s) % _EPI_STAGES)
+                    self._load_tile_ops(epi, bSC, s, (subtile_count + s) % _EPI_STAGES)
 
     @cute.jit
     def _mainloop(self, mainloop, read, release, tiled_mma: cute.TiledMma, acc: cute.Tensor,
@@ -458,66 +446,113 @@ class Sm90FusedGemm:
             read.advance()
         return read, release, tiled_mma
 
+    def _consumer_epilogue(self, tiled_mma: cute.TiledMma, ctid, group, warp_idx, mD, sD,
+                           tma_d, operands, mC, sC, tma_c, c_bar) -> _ConsumerEpilogue:
+        """Build consumer ``group``'s epilogue machinery for thread ``ctid`` of the group."""
+        tile_2d = cute.slice_(self.tile_mnk, (None, None, 0))
+        # register <-> smem copies share one thread/value partition for all outputs and TILE
+        # operands, so the visitor's fragments line up with every buffer
+        c_layout_atom = cute.make_tiled_copy_C_atom(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.BFloat16), tiled_mma
+        )
+        r2s = [cute.make_tiled_copy_S(self._r2s_atom(dt), c_layout_atom) for dt in self.out_dtypes]
+        frag_shape = cute.shape(r2s[0].get_slice(ctid).partition_S(sD[0]))[:3]
+        # TILE operands come back from smem by ldmatrix when 16-bit (four 8x8 blocks per
+        # instruction instead of one value per load)
+        s2r = [cute.make_tiled_copy_S(self._s2r_atom(dt), c_layout_atom) for dt in self.tile_op_dtypes]
+        frag_c = [cute.make_rmem_tensor(frag_shape, dt) for dt in self.tile_op_dtypes]
+        return _ConsumerEpilogue(
+            operands=operands,
+            mn_extent=(mD[0].shape[0], mD[0].shape[1]),
+            sD=sD,
+            gD=[cute.local_tile(t, tile_2d, (None, None, None)) for t in mD],
+            tma_d=tma_d,
+            r2s=r2s,
+            tRS_sD=[c.get_slice(ctid).partition_D(t) for c, t in zip(r2s, sD)],
+            frag_out=[cute.make_rmem_tensor(frag_shape, dt) for dt in self.out_dtypes],
+            sC=sC,
+            gC=[cute.local_tile(t, tile_2d, (None, None, None)) for t in mC],
+            tma_c=tma_c,
+            s2r=s2r,
+            tSR_sC=[c.get_slice(ctid).partition_S(t) for c, t in zip(s2r, sC)],
+            tSR_rC=[c.retile(f) for c, f in zip(s2r, frag_c)],
+            frag_c=frag_c,
+            c_bar=c_bar,
+            frag=cute.make_rmem_tensor(frag_shape, cutlass.Float32),
+            tCcT=tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor(self.tile_mnk[:2])),
+            acc_index=self._subtile_acc_indices(tiled_mma, r2s[0]),
+            barrier=pipeline.NamedBarrier(barrier_id=_EPI_BARRIER_ID + group, num_threads=self.n_epi_threads),
+            store_pipe=pipeline.PipelineTmaStore.create(
+                num_stages=_EPI_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.n_epi_threads),
+            ),
+            is_store_warp=warp_idx == 4 + 4 * self.n_mma_wg * group,
+        )
+
+    def _tile_op_partitions(self, epi: _ConsumerEpilogue, m_idx, n_idx, l_idx) -> list:
+        """(smem, gmem) TMA partitions of tile (m_idx, n_idx, l_idx)'s TILE-operand subtiles."""
+        return [cpasync.tma_partition(
+            epi.tma_c[j], 0, cute.make_layout(1), cute.group_modes(epi.sC[j], 0, 2),
+            cute.zipped_divide(
+                epi.gC[j][(None, None, m_idx, n_idx, l_idx if self.tile_op_batched[j] else 0)],
+                self.epi_tile),
+        ) for j in range(len(self.tile_ops))]
+
     @cute.jit
-    def _epilogue(self, acc: cute.Tensor, acc_index, tCcT: cute.Tensor, frag: cute.Tensor,
-                  frag_out, frag_c, r2s, tRS_sD, s2r, tSR_sC, tSR_rC, sD, gD, tma_d, tma_c, bSC,
-                  c_bar, c_bytes,
-                  operands, mD0: cute.Tensor, epi_barrier, store_pipe, is_store_warp,
-                  m_idx, n_idx, l_idx, subtile_count):
+    def _epilogue(self, epi: _ConsumerEpilogue, acc: cute.Tensor, bSC, m_idx, n_idx, l_idx,
+                  subtile_count):
         """The fused epilogue of one tile, one (tile_m x epi_n) subtile at a time, through
         the ``_EPI_STAGES`` epilogue smem buffers. Returns the running subtile count."""
         n_out = len(self.out_dtypes)
         n_tc = len(self.tile_ops)
         n_sub = self.tile_mnk[1] // self.epi_n
-        frag_size = cute.size(frag)
-        mn_extent = (mD0.shape[0], mD0.shape[1])
+        frag = epi.frag
         # (epi_m, epi_n, 1, subtiles) coordinates of this tile's outputs
         bSG = [cpasync.tma_partition(
-            tma_d[i], 0, cute.make_layout(1), cute.group_modes(sD[i], 0, 2),
-            cute.zipped_divide(gD[i][(None, None, m_idx, n_idx, l_idx)], self.epi_tile),
+            epi.tma_d[i], 0, cute.make_layout(1), cute.group_modes(epi.sD[i], 0, 2),
+            cute.zipped_divide(epi.gD[i][(None, None, m_idx, n_idx, l_idx)], self.epi_tile),
         ) for i in range(n_out)]
         for s in cutlass.range_constexpr(n_sub):
-            sub_index = acc_index[s]
-            for v in cutlass.range_constexpr(frag_size):
+            sub_index = epi.acc_index[s]
+            for v in cutlass.range_constexpr(cute.size(frag)):
                 frag[v] = acc[sub_index[v]]
-            coords = _tile_coords(tCcT, sub_index,
+            coords = _tile_coords(epi.tCcT, sub_index,
                                   m_idx * self.tile_mnk[0], n_idx * self.tile_mnk[1])
             buf = subtile_count % _EPI_STAGES
             preloaded = {}
             if cutlass.const_expr(n_tc > 0):
                 # subtile_count-th load into this buffer: its parity is the phase
-                cute.arch.mbarrier_wait(c_bar + buf, (subtile_count // _EPI_STAGES) % 2)
+                cute.arch.mbarrier_wait(epi.c_bar + buf, (subtile_count // _EPI_STAGES) % 2)
                 for j in cutlass.range_constexpr(n_tc):
-                    cute.copy(s2r[j], tSR_sC[j][(None, None, None, buf)], tSR_rC[j])
-                    preloaded[self.tile_ops[j]] = frag_c[j].load().to(cutlass.Float32)
-            outs = self.visitor(frag.load(), coords, operands, mn_extent, l_idx, preloaded)
+                    cute.copy(epi.s2r[j], epi.tSR_sC[j][(None, None, None, buf)], epi.tSR_rC[j])
+                    preloaded[self.tile_ops[j]] = epi.frag_c[j].load().to(cutlass.Float32)
+            outs = self.visitor(frag.load(), coords, epi.operands, epi.mn_extent, l_idx, preloaded)
             for i in cutlass.range_constexpr(n_out):
-                frag_out[i].store(outs[i])
-                cute.copy(r2s[i], frag_out[i], tRS_sD[i][(None, None, None, buf)])
+                epi.frag_out[i].store(outs[i])
+                cute.copy(epi.r2s[i], epi.frag_out[i], epi.tRS_sD[i][(None, None, None, buf)])
             # make the generic-proxy smem writes visible to the TMA (async proxy)
             cute.arch.fence_proxy("async.shared", space="cta")
-            epi_barrier.arrive_and_wait()
-            if is_store_warp:
+            epi.barrier.arrive_and_wait()
+            if epi.is_store_warp:
                 for i in cutlass.range_constexpr(n_out):
                     s_part, g_part = bSG[i]
-                    cute.copy(tma_d[i], s_part[(None, buf)], g_part[(None, s)])
-                store_pipe.producer_commit()
+                    cute.copy(epi.tma_d[i], s_part[(None, buf)], g_part[(None, s)])
+                epi.store_pipe.producer_commit()
                 # every thread has read operand buffer `buf` (barrier above): refill it
                 if cutlass.const_expr(n_tc > 0 and s + _EPI_STAGES < n_sub):
-                    self._load_tile_ops(tma_c, bSC, c_bar, c_bytes, s + _EPI_STAGES, buf)
-                store_pipe.producer_acquire()
-            epi_barrier.arrive_and_wait()
+                    self._load_tile_ops(epi, bSC, s + _EPI_STAGES, buf)
+                epi.store_pipe.producer_acquire()
+            epi.barrier.arrive_and_wait()
             subtile_count += 1
         return subtile_count
 
-    @staticmethod
-    def _load_tile_ops(tma_c, bSC, c_bar, c_bytes, s, buf):
+    def _load_tile_ops(self, epi: _ConsumerEpilogue, bSC, s, buf):
         """TMA-load subtile ``s`` of every TILE operand into buffer ``buf`` (one warp)."""
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(c_bar + buf, c_bytes)
+            cute.arch.mbarrier_arrive_and_expect_tx(epi.c_bar + buf, self.tile_op_bytes)
         for j in range(len(bSC)):  # plain Python: helpers are not preprocessed
             s_part, g_part = bSC[j]
-            cute.copy(tma_c[j], g_part[(None, s)], s_part[(None, buf)], tma_bar_ptr=c_bar + buf)
+            cute.copy(epi.tma_c[j], g_part[(None, s)], s_part[(None, buf)], tma_bar_ptr=epi.c_bar + buf)
 
     def _subtile_acc_indices(self, tiled_mma: cute.TiledMma, r2s: cute.TiledCopy) -> list[list[int]]:
         """For each epilogue subtile, the accumulator element behind each value of the
