@@ -20,10 +20,10 @@ import numpy as np
 
 from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR
+from jax_efc.kernels import DEFAULT_SM_COUNT
 
 __all__ = ["device_arch", "unsupported_reason", "fused_gemm"]
 
-_DEFAULT_SM_COUNT = 132  # H100/H200 SXM, used when compiling without a GPU
 _KERNELS: dict[tuple, Any] = {}  # compile key -> kernel object (re-lowering reuses it)
 
 
@@ -43,13 +43,15 @@ def device_arch() -> str | None:
     return f"sm_{major}{minor}a" if major in ("9", "10") else f"sm_{major}{minor}"
 
 
+@functools.cache
 def _sm_count() -> int:
+    """SMs of the first CUDA device (it sizes the tile heuristic and the persistent grid)."""
     try:
         import jax
 
         return int(jax.devices("cuda")[0].core_count)
     except Exception:
-        return _DEFAULT_SM_COUNT
+        return DEFAULT_SM_COUNT
 
 
 @functools.cache
@@ -92,7 +94,7 @@ def _problem(ir: EpilogueIR, a, b, operands, transpose_a, transpose_b, acc_dtype
     )
     mnkl = (m, n, k, batch or 1)
     if config is None:
-        problem = dataclasses.replace(problem, config=choose_config(problem, *mnkl))
+        problem = dataclasses.replace(problem, config=choose_config(problem, *mnkl, sm_count=_sm_count()))
     return problem, mnkl
 
 

@@ -252,6 +252,8 @@ def test_supported_and_heuristic():
     assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 256, False)
     cfg = choose_config(problem, 1000, 2048, 4096, 1)
     assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 128, False)
+    # on a 78-SM part the same 1000x4096 problem has enough 128x128 tiles for ping-pong
+    assert choose_config(problem, 1000, 4096, 4096, 1, sm_count=78).pingpong
     cfg = choose_config(problem, 512, 16384, 4096, 1)
     assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 256, False)
     assert not choose_config(problem, 8192, 128, 8192, 1).pingpong  # one N tile: no 1x2 cluster

@@ -13,9 +13,12 @@ import dataclasses
 from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR, Role
 
-__all__ = ["KernelProblem", "unsupported_reason", "choose_config", "SUPPORTED_ARCHS"]
+__all__ = ["KernelProblem", "unsupported_reason", "choose_config", "SUPPORTED_ARCHS", "DEFAULT_SM_COUNT"]
 
 SUPPORTED_ARCHS = ("sm_90a",)
+# SMs of an H100/H200 SXM: what the heuristic and the persistent grid assume when compiling
+# without a GPU (with one, the device's own count is used)
+DEFAULT_SM_COUNT = 132
 
 _AB_DTYPES = ("bfloat16", "float16")
 _OUT_DTYPES = ("bfloat16", "float16", "float32")
@@ -211,12 +214,9 @@ def pipeline_stages(problem: KernelProblem) -> int:
     return min(cfg.stages or _MAX_STAGES, fit)
 
 
-def _sm_count() -> int:
-    return 132  # H100/H200 SXM; only used to size the heuristic, never for correctness
-
-
-def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int) -> GemmConfig:
-    """A tile and cluster shape for an M x N x K x L GEMM.
+def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
+                  sm_count: int = DEFAULT_SM_COUNT) -> GemmConfig:
+    """A tile and cluster shape for an M x N x K x L GEMM on a GPU with ``sm_count`` SMs.
 
     Large problems (at least two 128x128 tiles per SM) run ping-pong 128x128 tiles in 1x2
     clusters: one consumer's epilogue hides under the other's mainloop, and each A tile is
@@ -227,7 +227,7 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int) -> Gem
     most SMs idle), with a 2x1 cluster multicasting B when M spans several tiles.
     Large problems walk the tiles in bands of 8 clusters for L2 reuse.
     """
-    sms = _sm_count()
+    sms = sm_count
 
     def tiles(tm: int, tn: int) -> int:
         return -(-m // tm) * -(-n // tn) * l
