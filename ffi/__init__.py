@@ -106,15 +106,21 @@ def unsupported_reason(ir: EpilogueIR, a, b, operands: Sequence[Any], *, transpo
     ``a``, ``b`` and ``operands`` are avals (anything with ``shape``/``dtype``) in the
     primitive's canonical shapes, which its abstract evaluation has already checked.
     """
+    return _checked_problem(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch)[0]
+
+
+def _checked_problem(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch):
+    """(reason or None, problem or None, (M, N, K, L) or None): the problem is built once for
+    both the refusal check and the launch."""
     if arch is None:
-        return "no CUDA device and CUTE_DSL_ARCH is unset; the kernels need an sm_90a GPU."
+        return "no CUDA device and CUTE_DSL_ARCH is unset; the kernels need an sm_90a GPU.", None, None
     reason = _dsl_reason()
     if reason:
-        return reason
+        return reason, None, None
     from jax_efc.kernels import unsupported_reason as kernel_reason
 
     problem, mnkl = _problem(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch)
-    return kernel_reason(problem, mnkl)
+    return kernel_reason(problem, mnkl), problem, mnkl
 
 
 def _as3d(x):
@@ -143,11 +149,11 @@ def fused_gemm(a, b, *operands, ir: EpilogueIR, transpose_a: bool, transpose_b: 
     import jax
     from cutlass.jax import TensorSpec, cutlass_call
 
-    reason = unsupported_reason(ir, a, b, operands, transpose_a=transpose_a, transpose_b=transpose_b,
-                                acc_dtype=acc_dtype, config=config, arch=arch)
+    reason, problem, mnkl = _checked_problem(ir, a, b, operands, transpose_a, transpose_b, acc_dtype,
+                                             config, arch)
     if reason:
         raise ValueError(f"jax_efc kernel cannot run this GEMM: {reason}")
-    problem, (m, n, _, batch) = _problem(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch)
+    m, n, _, batch = mnkl
     key, kernel = _kernel(problem, _sm_count())
 
     # (L, r, c) row-major -> the kernel's (r|c, c|r, L) views: (1, 2, 0) keeps the rows
