@@ -126,6 +126,20 @@ def test_math_ops():
     _run(fn, [((512, 512), "float32")], m=512, n=512, k=256, config=(128, 128, 1, 1))
 
 
+def test_fast_erf_erfc_float32():
+    """erf/erfc run as rational fits (visitor.py): fp32 outputs hold them to the reference,
+    and log(erfc) of arguments up to about 8 checks erfc's relative accuracy in its tail."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    def fn(acc):
+        z = acc * 0.1
+        return {"erf": lax.erf(z), "erfc": lax.erfc(z), "log_tail": jnp.log(lax.erfc(jnp.abs(z)))}
+
+    _run(fn, [], m=512, n=512, k=256, config=(128, 128, 1, 1), tol=2e-5,
+         out_dtypes={"erf": jnp.float32, "erfc": jnp.float32, "log_tail": jnp.float32})
+
+
 # TILE operands are TMA-loaded per epilogue subtile into shared memory (two buffers, the first
 # two subtiles fetched under the mainloop): partial edge tiles, several outputs of different
 # dtypes, 16- and 32-bit operands, operands shared across the batch, 32- and 64-wide subtiles.

@@ -271,15 +271,19 @@ def test_supported_and_heuristic():
                             [(8192, 8192)] * 2, [jnp.bfloat16] * 2, {}, {},
                             {"D": jnp.bfloat16, "Y": jnp.bfloat16}, jnp.bfloat16)
     p_ab = dataclasses.replace(problem, ir=ab, operand_batched=(False, False))
-    cfg = choose_config(p_ab, 8192, 8192, 8192, 1)
-    assert (cfg.tile_n, cfg.epi_n) == (256, 32)
     from jax_efc.kernels import pipeline_stages
+    # 16-bit: the four buffers leave the ping-pong ring 5 stages, enough for ping-pong
+    cfg = choose_config(p_ab, 8192, 8192, 8192, 1)
+    assert (cfg.tile_n, cfg.pingpong) == (128, True)
+    assert pipeline_stages(dataclasses.replace(p_ab, config=cfg)) == 5
+    cfg = choose_config(p_ab, 512, 16384, 8192, 1)
+    assert (cfg.tile_n, cfg.epi_n, cfg.pingpong) == (256, 32, False)
     assert pipeline_stages(dataclasses.replace(p_ab, config=cfg)) == 3
     ab32, *_ = trace_epilogue(lambda acc, c, x: {"D": acc * 2 + c + x, "Y": acc}, (8192, 8192),
                               [(8192, 8192)] * 2, [jnp.bfloat16] * 2, {}, {},
                               {"D": jnp.float32, "Y": jnp.float32}, jnp.bfloat16)
     cfg = choose_config(dataclasses.replace(p_ab, ir=ab32), 8192, 8192, 8192, 1)
-    assert cfg.tile_n == 128
+    assert (cfg.tile_n, cfg.pingpong) == (128, False)
 
 
 def test_device_arch_from_env(monkeypatch):
