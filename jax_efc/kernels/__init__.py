@@ -227,10 +227,11 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     Large problems (at least two 128x128 tiles per SM) run ping-pong 128x128 tiles in 1x2
     clusters: one consumer's epilogue hides under the other's mainloop, and each A tile is
     multicast to the two CTAs along N. When the epilogue's smem buffers would leave the
-    ping-pong ring fewer than 5 stages (TILE operands), or the problem is smaller, the
-    cooperative schedule runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per
-    thread) when they (nearly) fill the SMs, else 128x128 (or 64x128 when even those leave
-    most SMs idle), with a 2x1 cluster multicasting B when M spans several tiles.
+    ping-pong ring fewer than 5 stages (two fp32 outputs next to two TILE operands), or the
+    problem is smaller, the cooperative schedule runs: 128x256 tiles (two warpgroups, 128
+    fp32 accumulators per thread) when they (nearly) fill the SMs, else 128x128 (or 64x128
+    when even those leave most SMs idle), with a 2x1 cluster multicasting B when M spans
+    several tiles.
     Large problems walk the tiles in bands of 8 clusters for L2 reuse.
     """
     sms = sm_count
