@@ -31,12 +31,20 @@ _TILE_N = (64, 128, 192, 256)
 # portable cluster sizes (those guaranteed schedulable on every SM90 part) stop at 8 and
 # the multicast benefit flattens past 2; we allow the shapes we test: 1x1, 2x1, 1x2, 2x2.
 _MAX_CLUSTER = 4
-# shared-memory budget (bytes per CTA on SM90, opt-in) and the layout constants the kernel uses
+# shared-memory budget (bytes per CTA on SM90, opt-in)
 _SMEM_BYTES = 232448
-_SMEM_ALIGN = 1024
-_TILE_K = 64
-_EPI_STAGES = 2
 _MAX_STAGES = 8
+# Layout constants the kernels build with and pipeline_stages counts with (one definition
+# for both, so the accounting cannot drift from the allocation):
+# WGMMA for 16-bit inputs consumes K in steps of 16; four steps per pipeline stage make a
+# 64-deep k-tile = 128 bytes of a K-major row, exactly one 128-byte swizzle atom.
+TILE_K = 64
+# Two smem buffers per output (TMA stores) and per TILE operand (TMA loads, prefetched two
+# subtiles ahead; a tile's first two are issued before its mainloop when cooperative, at
+# the start of its epilogue with ping-pong, where the other consumer may hold the buffers).
+EPI_STAGES = 2
+# Each smem buffer is 1 KiB aligned (the 128-byte swizzle repeats every 1 KiB).
+SMEM_ALIGN = 1024
 # a ping-pong consumer warpgroup (128 threads) holds a whole tile's fp32 accumulators; past
 # 128 per thread the epilogue's temporaries no longer fit the 232-register budget
 _WG = 128
@@ -209,14 +217,14 @@ def pipeline_stages(problem: KernelProblem) -> int:
     as fit next to the epilogue buffers (two per output and per TILE operand; the ping-pong
     consumers take turns with one set)."""
     cfg = problem.config
-    ab_bytes = (cfg.tile_m + cfg.tile_n) * _TILE_K * _BITS[problem.ab_dtype] // 8
+    ab_bytes = (cfg.tile_m + cfg.tile_n) * TILE_K * _BITS[problem.ab_dtype] // 8
     epi_dtypes = [o.dtype for o in problem.ir.outputs] + \
         [problem.ir.operands[i].dtype for i in tile_operand_indices(problem.ir)]
-    epi_bytes = sum(_round_up(cfg.tile_m * cfg.epi_n * _BITS[d] // 8 * _EPI_STAGES, _SMEM_ALIGN)
+    epi_bytes = sum(_round_up(cfg.tile_m * cfg.epi_n * _BITS[d] // 8 * EPI_STAGES, SMEM_ALIGN)
                     for d in epi_dtypes)
     # every buffer is a whole number of 1 KiB blocks; the mbarrier arrays (pipeline and
     # TILE-operand barriers, well under 1 KiB) cost at most the padding to the next block each
-    fit = (_SMEM_BYTES - epi_bytes - 2 * _SMEM_ALIGN) // ab_bytes
+    fit = (_SMEM_BYTES - epi_bytes - 2 * SMEM_ALIGN) // ab_bytes
     return min(cfg.stages or _MAX_STAGES, fit)
 
 

@@ -37,25 +37,18 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from jax_efc.kernels import KernelProblem, pipeline_stages, tile_operand_indices
+from jax_efc.kernels import (EPI_STAGES, SMEM_ALIGN, TILE_K, KernelProblem, pipeline_stages,
+                             tile_operand_indices)
 from jax_efc.kernels.visitor import EpilogueVisitor, cutlass_dtype
 
 __all__ = ["Sm90FusedGemm"]
 
-# WGMMA for 16-bit inputs consumes K in steps of 16; four steps per pipeline stage make a
-# 64-deep k-tile = 128 bytes of a K-major row, exactly one 128-byte swizzle atom.
-_TILE_K = 64
 # Epilogue subtile width (GemmConfig.epi_n): 32 columns keeps the per-thread output
 # fragment at 16 values (128 rows x 32 cols / 256 cooperative threads; 32 for a 128-row
 # ping-pong consumer), i.e. few live registers on top of the accumulators; 64 halves the
-# barriers and TMA stores per tile.
-# Two smem buffers per output (TMA stores) and per TILE operand (TMA loads, prefetched two
-# subtiles ahead; a tile's first two are issued before its mainloop when cooperative, at
-# the start of its epilogue with ping-pong, where the other consumer may hold the buffers).
-_EPI_STAGES = 2
-# Each smem buffer is 1 KiB aligned (the 128-byte swizzle repeats every 1 KiB); the stage
-# count that fits Hopper's 227 KiB is computed by jax_efc.kernels.pipeline_stages.
-_ALIGN = 1024
+# barriers and TMA stores per tile. The k-tile depth, the epilogue buffer count and the smem
+# alignment (TILE_K, EPI_STAGES, SMEM_ALIGN) live in jax_efc.kernels, whose pipeline_stages
+# counts the stages that fit Hopper's 227 KiB next to them.
 # Register split across warpgroups (setmaxnreg): the producer needs few, the consumers hold
 # up to 128 fp32 accumulators each plus epilogue temporaries. 40 + 2 * 232 (x 128 threads)
 # fits the 64K-register file; the values must be multiples of 8.
@@ -109,7 +102,7 @@ class Sm90FusedGemm:
     def __init__(self, problem: KernelProblem, sm_count: int):
         cfg = problem.config
         self.problem = problem
-        self.tile_mnk = (cfg.tile_m, cfg.tile_n, _TILE_K)
+        self.tile_mnk = (cfg.tile_m, cfg.tile_n, TILE_K)
         self.cluster_mn = (cfg.cluster_m, cfg.cluster_n)
         self.max_active_clusters = sm_count // (cfg.cluster_m * cfg.cluster_n)
         self.raster_along_m = cfg.raster == "m"
@@ -162,14 +155,14 @@ class Sm90FusedGemm:
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.ab_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.ab_dtype, self.stages)
         d_smem = tuple(
-            sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, self.epi_tile, _EPI_STAGES)
+            sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, self.epi_tile, EPI_STAGES)
             for dt in self.out_dtypes
         )
         # A is shared by the CTAs of a cluster row (same M tile): multicast over cluster_n.
         tma_a, g_a = self._tma_load(a, a_smem, (self.tile_mnk[0], self.tile_mnk[2]), self.cluster_mn[1])
         tma_b, g_b = self._tma_load(b, b_smem, (self.tile_mnk[1], self.tile_mnk[2]), self.cluster_mn[0])
         c_smem = tuple(
-            sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, self.epi_tile, _EPI_STAGES)
+            sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, self.epi_tile, EPI_STAGES)
             for dt in self.tile_op_dtypes
         )
         tma_c, g_c = [], []
@@ -243,19 +236,19 @@ class Sm90FusedGemm:
         # ---- shared memory: pipeline barriers, A/B rings, one epilogue buffer per output
         smem = SmemAllocator()
         barriers = smem.allocate_array(cutlass.Int64, 2 * self.stages, byte_alignment=8)
-        sA = smem.allocate_tensor(self.ab_dtype, a_smem.outer, _ALIGN, a_smem.inner)
-        sB = smem.allocate_tensor(self.ab_dtype, b_smem.outer, _ALIGN, b_smem.inner)
-        sD = [smem.allocate_tensor(self.out_dtypes[i], d_smem[i].outer, _ALIGN, d_smem[i].inner)
+        sA = smem.allocate_tensor(self.ab_dtype, a_smem.outer, SMEM_ALIGN, a_smem.inner)
+        sB = smem.allocate_tensor(self.ab_dtype, b_smem.outer, SMEM_ALIGN, b_smem.inner)
+        sD = [smem.allocate_tensor(self.out_dtypes[i], d_smem[i].outer, SMEM_ALIGN, d_smem[i].inner)
               for i in range(n_out)]
-        sC = [smem.allocate_tensor(self.tile_op_dtypes[j], c_smem[j].outer, _ALIGN, c_smem[j].inner)
+        sC = [smem.allocate_tensor(self.tile_op_dtypes[j], c_smem[j].outer, SMEM_ALIGN, c_smem[j].inner)
               for j in range(n_tc)]
         c_bar = None
         if cutlass.const_expr(n_tc > 0):
             # one "full" mbarrier per operand buffer, completed by the TMA transaction bytes
-            c_bar = smem.allocate_array(cutlass.Int64, _EPI_STAGES, byte_alignment=8)
+            c_bar = smem.allocate_array(cutlass.Int64, EPI_STAGES, byte_alignment=8)
             if warp_idx == 0:
                 with cute.arch.elect_one():
-                    for b in cutlass.range_constexpr(_EPI_STAGES):
+                    for b in cutlass.range_constexpr(EPI_STAGES):
                         cute.arch.mbarrier_init(c_bar + b, 1)
             cute.arch.mbarrier_init_fence()
 
@@ -414,11 +407,11 @@ class Sm90FusedGemm:
 
     @cute.jit
     def _prefetch_tile_ops(self, epi: _ConsumerEpilogue, bSC, subtile_count):
-        """Start the TMA loads of a tile's first ``_EPI_STAGES`` TILE-operand subtiles."""
+        """Start the TMA loads of a tile's first ``EPI_STAGES`` TILE-operand subtiles."""
         if cutlass.const_expr(len(bSC) > 0):
             if epi.is_store_warp:
-                for s in cutlass.range_constexpr(min(self.tile_mnk[1] // self.epi_n, _EPI_STAGES)):
-                    self._load_tile_ops(epi, bSC, s, (subtile_count + s) % _EPI_STAGES)
+                for s in cutlass.range_constexpr(min(self.tile_mnk[1] // self.epi_n, EPI_STAGES)):
+                    self._load_tile_ops(epi, bSC, s, (subtile_count + s) % EPI_STAGES)
 
     @cute.jit
     def _mainloop(self, mainloop, read, release, tiled_mma: cute.TiledMma, acc: cute.Tensor,
@@ -483,7 +476,7 @@ class Sm90FusedGemm:
             acc_index=self._subtile_acc_indices(tiled_mma, r2s[0]),
             barrier=pipeline.NamedBarrier(barrier_id=_EPI_BARRIER_ID + group, num_threads=self.n_epi_threads),
             store_pipe=pipeline.PipelineTmaStore.create(
-                num_stages=_EPI_STAGES,
+                num_stages=EPI_STAGES,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.n_epi_threads),
             ),
             is_store_warp=warp_idx == 4 + 4 * self.n_mma_wg * group,
@@ -502,7 +495,7 @@ class Sm90FusedGemm:
     def _epilogue(self, epi: _ConsumerEpilogue, acc: cute.Tensor, bSC, m_idx, n_idx, l_idx,
                   subtile_count):
         """The fused epilogue of one tile, one (tile_m x epi_n) subtile at a time, through
-        the ``_EPI_STAGES`` epilogue smem buffers. Returns the running subtile count."""
+        the ``EPI_STAGES`` epilogue smem buffers. Returns the running subtile count."""
         n_out = len(self.out_dtypes)
         n_tc = len(self.tile_ops)
         n_sub = self.tile_mnk[1] // self.epi_n
@@ -518,11 +511,11 @@ class Sm90FusedGemm:
                 frag[v] = acc[sub_index[v]]
             coords = _tile_coords(epi.tCcT, sub_index,
                                   m_idx * self.tile_mnk[0], n_idx * self.tile_mnk[1])
-            buf = subtile_count % _EPI_STAGES
+            buf = subtile_count % EPI_STAGES
             preloaded = {}
             if cutlass.const_expr(n_tc > 0):
                 # subtile_count-th load into this buffer: its parity is the phase
-                cute.arch.mbarrier_wait(epi.c_bar + buf, (subtile_count // _EPI_STAGES) % 2)
+                cute.arch.mbarrier_wait(epi.c_bar + buf, (subtile_count // EPI_STAGES) % 2)
                 for j in cutlass.range_constexpr(n_tc):
                     cute.copy(epi.s2r[j], epi.tSR_sC[j][(None, None, None, buf)], epi.tSR_rC[j])
                     preloaded[self.tile_ops[j]] = epi.frag_c[j].load().to(cutlass.Float32)
@@ -539,8 +532,8 @@ class Sm90FusedGemm:
                     cute.copy(epi.tma_d[i], s_part[(None, buf)], g_part[(None, s)])
                 epi.store_pipe.producer_commit()
                 # every thread has read operand buffer `buf` (barrier above): refill it
-                if cutlass.const_expr(n_tc > 0 and s + _EPI_STAGES < n_sub):
-                    self._load_tile_ops(epi, bSC, s + _EPI_STAGES, buf)
+                if cutlass.const_expr(n_tc > 0 and s + EPI_STAGES < n_sub):
+                    self._load_tile_ops(epi, bSC, s + EPI_STAGES, buf)
                 epi.store_pipe.producer_acquire()
             epi.barrier.arrive_and_wait()
             subtile_count += 1
