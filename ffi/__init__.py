@@ -20,7 +20,7 @@ import numpy as np
 
 from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR
-from jax_efc.kernels import DEFAULT_SM_COUNT
+from jax_efc.kernels import DEFAULT_SM_COUNT, assumed_max_clusters
 
 __all__ = ["device_arch", "unsupported_reason", "fused_gemm"]
 
@@ -52,6 +52,39 @@ def _sm_count() -> int:
         return int(jax.devices("cuda")[0].core_count)
     except Exception:
         return DEFAULT_SM_COUNT
+
+
+def _query_max_active_clusters(cluster_size: int) -> int:
+    """Clusters of ``cluster_size`` one-CTA-per-SM blocks the first CUDA device runs at once,
+    asked of the driver's occupancy calculator in the device's primary context (which JAX
+    shares). Raises without a driver or a device."""
+    from cuda.bindings import driver
+    from cutlass.utils import HardwareInfo
+
+    def check(result):
+        err, *value = result if isinstance(result, tuple) else (result,)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver error {err}")
+        return value[0] if value else None
+
+    check(driver.cuInit(0))
+    device = check(driver.cuDeviceGet(0))
+    check(driver.cuCtxPushCurrent(check(driver.cuDevicePrimaryCtxRetain(device))))
+    try:
+        return int(HardwareInfo().get_max_active_clusters(cluster_size))
+    finally:
+        driver.cuCtxPopCurrent()
+        driver.cuDevicePrimaryCtxRelease(device)
+
+
+@functools.cache
+def _max_active_clusters(cluster_size: int) -> int:
+    """The persistent grid's size in clusters: the device's answer, or without a device
+    (compiling for export on a CPU machine) :func:`~jax_efc.kernels.assumed_max_clusters`."""
+    try:
+        return _query_max_active_clusters(cluster_size)
+    except Exception:
+        return assumed_max_clusters(cluster_size, _sm_count())
 
 
 @functools.cache
@@ -128,13 +161,15 @@ def _as3d(x):
     return x.reshape((1,) * (3 - x.ndim) + tuple(x.shape)) if x.ndim < 3 else x
 
 
-def _kernel(problem, sm_count: int):
-    key = (problem.compile_key, sm_count)
+def _kernel(problem):
+    cfg = problem.config
+    clusters = _max_active_clusters(cfg.cluster_m * cfg.cluster_n)
+    key = (problem.compile_key, clusters)
     kernel = _KERNELS.get(key)
     if kernel is None:
         from jax_efc.kernels.sm90 import Sm90FusedGemm
 
-        kernel = _KERNELS[key] = Sm90FusedGemm(problem, sm_count)
+        kernel = _KERNELS[key] = Sm90FusedGemm(problem, clusters)
     return key, kernel
 
 
@@ -154,7 +189,7 @@ def fused_gemm(a, b, *operands, ir: EpilogueIR, transpose_a: bool, transpose_b: 
     if reason:
         raise ValueError(f"jax_efc kernel cannot run this GEMM: {reason}")
     m, n, _, batch = mnkl
-    key, kernel = _kernel(problem, _sm_count())
+    key, kernel = _kernel(problem)
 
     # (L, r, c) row-major -> the kernel's (r|c, c|r, L) views: (1, 2, 0) keeps the rows
     # first, (2, 1, 0) swaps them.

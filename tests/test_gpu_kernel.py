@@ -88,6 +88,22 @@ def test_configs(config):
          config=config)
 
 
+def test_persistent_grid_fits_the_gpu():
+    # a cluster stays inside one GPC, so clusters of 4 can fit fewer times than SMs // 4 (30
+    # on an H200, not 33); the grid is sized by the driver's answer, and the assumption used
+    # when compiling without a GPU must not exceed it
+    import jax_efc.ffi as F
+    from jax_efc.kernels import assumed_max_clusters
+
+    sms = F._sm_count()
+    assert F._query_max_active_clusters(1) == sms
+    assert 0 < F._query_max_active_clusters(2) <= sms // 2
+    fours = F._query_max_active_clusters(4)
+    assert 0 < fours <= sms // 4
+    assert assumed_max_clusters(4, sms) <= fours
+    assert F._max_active_clusters(4) == fours
+
+
 def test_short_k():
     _run(lambda acc: acc, [], m=256, n=256, k=40, config=(128, 128, 1, 1))
 

@@ -13,7 +13,8 @@ import dataclasses
 from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR, Role
 
-__all__ = ["KernelProblem", "unsupported_reason", "choose_config", "SUPPORTED_ARCHS", "DEFAULT_SM_COUNT"]
+__all__ = ["KernelProblem", "unsupported_reason", "choose_config", "assumed_max_clusters",
+           "SUPPORTED_ARCHS", "DEFAULT_SM_COUNT"]
 
 SUPPORTED_ARCHS = ("sm_90a",)
 # SMs of an H100/H200 SXM: what the heuristic and the persistent grid assume when compiling
@@ -226,6 +227,20 @@ def pipeline_stages(problem: KernelProblem) -> int:
     # TILE-operand barriers, well under 1 KiB) cost at most the padding to the next block each
     fit = (_SMEM_BYTES - epi_bytes - 2 * SMEM_ALIGN) // ab_bytes
     return min(cfg.stages or _MAX_STAGES, fit)
+
+
+def assumed_max_clusters(cluster_size: int, sm_count: int = DEFAULT_SM_COUNT) -> int:
+    """Clusters of ``cluster_size`` CTAs a GPU with ``sm_count`` SMs is assumed to run at once
+    when there is no GPU to ask (the persistent grid must not exceed it, or the surplus
+    clusters run as a second wave: about half speed).
+
+    One CTA fills an SM (the kernels take all of its shared memory) and a cluster stays inside
+    one GPC, so GPCs whose SM count is not a multiple of the cluster size strand SMs. Clusters
+    of 1 and 2 use all 132 SMs of an H100/H200; clusters of 4 fit 30 times on an H200, not 33,
+    hence the 10% margin for them.
+    """
+    clusters = sm_count // cluster_size
+    return clusters if cluster_size <= 2 else clusters * 9 // 10
 
 
 def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,

@@ -99,12 +99,14 @@ class Sm90FusedGemm:
     """One compiled kernel variant; call it (inside ``cute.jit``) as
     ``kernel(stream, a, b, *operands, *outputs)``."""
 
-    def __init__(self, problem: KernelProblem, sm_count: int):
+    def __init__(self, problem: KernelProblem, max_active_clusters: int):
+        """``max_active_clusters``: how many of the config's clusters the GPU runs at once,
+        the size of the persistent grid."""
         cfg = problem.config
         self.problem = problem
         self.tile_mnk = (cfg.tile_m, cfg.tile_n, TILE_K)
         self.cluster_mn = (cfg.cluster_m, cfg.cluster_n)
-        self.max_active_clusters = sm_count // (cfg.cluster_m * cfg.cluster_n)
+        self.max_active_clusters = max_active_clusters
         self.raster_along_m = cfg.raster == "m"
         self.swizzle = cfg.swizzle
         self.ab_dtype = cutlass_dtype(problem.ab_dtype)

@@ -147,7 +147,8 @@ _FLOAT_OPS = {
     "log1p": lambda a: cmath.log1p(a),
     "expm1": lambda a: cmath.expm1(a),
     "tanh": lambda a: cmath.tanh(a, fastmath=True),
-    "logistic": lambda a: _rcp_approx(cmath.exp(-a, fastmath=True) + 1.0),
+    # 1 / (1 + 2^(-a log2 e)): the negation folded into the exponent's scale
+    "logistic": lambda a: _rcp_approx(cmath.exp2(a * -_LOG2_E, fastmath=True) + 1.0),
     "erf": _erf,
     "erfc": _erfc,
     "sqrt": lambda a: cmath.sqrt(a),
