@@ -424,15 +424,17 @@ class Sm90FusedGemm:
         ``tiled_mma`` (its accumulate field is set here; the caller rebinds all three so the
         tracer carries them through the tile loop)."""
         k_blocks = cute.size(tCrA, mode=[2])
-        acc.fill(0.0)
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        # order the zero-fill before the first WGMMA reads the accumulators
+        # the tile's first WGMMA overwrites the accumulators (D = A*B) and the rest add to
+        # them: no zero-fill, which would cost one instruction per accumulator per tile
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+        # order the epilogue's reads of the previous tile's accumulators before the WGMMAs
         warpgroup.fence()
         for k in range(k_tiles):
             mainloop.consumer_wait(read)
             for kb in cutlass.range_constexpr(k_blocks):
                 coord = (None, None, kb, read.index)
                 cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
             warpgroup.wait_group(1)
             if k > 0:
