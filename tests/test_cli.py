@@ -3,6 +3,7 @@
 import json
 import re
 
+import jax
 import pytest
 
 from jax_efc import bench
@@ -106,3 +107,21 @@ def test_bench_configs_round_trip():
     for bad in ("128,x", "128,256,colour=1", "1,2,3,4,5,6,7,8,9"):
         with pytest.raises(argparse.ArgumentTypeError, match="is not a config"):
             parse_config(bad)
+
+
+
+@pytest.mark.parametrize("epilogue, plain", [
+    ("bias+gelu_tanh", lambda x: jax.nn.gelu(x, approximate=True)),
+    ("bias+gelu", lambda x: jax.nn.gelu(x, approximate=False)),
+    ("bias+silu", jax.nn.silu),
+])
+def test_bench_baseline_is_plain_jax(epilogue, plain):
+    # the baseline is what a user without jax_efc writes: XLA recognises jax.nn.gelu's own
+    # graph (cuBLASLt's BIAS_GELU epilogue with Triton GEMMs off), not our rewritten GELUs
+    problem = bench.bench_problem(epilogue, (32, 64, 48, 1))
+
+    def inner(fn):
+        (eqn,) = jax.make_jaxpr(fn)(*problem.specs).eqns  # the jitted call
+        return str(eqn.params["jaxpr"])
+
+    assert inner(problem.baseline) == inner(jax.jit(lambda a, b, bias: plain(a @ b + bias)))

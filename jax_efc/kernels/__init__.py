@@ -235,9 +235,9 @@ def assumed_max_clusters(cluster_size: int, sm_count: int = DEFAULT_SM_COUNT) ->
     clusters run as a second wave: about half speed).
 
     One CTA fills an SM (the kernels take all of its shared memory) and a cluster stays inside
-    one GPC, so GPCs whose SM count is not a multiple of the cluster size strand SMs. Clusters
-    of 1 and 2 use all 132 SMs of an H100/H200; clusters of 4 fit 30 times on an H200, not 33,
-    hence the 10% margin for them.
+    one GPC, so GPCs whose SM count is not a multiple of the cluster size strand SMs. On an
+    H200 (132 SMs) the driver answers 132, 66 and 30 for clusters of 1, 2 and 4 (not 33),
+    hence the 10% margin for clusters of 4.
     """
     clusters = sm_count // cluster_size
     return clusters if cluster_size <= 2 else clusters * 9 // 10
