@@ -99,20 +99,9 @@ def _identity(acc: Any) -> Any:
     return acc
 
 
-# What a user without jax_efc writes, for the baseline and the reference. Our built-in GELUs
-# are the same functions with fewer operations, but XLA recognises jax.nn.gelu's own graph
-# (with Triton GEMMs off it becomes cuBLASLt's BIAS_GELU epilogue), so the baseline keeps it.
-_PLAIN_JAX = {
-    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
-    "gelu": functools.partial(jax.nn.gelu, approximate=False),
-    "silu": jax.nn.silu,
-}
-
-
 @functools.lru_cache(maxsize=None)
-def _bias_activation(name: str, plain: bool = False) -> Callable[..., Any]:
-    """``act(acc + bias)`` with jax_efc's activation ``name``, or with plain JAX's."""
-    act = _PLAIN_JAX.get(name, activations.resolve(name)) if plain else activations.resolve(name)
+def _bias_activation(name: str) -> Callable[..., Any]:
+    act = activations.resolve(name)
 
     def epilogue(acc, bias):
         return act(acc + bias)
@@ -142,12 +131,10 @@ def epilogue_problem(
     epi_dtype: Any = jnp.float32,
     config: GemmConfig | None = None,
     ours: Callable[..., Any] | None = None,
-    plain_fn: Callable[..., Any] | None = None,
 ) -> Problem:
     """A problem for ``fn(acc, *operands, **scalars)``: ours is ``jax_efc.gemm`` (or the
-    given ``ours``), the baseline is ``plain_fn(a @ b, ...)`` in plain JAX (default ``fn``),
-    and so is the fp32 reference. ``operands`` are (role, dtype) with role "tile" ((L,) M, N)
-    or "row" (N,)."""
+    given ``ours``), the baseline is ``fn(a @ b, ...)`` in plain JAX. ``operands`` are
+    (role, dtype) with role "tile" ((L,) M, N) or "row" (N,)."""
     m, n, k, l = shape
     lead = (l,) if l > 1 else ()
     dims = {"tile": (*lead, m, n), "row": (n,)}
@@ -159,15 +146,13 @@ def epilogue_problem(
             return gemm(a, b, fn, *ops, out_dtypes=out_dtypes, acc_dtype=acc_dtype,
                         epi_dtype=epi_dtype, config=config, **scalars)
 
-    plain_fn = plain_fn or fn
-
     def baseline(a, b, *ops):
-        return _cast(plain_fn(a @ b, *ops, **scalars), out_dtypes, a.dtype)
+        return _cast(fn(a @ b, *ops, **scalars), out_dtypes, a.dtype)
 
     def reference(a, b, *ops):
         f32 = [x.astype(jnp.float32) for x in (a, b, *ops)]
         acc = jnp.matmul(f32[0], f32[1], precision=jax.lax.Precision.HIGHEST)
-        return plain_fn(acc, *f32[2:], **scalars)
+        return fn(acc, *f32[2:], **scalars)
 
     return Problem(name, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
                    jax.jit(ours), jax.jit(baseline), jax.jit(reference))
@@ -185,8 +170,7 @@ def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
         fn = _bias_activation(act)
         batched = shape[3] > 1  # fused_dense takes a 2-D kernel; a batched b goes through gemm
         ours = None if batched else (lambda a, b, bias: fused_dense(a, b, bias, activation=act, config=config))
-        return epilogue_problem(epilogue, fn, shape, dtype, [("row", dtype)], config=config, ours=ours,
-                                plain_fn=_bias_activation(act, plain=True))
+        return epilogue_problem(epilogue, fn, shape, dtype, [("row", dtype)], config=config, ours=ours)
     if epilogue == "alpha-beta":
         return epilogue_problem(epilogue, seed_epilogues.alpha_beta, shape, dtype,
                                 [("tile", dtype), ("tile", dtype)], scalars=ALPHA_BETA_SCALARS,

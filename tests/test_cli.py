@@ -117,7 +117,7 @@ def test_bench_configs_round_trip():
 ])
 def test_bench_baseline_is_plain_jax(epilogue, plain):
     # the baseline is what a user without jax_efc writes: XLA recognises jax.nn.gelu's own
-    # graph (cuBLASLt's BIAS_GELU epilogue with Triton GEMMs off), not our rewritten GELUs
+    # graph (cuBLASLt's BIAS_GELU epilogue with Triton GEMMs off), not a rewritten form
     problem = bench.bench_problem(epilogue, (32, 64, 48, 1))
 
     def inner(fn):

@@ -159,6 +159,14 @@ def test_sigmoid_uses_the_hardware_reciprocal(compiled):
     assert "rcp.approx" in ptx and "ex2.approx" in ptx and "div.rn" not in ptx
 
 
+def test_gelu_tanh_is_rewritten(compiled):
+    # jax.nn.gelu's tanh form runs as h + h*tanh(x*(a + b*x^2)) (kernels/rewrite.py): three fp32
+    # multiplies per tanh, where its own form takes five
+    ptx = compiled["bf16_bias_gelu_epi64_c2x1"]["ptx"]
+    tanhs = len(re.findall(r"\btanh\.approx\.f32\s", ptx))
+    assert tanhs > 0 and len(re.findall(r"\bmul\.f32\s", ptx)) == 3 * tanhs
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_variant_compiles_to_wgmma(compiled, name):
     result = compiled[name]

@@ -3,8 +3,9 @@ accumulator fragment a thread holds for one epilogue subtile.
 
 Shared by every architecture's kernel. The kernel hands over, per subtile, the fp32
 accumulator values as a ``TensorSSA`` and, per value, its (m, n) coordinate in the output; the visitor gathers the operands at those coordinates
-(TILE at (m, n), ROW at n, COL at m, SCALAR once), runs the SSA program with CuTe math on
-whole fragments, and returns every output already converted to its storage dtype.
+(TILE at (m, n), ROW at n, COL at m, SCALAR once), runs the SSA program (after the cheaper
+equivalent forms of ``rewrite.py``) with CuTe math on whole fragments, and returns every
+output already converted to its storage dtype.
 
 Everything here runs at trace time inside a ``@cute.kernel``: loops are Python loops over
 static sizes (fully unrolled), there is no data-dependent Python control flow.
@@ -21,6 +22,7 @@ import cutlass.cute as cute
 from cutlass.cute import math as cmath
 
 from jax_efc.epilogue import EpilogueIR, Role
+from jax_efc.kernels.rewrite import rewrite
 
 __all__ = ["EpilogueVisitor", "cutlass_dtype"]
 
@@ -174,7 +176,7 @@ class EpilogueVisitor:
     """
 
     def __init__(self, ir: EpilogueIR, operand_batched: Sequence[bool]):
-        self.ir = ir
+        self.ir = ir = rewrite(ir)
         self.operand_batched = tuple(operand_batched)
         self.out_dtypes = tuple(cutlass_dtype(o.dtype) for o in ir.outputs)
         # an operand no output depends on is never loaded
