@@ -61,8 +61,8 @@ def _query_max_active_clusters(cluster_size: int) -> int:
     from cuda.bindings import driver
     from cutlass.utils import HardwareInfo
 
-    def check(result):
-        err, *value = result if isinstance(result, tuple) else (result,)
+    def check(result):  # cuda-bindings return (CUresult, *values)
+        err, *value = result
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"CUDA driver error {err}")
         return value[0] if value else None

@@ -94,14 +94,18 @@ class EpilogueIR:
     def with_outputs(self, outputs: Sequence[Output]) -> EpilogueIR:
         return dataclasses.replace(self, outputs=tuple(outputs))
 
-    def uses(self, value: int) -> bool:
-        """Whether any output depends on ``value``."""
+    def live(self) -> set[int]:
+        """The values some output depends on."""
         live = {o.value for o in self.outputs}
         base = len(self.inputs)
         for j in reversed(range(len(self.instrs))):
             if base + j in live:
                 live.update(self.instrs[j].args)
-        return value in live
+        return live
+
+    def uses(self, value: int) -> bool:
+        """Whether any output depends on ``value``."""
+        return value in self.live()
 
 
 def _const(value: Any, dtype: str) -> Any:

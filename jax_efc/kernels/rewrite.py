@@ -72,8 +72,8 @@ def rewrite(ir: EpilogueIR) -> EpilogueIR:
     instrs: list[Instr] = []
     new_id = {i: i for i in range(n_in)}  # value in ir -> value in the result
 
-    def emit(instr: Instr) -> int:
-        instrs.append(instr)
+    def emit(instr: Instr, ids: dict[int, int]) -> int:
+        instrs.append(dataclasses.replace(instr, args=tuple(ids[a] for a in instr.args)))
         return n_in + len(instrs) - 1
 
     for j, ins in enumerate(ir.instrs):
@@ -82,27 +82,26 @@ def rewrite(ir: EpilogueIR) -> EpilogueIR:
             if x is not None:
                 ids = {0: new_id[x]}
                 for k, r in enumerate(replacement.instrs):
-                    ids[1 + k] = emit(dataclasses.replace(r, args=tuple(ids[a] for a in r.args)))
+                    ids[1 + k] = emit(r, ids)
                 new_id[n_in + j] = ids[replacement.outputs[0].value]
                 break
         else:
-            new_id[n_in + j] = emit(dataclasses.replace(ins, args=tuple(new_id[a] for a in ins.args)))
-    result = dataclasses.replace(ir, instrs=tuple(instrs), outputs=tuple(
+            new_id[n_in + j] = emit(ins, new_id)
+    return _without_dead_code(_renumbered(ir, instrs, new_id))
+
+
+def _renumbered(ir: EpilogueIR, instrs: list[Instr], new_id: dict[int, int]) -> EpilogueIR:
+    """``ir`` with ``instrs`` (already renumbered) and its outputs moved by ``new_id``."""
+    return dataclasses.replace(ir, instrs=tuple(instrs), outputs=tuple(
         dataclasses.replace(o, value=new_id[o.value]) for o in ir.outputs))
-    return _without_dead_code(result)
 
 
 def _without_dead_code(ir: EpilogueIR) -> EpilogueIR:
-    n_in = len(ir.inputs)
-    live = {o.value for o in ir.outputs}
-    for j in reversed(range(len(ir.instrs))):
-        if n_in + j in live:
-            live.update(ir.instrs[j].args)
+    n_in, live = len(ir.inputs), ir.live()
     new_id = {i: i for i in range(n_in)}
-    instrs = []
+    instrs: list[Instr] = []
     for j, ins in enumerate(ir.instrs):
         if n_in + j in live:
             instrs.append(dataclasses.replace(ins, args=tuple(new_id[a] for a in ins.args)))
             new_id[n_in + j] = n_in + len(instrs) - 1
-    return dataclasses.replace(ir, instrs=tuple(instrs), outputs=tuple(
-        dataclasses.replace(o, value=new_id[o.value]) for o in ir.outputs))
+    return _renumbered(ir, instrs, new_id)
