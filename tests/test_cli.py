@@ -109,7 +109,6 @@ def test_bench_configs_round_trip():
             parse_config(bad)
 
 
-
 @pytest.mark.parametrize("epilogue, plain", [
     ("bias+gelu_tanh", lambda x: jax.nn.gelu(x, approximate=True)),
     ("bias+gelu", lambda x: jax.nn.gelu(x, approximate=False)),

@@ -159,6 +159,14 @@ def test_sigmoid_uses_the_hardware_reciprocal(compiled):
     assert "rcp.approx" in ptx and "ex2.approx" in ptx and "div.rn" not in ptx
 
 
+def test_assumed_max_clusters():
+    from jax_efc.kernels import assumed_max_clusters
+
+    # clusters of 1 and 2 fill the 132 SMs (as the driver of an H200 answers); of 4, leave a
+    # margin for the SMs that GPCs strand (30 fit on an H200)
+    assert [assumed_max_clusters(c, 132) for c in (1, 2, 4)] == [132, 66, 29]
+
+
 def test_gelu_tanh_is_rewritten(compiled):
     # jax.nn.gelu's tanh form runs as h + h*tanh(x*(a + b*x^2)) (kernels/rewrite.py): three fp32
     # multiplies per tanh, where its own form takes five
@@ -334,11 +342,3 @@ if __name__ == "__main__":
     dump_dir, out_path = sys.argv[1], sys.argv[2]
     with open(out_path, "w") as f:
         json.dump(_compile_all(dump_dir), f)
-
-
-def test_assumed_max_clusters():
-    from jax_efc.kernels import assumed_max_clusters
-
-    # clusters of 1 and 2 fill the 132 SMs of an H100/H200; of 4, leave a margin for the
-    # SMs that GPCs strand (30 fit on an H200)
-    assert [assumed_max_clusters(c, 132) for c in (1, 2, 4)] == [132, 66, 29]

@@ -20,14 +20,8 @@ def _trace(fn, n_ops=0):
 
 def _cone(ir, name):
     """The instruction values output ``name`` depends on, in program order."""
-    (out,) = [o.value for o in ir.outputs if o.name == name]
-    n_in, cone, todo = len(ir.inputs), set(), [out]
-    while todo:
-        v = todo.pop()
-        if v >= n_in and v not in cone:
-            cone.add(v)
-            todo.extend(ir.instrs[v - n_in].args)
-    return sorted(cone)
+    (out,) = [o for o in ir.outputs if o.name == name]
+    return sorted(v for v in ir.with_outputs([out]).live() if v >= len(ir.inputs))
 
 
 def _gelu_tanh64(x):
