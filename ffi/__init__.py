@@ -161,15 +161,17 @@ def _as3d(x):
     return x.reshape((1,) * (3 - x.ndim) + tuple(x.shape)) if x.ndim < 3 else x
 
 
-def _kernel(problem):
+def _kernel(problem, mnkl):
+    from jax_efc.kernels.schedule import plan_schedule
+
     cfg = problem.config
-    clusters = _max_active_clusters(cfg.cluster_m * cfg.cluster_n)
-    key = (problem.compile_key, clusters)
+    schedule = plan_schedule(cfg, *mnkl, _max_active_clusters(cfg.cluster_m * cfg.cluster_n))
+    key = (problem.compile_key, dataclasses.astuple(schedule))
     kernel = _KERNELS.get(key)
     if kernel is None:
         from jax_efc.kernels.sm90 import Sm90FusedGemm
 
-        kernel = _KERNELS[key] = Sm90FusedGemm(problem, clusters)
+        kernel = _KERNELS[key] = Sm90FusedGemm(problem, schedule)
     return key, kernel
 
 
@@ -182,6 +184,7 @@ def fused_gemm(a, b, *operands, ir: EpilogueIR, transpose_a: bool, transpose_b: 
     Raise ``ValueError`` with the reason when :func:`unsupported_reason` refuses the call.
     """
     import jax
+    import jax.numpy as jnp
     from cutlass.jax import TensorSpec, cutlass_call
 
     reason, problem, mnkl = _checked_problem(ir, a, b, operands, transpose_a, transpose_b, acc_dtype,
@@ -189,7 +192,7 @@ def fused_gemm(a, b, *operands, ir: EpilogueIR, transpose_a: bool, transpose_b: 
     if reason:
         raise ValueError(f"jax_efc kernel cannot run this GEMM: {reason}")
     m, n, _, batch = mnkl
-    key, kernel = _kernel(problem)
+    key, kernel = _kernel(problem, mnkl)
 
     # (L, r, c) row-major -> the kernel's (r|c, c|r, L) views: (1, 2, 0) keeps the rows
     # first, (2, 1, 0) swaps them.
@@ -197,13 +200,28 @@ def fused_gemm(a, b, *operands, ir: EpilogueIR, transpose_a: bool, transpose_b: 
     inputs = [_as3d(a), _as3d(b), *(_as3d(x) for x in operands)]
     in_specs = [swap if transpose_a else keep, keep if transpose_b else swap, *([keep] * len(operands))]
     out_shapes = [jax.ShapeDtypeStruct((batch, m, n), o.dtype) for o in ir.outputs]
+    out_specs = [keep] * len(out_shapes)
+    aliases = {}
+    slots = kernel.schedule.slots
+    if slots:
+        # stream-K: one flag per CTA, zeroed for every call (the kernel raises them, so they
+        # are an input aliased to an output), and a workspace of one fp32 tile per CTA that
+        # needs no initial value
+        aliases = {len(inputs): len(out_shapes)}
+        inputs.append(jnp.zeros((slots,), jnp.int32))
+        in_specs.append(TensorSpec())
+        cfg = problem.config
+        out_shapes += [jax.ShapeDtypeStruct((slots,), jnp.int32),
+                       jax.ShapeDtypeStruct((slots * cfg.tile_m * cfg.tile_n,), jnp.float32)]
+        out_specs += [TensorSpec(), TensorSpec()]
     call = cutlass_call(
         kernel,
         output_shape_dtype=out_shapes,
         input_spec=in_specs,
-        output_spec=[keep] * len(out_shapes),
+        output_spec=out_specs,
+        input_output_aliases=aliases,
         compile_key=key,
     )
-    outs = call(*inputs)
+    outs = call(*inputs)[: len(ir.outputs)]
     batched = len(a.shape) == 3 or len(b.shape) == 3
     return [o if batched else o.reshape(m, n) for o in outs]

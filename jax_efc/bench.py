@@ -336,7 +336,7 @@ def parse_config(text: str) -> GemmConfig | None:
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"{text!r} is not a config ({e}); write 'auto' or "
                                          "tile_m,tile_n[,cluster_m,cluster_n][,field=value...]") from None
-    return dataclasses.replace(config, pingpong=bool(config.pingpong))
+    return dataclasses.replace(config, **{f: bool(getattr(config, f)) for f, t in fields.items() if t == "bool"})
 
 
 def config_label(config: GemmConfig | None) -> str:

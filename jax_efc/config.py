@@ -34,6 +34,10 @@ class GemmConfig:
     # while the other runs its mainloop. False: the cooperative schedule (tile_m // 64
     # warpgroups share each tile).
     pingpong: bool = False
+    # stream-K: when the last round of whole tiles would leave many SMs idle, the last two
+    # rounds' k-iterations are shared evenly by all of them (partial sums meet through an
+    # fp32 workspace in global memory). False: every tile is computed whole by one CTA.
+    stream_k: bool = True
 
 
 def disabled() -> bool:

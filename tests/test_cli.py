@@ -104,6 +104,7 @@ def test_bench_configs_round_trip():
     assert cfg == GemmConfig(128, 256, 2, 1, raster="n", swizzle=8)
     assert parse_config(config_label(cfg)) == cfg
     assert parse_config(config_label(GemmConfig(64, 256, pingpong=True))).pingpong is True
+    assert parse_config("128,128,1,2,stream_k=0").stream_k is False
     for bad in ("128,x", "128,256,colour=1", "1,2,3,4,5,6,7,8,9"):
         with pytest.raises(argparse.ArgumentTypeError, match="is not a config"):
             parse_config(bad)

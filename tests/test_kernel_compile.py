@@ -20,7 +20,7 @@ import sys
 import pytest
 
 # name -> (dtype, transpose_a, transpose_b, batch, config (tile_m, tile_n, cluster_m, cluster_n
-# [, other GemmConfig fields as a dict]), epilogue)
+# [, other GemmConfig fields as a dict]), epilogue[, (M, N, K)])
 VARIANTS = {
     "bf16_kn_128x128": ("bfloat16", False, False, None, (128, 128, 1, 1), "identity"),
     "fp16_mk_128x256": ("float16", True, True, None, (128, 256, 1, 1), "identity"),
@@ -57,6 +57,13 @@ VARIANTS = {
                                    (128, 128, 2, 1, {"pingpong": True}), "bias_gelu"),
     "bf16_pingpong_alpha_beta_128x128": ("bfloat16", True, True, 2,
                                          (128, 128, 1, 1, {"pingpong": True}), "alpha_beta"),
+    # shapes whose last round of whole tiles would leave most clusters idle: stream-K
+    "bf16_pingpong_bias_gelu_stream_k": ("bfloat16", False, False, None,
+                                         (128, 128, 1, 2, {"pingpong": True, "swizzle": 8}),
+                                         "bias_gelu", (8192, 8192, 8192)),
+    "bf16_alpha_beta_128x256_c2x1_stream_k": ("bfloat16", False, True, None,
+                                              (128, 256, 2, 1, {"swizzle": 8}), "alpha_beta",
+                                              (8192, 8192, 8192)),
 }
 
 
@@ -109,9 +116,9 @@ def _compile_all(dump_dir: str) -> dict:
 
     import jax_efc.ffi as F
     results = {}
-    for i, (name, (dt, ta, tb, batch, cfg, epi)) in enumerate(VARIANTS.items()):
+    for i, (name, (dt, ta, tb, batch, cfg, epi, *mnk)) in enumerate(VARIANTS.items()):
         dtype = jnp.dtype(dt)
-        m, n, k = 128 * (i + 2) + 8, 512, 256
+        m, n, k = mnk[0] if mnk else (128 * (i + 2) + 8, 512, 256)
         ir, ops = _epilogue(epi, m, n, batch, dtype)
         a_shape = (k, m) if ta else (m, k)
         b_shape = (n, k) if tb else (k, n)
@@ -124,6 +131,7 @@ def _compile_all(dump_dir: str) -> dict:
             results[name] = {"error": reason}
             continue
         before = set(os.listdir(dump_dir))
+        kernels_before = set(F._KERNELS)
         exported = jax.export.export(
             jax.jit(lambda a, b, *ops: F.fused_gemm(a, b, *ops, ir=ir, **kw)),
             platforms=["cuda"],
@@ -135,6 +143,7 @@ def _compile_all(dump_dir: str) -> dict:
             "custom_call": "stablehlo.custom_call @CuteDSLRT" in exported.mlir_module(),
             "out_shapes": [list(x.shape) for x in exported.out_avals],
             "ptx": ptx,
+            "stream_k": any(F._KERNELS[key].schedule.stream_k for key in set(F._KERNELS) - kernels_before),
         }
     return results
 
@@ -189,7 +198,12 @@ def test_variant_compiles_to_wgmma(compiled, name):
         # ldmatrix), not gathered from global memory ("multi" still gathers its row/column
         # vectors)
         assert ("ld.shared" if VARIANTS[name][5] == "f32_tile" else "ldmatrix") in ptx
-        assert "ld.global" not in ptx or VARIANTS[name][5] == "multi"
+        assert "ld.global" not in ptx.replace("ld.global.v4.b32", "") or VARIANTS[name][5] == "multi"
+    # stream-K pieces hand fp32 partials over through global memory, 16 bytes per access,
+    # behind a release fence and an acquire load of the flag; whole-tile schedules have none
+    assert result["stream_k"] == (len(VARIANTS[name]) > 6)
+    handover = ("ld.acquire.gpu", "fence.acq_rel.gpu", "st.global.v4.b32", "ld.global.v4.b32")
+    assert all((h in ptx) == result["stream_k"] for h in handover)
     cfg = VARIANTS[name][4]
     if cfg[2] * cfg[3] > 1:
         assert "multicast::cluster" in ptx

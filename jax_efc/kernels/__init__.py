@@ -122,8 +122,9 @@ def _config_reason(config: GemmConfig) -> str | None:
         return f"stages={config.stages} must be 0 (as many as fit) or between 2 and 8."
     if config.epi_n not in (32, 64) or config.tile_n % config.epi_n:
         return (f"epi_n={config.epi_n} must be 32 or 64 and divide tile_n={config.tile_n}.")
-    if not isinstance(config.pingpong, bool):
-        return f"pingpong={config.pingpong!r} must be True or False."
+    for name in ("pingpong", "stream_k"):
+        if not isinstance(getattr(config, name), bool):
+            return f"{name}={getattr(config, name)!r} must be True or False."
     if config.pingpong and config.tile_m * config.tile_n > _PINGPONG_ACC_PER_THREAD * _WG:
         return (f"pingpong=True with a {config.tile_m}x{config.tile_n} tile: one ping-pong "
                 f"warpgroup holds the whole tile's fp32 accumulators, at most {_PINGPONG_ACC_PER_THREAD} "

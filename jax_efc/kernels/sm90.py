@@ -31,7 +31,6 @@ import dataclasses
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
@@ -39,6 +38,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from jax_efc.kernels import (EPI_STAGES, SMEM_ALIGN, TILE_K, KernelProblem, pipeline_stages,
                              tile_operand_indices)
+from jax_efc.kernels.schedule import TileSchedule, TileWalk, Unit
 from jax_efc.kernels.visitor import EpilogueVisitor, cutlass_dtype
 
 __all__ = ["Sm90FusedGemm"]
@@ -99,16 +99,15 @@ class Sm90FusedGemm:
     """One compiled kernel variant; call it (inside ``cute.jit``) as
     ``kernel(stream, a, b, *operands, *outputs)``."""
 
-    def __init__(self, problem: KernelProblem, max_active_clusters: int):
-        """``max_active_clusters``: how many of the config's clusters the GPU runs at once,
-        the size of the persistent grid."""
+    def __init__(self, problem: KernelProblem, schedule: TileSchedule):
+        """``schedule``: the persistent grid and how it walks the tiles (with stream-K, the
+        kernel takes two more arguments: a zeroed int32 flag per slot after the operands and
+        an fp32 workspace of ``schedule.slots`` tiles after the outputs)."""
         cfg = problem.config
         self.problem = problem
+        self.schedule = schedule
         self.tile_mnk = (cfg.tile_m, cfg.tile_n, TILE_K)
         self.cluster_mn = (cfg.cluster_m, cfg.cluster_n)
-        self.max_active_clusters = max_active_clusters
-        self.raster_along_m = cfg.raster == "m"
-        self.swizzle = cfg.swizzle
         self.ab_dtype = cutlass_dtype(problem.ab_dtype)
         # LayoutEnum speaks BLAS: "row major" A is K-contiguous, "row major" B (N, K) too.
         self.a_layout = LayoutEnum.ROW_MAJOR if problem.a_major == "k" else LayoutEnum.COL_MAJOR
@@ -126,6 +125,8 @@ class Sm90FusedGemm:
         self.n_epi_groups = 2 if self.pingpong else 1
         self.n_consumer_wg = self.n_mma_wg * self.n_epi_groups
         self.n_epi_threads = self.n_mma_wg * _WG
+        # fp32 accumulators per consumer thread (a stream-K partial is written in this order)
+        self.acc_per_thread = cfg.tile_m * cfg.tile_n // self.n_epi_threads
         self.threads = _WG * (1 + self.n_consumer_wg)
         self.epi_n = cfg.epi_n
         self.epi_tile = (cfg.tile_m, cfg.epi_n)
@@ -148,7 +149,19 @@ class Sm90FusedGemm:
     @cute.jit
     def __call__(self, stream, a: cute.Tensor, b: cute.Tensor, *rest):
         operands = rest[: self.n_operands]
-        outputs = rest[self.n_operands:]
+        rest = rest[self.n_operands:]
+        n_out = len(self.out_dtypes)
+        split = self.schedule.stream_k is not None
+        outputs = rest[int(split): int(split) + n_out]
+        sk_buffers = ()
+        if cutlass.const_expr(split):
+            # workspace slot s, thread t, accumulator 4c + v at ((v, t, c, s)): each warp
+            # writes and reads 512 contiguous bytes per vector
+            ws = rest[1 + n_out]
+            tile_elems = self.tile_mnk[0] * self.tile_mnk[1]
+            sk_buffers = (rest[0], cute.make_tensor(ws.iterator, cute.make_layout(
+                (4, self.n_epi_threads, self.acc_per_thread // 4, self.schedule.slots),
+                stride=(1, 4, 4 * self.n_epi_threads, tile_elems))))
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype,
             self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
@@ -184,17 +197,19 @@ class Sm90FusedGemm:
             tma_d.append(atom)
             g_d.append(tensor)
 
+        # cluster tiles along M, N and L; the grid is one cluster per (cluster_m, cluster_n)
+        # block of x and y, and the persistent clusters along z
         d0 = outputs[0]
-        n_tiles = cute.zipped_divide(d0, tiler=self.tile_mnk[:2])[(0, (None, None, None))].shape
-        sched = utils.PersistentTileSchedulerParams(
-            n_tiles, (*self.cluster_mn, 1), self.swizzle, self.raster_along_m
-        )
-        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, self.max_active_clusters)
+        tiles_mnl = tuple((d0.shape[i] + t * c - 1) // (t * c)
+                          for i, t, c in zip(range(2), self.tile_mnk, self.cluster_mn)) + (d0.shape[2],)
+        clusters = self.schedule.clusters
+        if cutlass.const_expr(not split):
+            clusters = cutlass.min(tiles_mnl[0] * tiles_mnl[1] * tiles_mnl[2], clusters)
         self.kernel(
             tiled_mma, tma_a, g_a, tma_b, g_b, tuple(tma_d), tuple(g_d), tuple(operands),
-            tuple(tma_c), tuple(g_c), a_smem, b_smem, d_smem, c_smem, sched,
+            tuple(tma_c), tuple(g_c), a_smem, b_smem, d_smem, c_smem, tiles_mnl, sk_buffers,
         ).launch(
-            grid=grid, block=[self.threads, 1, 1], cluster=(*self.cluster_mn, 1),
+            grid=(*self.cluster_mn, clusters), block=[self.threads, 1, 1], cluster=(*self.cluster_mn, 1),
             min_blocks_per_mp=1, stream=stream,
         )
 
@@ -211,7 +226,7 @@ class Sm90FusedGemm:
                tma_b: cute.CopyAtom, mB: cute.Tensor, tma_d: tuple, mD: tuple, operands: tuple,
                tma_c: tuple, mC: tuple,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, d_smem: tuple,
-               c_smem: tuple, sched_params: utils.PersistentTileSchedulerParams):
+               c_smem: tuple, tiles_mnl: tuple, sk_buffers: tuple):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
@@ -283,6 +298,11 @@ class Sm90FusedGemm:
             cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2),
         )
         k_tiles = cute.size(gA, mode=[3])
+        bidx, bidy, bidz = cute.arch.block_idx()
+        walk = TileWalk(self.schedule, tiles_mnl, bidz, (bidx, bidy), cute.arch.grid_dim()[2], k_tiles)
+        n_units = walk.count()
+        # this CTA's stream-K workspace slot and flag
+        slot = bidz * cluster_size + cta_rank
 
         if cluster_size > 1:
             cute.arch.cluster_wait()
@@ -293,28 +313,22 @@ class Sm90FusedGemm:
         if wg_idx == 0:
             cute.arch.warpgroup_reg_dealloc(_PRODUCER_REGS)
             if warp_idx == 0:
-                sched = utils.StaticPersistentTileScheduler.create(
-                    sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
-                )
-                work = sched.initial_work_tile_info()
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                while work.is_valid_tile:
-                    m_idx, n_idx, l_idx = work.tile_idx
-                    a_l = l_idx if self.a_batched else 0
-                    b_l = l_idx if self.b_batched else 0
-                    tAgA_t = tAgA[(None, m_idx, None, a_l)]
-                    tBgB_t = tBgB[(None, n_idx, None, b_l)]
-                    for k in range(k_tiles):
+                j = cutlass.Int32(0)
+                while j < n_units:
+                    u = self._unit(walk, j)
+                    tAgA_t = tAgA[(None, u.m, None, u.l if self.a_batched else 0)]
+                    tBgB_t = tBgB[(None, u.n, None, u.l if self.b_batched else 0)]
+                    for k in range(u.k_count):
                         mainloop.producer_acquire(state)
                         bar = mainloop.producer_get_barrier(state)
-                        cute.copy(tma_a, tAgA_t[(None, k)], tAsA[(None, state.index)],
+                        cute.copy(tma_a, tAgA_t[(None, u.k_begin + k)], tAsA[(None, state.index)],
                                   tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
-                        cute.copy(tma_b, tBgB_t[(None, k)], tBsB[(None, state.index)],
+                        cute.copy(tma_b, tBgB_t[(None, u.k_begin + k)], tBsB[(None, state.index)],
                                   tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
                         mainloop.producer_commit(state)
                         state.advance()
-                    sched.advance_to_next_work()
-                    work = sched.get_current_work()
+                    j += 1
                 mainloop.producer_tail(state)
 
         # ================================================================ consumers
@@ -334,39 +348,37 @@ class Sm90FusedGemm:
             epi = self._consumer_epilogue(tiled_mma, ctid, group, warp_idx, mD, sD, tma_d,
                                           operands, mC, sC, tma_c, c_bar)
             acc = cute.make_rmem_tensor(cute.shape(epi.tCcT), cutlass.Float32)
-            sched = utils.StaticPersistentTileScheduler.create(
-                sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
-            )
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             n_sub = self.tile_mnk[1] // self.epi_n
             # subtiles through the shared epilogue buffers so far (both consumers' with
             # ping-pong): it picks the buffer and the TILE-operand mbarrier phase
             subtile_count = cutlass.Int32(0)
+            j = cutlass.Int32(0)
             if cutlass.const_expr(self.pingpong):
-                # group 1 starts at the CTA's second tile, whose k-tiles follow the first's in
+                # group 1 starts at the CTA's second unit, whose k-tiles follow the first's in
                 # the ring; group 0 goes first (group 1 opens group 0's order barriers)
                 if group == 1:
                     self._order_barrier(_MMA_ORDER_ID, 0).arrive()
                     self._order_barrier(_EPI_ORDER_ID, 0).arrive()
-                    # rebinding `sched` in the branch makes the tracer carry its new state out
-                    sched = self._skip_tile(sched)
-                read.advance(cutlass.Int32(group * k_tiles))
-                release.advance(cutlass.Int32(group * k_tiles))
-                subtile_count = cutlass.Int32(group * n_sub)
-            work = sched.get_current_work()
-            while work.is_valid_tile:
-                m_idx, n_idx, l_idx = work.tile_idx
+                first = self._unit(walk, 0)
+                read.advance(group * first.k_count)
+                release.advance(group * first.k_count)
+                subtile_count = group * first.subtiles(n_sub)
+                j = cutlass.Int32(group)
+            while j < n_units:
+                u = self._unit(walk, j)
                 # TMA partitions of this tile's TILE-operand subtiles
-                bSC = self._tile_op_partitions(epi, m_idx, n_idx, l_idx)
+                bSC = self._tile_op_partitions(epi, u.m, u.n, u.l)
                 if cutlass.const_expr(not self.pingpong):
                     # the buffers are free: the first subtiles arrive while the mainloop runs
-                    self._prefetch_tile_ops(epi, bSC, subtile_count)
+                    if u.k_begin == 0:
+                        self._prefetch_tile_ops(epi, bSC, subtile_count)
                 # ---- mainloop (ping-pong: in turn with the other consumer)
                 if cutlass.const_expr(self.pingpong):
                     self._order_barrier(_MMA_ORDER_ID, group).arrive_and_wait()
                 read, release, tiled_mma = self._mainloop(mainloop, read, release, tiled_mma, acc,
-                                                          tCrA, tCrB, k_tiles)
+                                                          tCrA, tCrB, u.k_count)
                 if cutlass.const_expr(self.pingpong):
                     # our WGMMAs are issued: the other consumer may issue its own
                     self._order_barrier(_MMA_ORDER_ID, 1 - group).arrive()
@@ -374,32 +386,76 @@ class Sm90FusedGemm:
                 mainloop.consumer_release(release)
                 release.advance()
                 if cutlass.const_expr(self.pingpong):
-                    # skip the other consumer's tile in the ring
-                    read.advance(cutlass.Int32(k_tiles))
-                    release.advance(cutlass.Int32(k_tiles))
+                    # skip the other consumer's unit in the ring
+                    other = self._unit(walk, j + 1)
+                    skip = cutlass.Int32(cutlass.select_(j + 1 < n_units, other.k_count, 0))
+                    read.advance(skip)
+                    release.advance(skip)
                     # our turn with the epilogue buffers (the other consumer's stores have
                     # read them); the first subtiles load while the acc is converted
                     self._order_barrier(_EPI_ORDER_ID, group).arrive_and_wait()
-                    self._prefetch_tile_ops(epi, bSC, subtile_count)
+                    if u.k_begin == 0:
+                        self._prefetch_tile_ops(epi, bSC, subtile_count)
 
                 # ---- epilogue
-                subtile_count = self._epilogue(epi, acc, bSC, m_idx, n_idx, l_idx, subtile_count)
+                if cutlass.const_expr(self.schedule.stream_k is None):
+                    subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count)
+                else:
+                    subtile_count = self._split_epilogue(epi, acc, bSC, u, subtile_count, sk_buffers,
+                                                         slot, cta_rank, ctid)
                 if cutlass.const_expr(self.pingpong):
                     # hand the buffers over once our TMA stores have read them
                     if epi.is_store_warp:
                         epi.store_pipe.producer_tail()
                     self._order_barrier(_EPI_ORDER_ID, 1 - group).arrive()
-                    subtile_count += n_sub  # the other consumer's tile
-                sched.advance_to_next_work(advance_count=self.n_epi_groups)
-                work = sched.get_current_work()
+                    subtile_count += other.subtiles(n_sub)  # the other consumer's unit
+                j += self.n_epi_groups
             if epi.is_store_warp:
                 epi.store_pipe.producer_tail()
 
     @staticmethod
-    def _skip_tile(sched):
-        """Advance ``sched`` one tile (ping-pong consumer 1 starts on the CTA's second)."""
-        sched.advance_to_next_work()
-        return sched
+    def _unit(walk: TileWalk, j) -> Unit:
+        """Unit ``j`` of the CTA's walk, its coordinates marked warp-uniform."""
+        u = walk.unit(j)
+        return Unit(*(cute.arch.make_warp_uniform(v) if isinstance(v, cutlass.Int32) else v for v in u))
+
+    @cute.jit
+    def _split_epilogue(self, epi: _ConsumerEpilogue, acc: cute.Tensor, bSC, u: Unit, subtile_count,
+                        sk_buffers: tuple, slot, cta_rank, ctid):
+        """Stream-K: a piece that does not start at k = 0 leaves its partial in the CTA's
+        workspace slot; one that does adds its helpers' partials (if any), then runs the
+        epilogue. Returns the running subtile count."""
+        flags, ws = sk_buffers
+        cluster_size = self.cluster_mn[0] * self.cluster_mn[1]
+        # the accumulators in register order, flat and as the workspace's (4, n) vectors
+        acc_flat = cute.make_tensor(acc.iterator, cute.make_layout(self.acc_per_thread))
+        acc_vec = cute.make_tensor(acc.iterator, cute.make_layout((4, self.acc_per_thread // 4)))
+        if u.k_begin > 0:
+            cute.autovec_copy(acc_vec, ws[(None, ctid, None, slot)])
+            # every thread's partial is written before one thread raises the flag (release)
+            epi.barrier.arrive_and_wait()
+            if ctid == 0:
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.store(flags.iterator + slot, cutlass.Int32(1), sem="relaxed", scope="gpu")
+        else:
+            w = u.first_helper
+            while w <= u.last_helper:
+                helper = w * cluster_size + cta_rank
+                if ctid == 0:
+                    while cute.arch.load(flags.iterator + helper, cutlass.Int32, sem="acquire",
+                                         scope="gpu") != 1:
+                        pass
+                epi.barrier.arrive_and_wait()
+                partial = ws[(None, ctid, None, helper)]
+                # four vectors at a time: a whole partial would not fit next to the accumulators
+                for c in cutlass.range_constexpr(self.acc_per_thread // 16):
+                    part = cute.make_rmem_tensor((4, 4), cutlass.Float32)
+                    cute.autovec_copy(cute.local_tile(partial, (4, 4), (0, c)), part)
+                    for i in cutlass.range_constexpr(16):
+                        acc_flat[16 * c + i] += part[i]
+                w += 1
+            subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count)
+        return subtile_count
 
     @staticmethod
     def _order_barrier(first_id, group):

@@ -1,0 +1,122 @@
+"""The persistent tile schedule (kernels/schedule.py), run on Python ints: the same arithmetic
+the kernels trace. Every output element's every k-tile must be computed exactly once, and the
+stream-K pieces must be ordered so that no wait can block a partial it depends on."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from jax_efc.config import GemmConfig  # noqa: E402
+from jax_efc.kernels.schedule import TileWalk, plan_schedule  # noqa: E402
+
+PINGPONG = GemmConfig(128, 128, 1, 2, swizzle=8, pingpong=True)
+COOP = GemmConfig(128, 256, 2, 1, swizzle=8)
+
+
+def _ceil(a, b):
+    return -(-a // b)
+
+
+def _walks(cfg, m, n, k, l, clusters):
+    """(schedule, {cluster: {cta: [units]}}, cluster tiles (M, N, L), k-tiles)."""
+    schedule = plan_schedule(cfg, m, n, k, l, clusters)
+    tiles = (_ceil(_ceil(m, cfg.tile_m), cfg.cluster_m), _ceil(_ceil(n, cfg.tile_n), cfg.cluster_n), l)
+    k_tiles = _ceil(k, 64)
+    grid = clusters if schedule.stream_k else min(clusters, tiles[0] * tiles[1] * l)
+    units = {}
+    for c in range(grid):
+        for cta in itertools.product(range(cfg.cluster_m), range(cfg.cluster_n)):
+            walk = TileWalk(schedule, tiles, c, cta, grid, k_tiles)
+            units.setdefault(c, {})[cta] = [walk.unit(j) for j in range(walk.count())]
+    return schedule, units, tiles, k_tiles
+
+
+CASES = [
+    (PINGPONG, 8192, 8192, 8192, 1, 66),      # 2048 cluster tiles: 31 rounds + 2
+    (PINGPONG, 8192, 4096, 14336, 1, 66),     # 15 rounds + 34
+    (PINGPONG, 4096, 14336, 4096, 1, 66),
+    (COOP, 8192, 8192, 8192, 1, 66),
+    (PINGPONG, 4096, 4096, 4096, 1, 66),      # last round 76% full: whole tiles only
+    (GemmConfig(128, 128, 2, 2, swizzle=4, raster="n"), 3000, 2000, 1280, 2, 29),
+    (GemmConfig(128, 128, swizzle=8), 1200, 1000, 2000, 3, 46),  # last swizzle band narrower
+    (GemmConfig(64, 128), 100, 300, 64, 1, 132),  # fewer tiles than SMs
+]
+
+
+@pytest.mark.parametrize("cfg,m,n,k,l,clusters", CASES)
+def test_every_k_tile_of_every_tile_once(cfg, m, n, k, l, clusters):
+    _, units, tiles, k_tiles = _walks(cfg, m, n, k, l, clusters)
+    seen = {}
+    for c, ctas in units.items():
+        for cta, run in ctas.items():
+            for u in run:
+                assert u.k_count > 0 and 0 <= u.k_begin and u.k_begin + u.k_count <= k_tiles
+                assert (u.m // cfg.cluster_m, u.n // cfg.cluster_n) < tiles[:2] and 0 <= u.l < l
+                assert (u.m % cfg.cluster_m, u.n % cfg.cluster_n) == cta
+                for kk in range(u.k_begin, u.k_begin + u.k_count):
+                    assert (u.m, u.n, u.l, kk) not in seen
+                    seen[(u.m, u.n, u.l, kk)] = c
+    ctas = tiles[0] * cfg.cluster_m * tiles[1] * cfg.cluster_n * l
+    assert len(seen) == ctas * k_tiles
+
+
+@pytest.mark.parametrize("cfg,m,n,k,l,clusters", CASES)
+def test_stream_k_pieces_wait_only_on_partials_written_first(cfg, m, n, k, l, clusters):
+    schedule, units, _, k_tiles = _walks(cfg, m, n, k, l, clusters)
+    sk = schedule.stream_k
+    for ctas in units.values():
+        for run in ctas.values():
+            whole = sk.whole_rounds if sk else len(run)
+            assert all(u.k_begin == 0 and u.k_count == k_tiles for u in run[:whole])
+            for j, u in enumerate(run):
+                if u.k_begin > 0:  # contributes a partial: the first piece of its run
+                    assert j == whole
+                head = u.k_begin == 0 and u.k_count < k_tiles
+                assert (u.first_helper <= u.last_helper) == head
+                if head:  # collects partials: the last piece of its run
+                    assert j == len(run) - 1
+    if sk is None:
+        return
+    # a head piece's helpers hold exactly the rest of its tile, as their first split pieces
+    for c, ctas in units.items():
+        for cta, run in ctas.items():
+            u = run[-1]
+            if u.k_begin or u.k_count == k_tiles:
+                continue
+            covered = u.k_count
+            for w in range(u.first_helper, u.last_helper + 1):
+                assert w > c
+                piece = units[w][cta][sk.whole_rounds]
+                assert (piece.m, piece.n, piece.l, piece.k_begin) == (u.m, u.n, u.l, covered)
+                covered += piece.k_count
+            assert covered == k_tiles
+
+
+def test_stream_k_only_when_the_last_round_leaves_clusters_idle():
+    def split(m, n, k, clusters=66, cfg=PINGPONG):
+        return plan_schedule(cfg, m, n, k, 1, clusters).stream_k
+
+    sk = split(8192, 8192, 8192)  # 2048 cluster tiles = 31 rounds of 66, and 2
+    assert (sk.whole_rounds, sk.split_tiles, sk.k_tiles) == (30, 68, 128)
+    assert split(4096, 4096, 4096) is None  # 512 = 7 x 66 + 50: the last round is 76% full
+    assert split(128 * 66, 256, 4096) is None  # exactly one round
+    assert split(128 * 60, 256, 4096) is None  # less than one round
+    assert split(8192, 8192, 64) is None  # one k-tile: nothing to split
+    assert plan_schedule(PINGPONG, 8192, 8192, 8192, 1, 66).slots == 132
+    assert split(8192, 8192, 8192, cfg=dataclasses.replace(PINGPONG, stream_k=False)) is None
+
+
+def test_swizzled_raster_walks_bands():
+    """Raster "m", swizzle 2 on 3 x 5 cluster tiles: down M in bands of two N columns; the
+    last band is one column wide."""
+    schedule = plan_schedule(GemmConfig(128, 128, swizzle=2), 3 * 128, 5 * 128, 64, 1, 15)
+    walk = TileWalk(schedule, (3, 5, 1), 0, (0, 0), 15, 1)
+    order = [walk._cta_tile(t)[:2] for t in range(15)]
+    assert order == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1),
+                     (0, 2), (0, 3), (1, 2), (1, 3), (2, 2), (2, 3),
+                     (0, 4), (1, 4), (2, 4)]
