@@ -63,7 +63,7 @@ VARIANTS = {
                                          "bias_gelu", (8192, 8192, 8192)),
     "bf16_alpha_beta_128x256_c2x1_stream_k": ("bfloat16", False, True, None,
                                               (128, 256, 2, 1, {"swizzle": 8}), "alpha_beta",
-                                              (8192, 8192, 8192)),
+                                              (8192, 7936, 8192)),
 }
 
 

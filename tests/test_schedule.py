@@ -37,13 +37,13 @@ def _walks(cfg, m, n, k, l, clusters):
 
 
 CASES = [
-    (PINGPONG, 8192, 8192, 8192, 1, 66),      # 2048 cluster tiles: 31 rounds + 2
-    (PINGPONG, 8192, 4096, 14336, 1, 66),     # 15 rounds + 34
-    (PINGPONG, 4096, 14336, 4096, 1, 66),
-    (COOP, 8192, 8192, 8192, 1, 66),
-    (PINGPONG, 4096, 4096, 4096, 1, 66),      # last round 76% full: whole tiles only
-    (GemmConfig(128, 128, 2, 2, swizzle=4, raster="n"), 3000, 2000, 1280, 2, 29),
-    (GemmConfig(128, 128, swizzle=8), 1200, 1000, 2000, 3, 46),  # last swizzle band narrower
+    (PINGPONG, 8192, 8192, 8192, 1, 66),      # 2048 cluster tiles: 31 rounds of 66 and 2
+    (PINGPONG, 4096, 14336, 4096, 1, 66),     # 27 rounds and 10
+    (PINGPONG, 8192, 4096, 14336, 1, 66),     # 15 rounds and 34: whole tiles only
+    (COOP, 8192, 7936, 8192, 1, 66),          # 15 rounds and 2
+    (PINGPONG, 4096, 4096, 4096, 1, 66),      # 7 rounds and 50: whole tiles only
+    (GemmConfig(128, 128, 2, 2, swizzle=4, raster="n"), 3000, 1200, 1280, 2, 29),
+    (GemmConfig(128, 128, swizzle=8), 1200, 1200, 2000, 3, 59),  # last swizzle band narrower
     (GemmConfig(64, 128), 100, 300, 64, 1, 132),  # fewer tiles than SMs
 ]
 
@@ -103,7 +103,9 @@ def test_stream_k_only_when_the_last_round_leaves_clusters_idle():
 
     sk = split(8192, 8192, 8192)  # 2048 cluster tiles = 31 rounds of 66, and 2
     assert (sk.whole_rounds, sk.split_tiles, sk.k_tiles) == (30, 68, 128)
+    assert split(4096, 14336, 4096).whole_rounds == 26  # 1792 = 27 x 66 + 10
     assert split(4096, 4096, 4096) is None  # 512 = 7 x 66 + 50: the last round is 76% full
+    assert split(8192, 4096, 4096) is None  # 1024 = 15 x 66 + 34: 52% full
     assert split(128 * 66, 256, 4096) is None  # exactly one round
     assert split(128 * 60, 256, 4096) is None  # less than one round
     assert split(8192, 8192, 64) is None  # one k-tile: nothing to split
