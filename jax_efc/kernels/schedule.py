@@ -16,7 +16,8 @@ tile, perhaps whole tiles, and the head of another. A piece that does not start 
 the slot's flag; a piece that starts at k = 0 but stops short of the end (a cluster's last)
 waits for the flags of the clusters that hold the rest of its tile, adds their partials and
 runs the epilogue. Every cluster writes its partial before it waits on anyone, and the whole
-grid is resident (it is sized by the device's occupancy), so every wait ends.
+grid fits the GPU at once (it is sized by the device's occupancy), so every wait ends; if
+another kernel holds some SMs, the waits last until it releases them.
 
 :class:`TileWalk` is the arithmetic of both, in plain integer operations that trace into the
 kernel and also run on Python ints, which is how the tests check it.

@@ -18,7 +18,11 @@ consumer has its own epilogue named barrier and TMA-store warp.
   registers; cooperative: two warpgroups share a 128-row tile, 64 rows each) and run the
   epilogue: per ``tile_m x epi_n`` subtile, the :class:`EpilogueVisitor` evaluates the user's program on
   the accumulator fragment, each output is converted to its dtype, written to its own smem
-  buffer and stored with TMA (the TMA store clips the M/N edges).
+  buffer and stored with TMA (the TMA store clips the M/N edges);
+- the schedule (:mod:`jax_efc.kernels.schedule`) hands each CTA a list of units, a tile and
+  a range of its k-tiles: whole tiles, then with stream-K pieces of the last ones. A piece
+  that starts past k = 0 stores its accumulators to a workspace slot instead of running the
+  epilogue; the tile's first piece adds them before its epilogue.
 
 Tensors arrive as (M, K, L) for A, (N, K, L) for B, (M, N, L) for outputs and (M|1, N|1, L|1)
 for epilogue operands; which mode is contiguous (the "major") is a compile-time choice.
@@ -97,12 +101,12 @@ class _ConsumerEpilogue:
 
 class Sm90FusedGemm:
     """One compiled kernel variant; call it (inside ``cute.jit``) as
-    ``kernel(stream, a, b, *operands, *outputs)``."""
+    ``kernel(stream, a, b, *operands, *outputs)``, or with stream-K
+    ``kernel(stream, a, b, *operands, flags, *outputs, workspace)``."""
 
     def __init__(self, problem: KernelProblem, schedule: TileSchedule):
-        """``schedule``: the persistent grid and how it walks the tiles (with stream-K, the
-        kernel takes two more arguments: a zeroed int32 flag per slot after the operands and
-        an fp32 workspace of ``schedule.slots`` tiles after the outputs)."""
+        """``schedule``: the persistent grid and how it walks the tiles. With stream-K,
+        ``flags`` holds ``schedule.slots`` zeroed int32 and ``workspace`` as many fp32 tiles."""
         cfg = problem.config
         self.problem = problem
         self.schedule = schedule
