@@ -12,21 +12,17 @@ import pytest
 pytest.importorskip("cutlass")
 
 from jax_efc.config import GemmConfig  # noqa: E402
-from jax_efc.kernels.schedule import TileWalk, plan_schedule  # noqa: E402
+from jax_efc.kernels.schedule import TileWalk, cluster_tiles, plan_schedule  # noqa: E402
 
 PINGPONG = GemmConfig(128, 128, 1, 2, swizzle=8, pingpong=True)
 COOP = GemmConfig(128, 256, 2, 1, swizzle=8)
 
 
-def _ceil(a, b):
-    return -(-a // b)
-
-
 def _walks(cfg, m, n, k, l, clusters):
     """(schedule, {cluster: {cta: [units]}}, cluster tiles (M, N, L), k-tiles)."""
     schedule = plan_schedule(cfg, m, n, k, l, clusters)
-    tiles = (_ceil(_ceil(m, cfg.tile_m), cfg.cluster_m), _ceil(_ceil(n, cfg.tile_n), cfg.cluster_n), l)
-    k_tiles = _ceil(k, 64)
+    tiles = cluster_tiles(m, n, l, (cfg.tile_m, cfg.tile_n), (cfg.cluster_m, cfg.cluster_n))
+    k_tiles = -(-k // 64)
     grid = clusters if schedule.stream_k else min(clusters, tiles[0] * tiles[1] * l)
     units = {}
     for c in range(grid):
@@ -111,6 +107,12 @@ def test_stream_k_only_when_the_last_round_leaves_clusters_idle():
     assert split(8192, 8192, 64) is None  # one k-tile: nothing to split
     assert plan_schedule(PINGPONG, 8192, 8192, 8192, 1, 66).slots == 132
     assert split(8192, 8192, 8192, cfg=dataclasses.replace(PINGPONG, stream_k=False)) is None
+
+
+def test_cluster_tiles_round_partial_tiles_up():
+    # 1000 rows: 8 tiles of 128 (the last one partial), 4 clusters of 2
+    assert cluster_tiles(1000, 300, 2, (128, 128), (2, 1)) == (4, 3, 2)
+    assert cluster_tiles(1024, 256, 1, (128, 256), (1, 2)) == (8, 1, 1)
 
 
 def test_swizzled_raster_walks_bands():

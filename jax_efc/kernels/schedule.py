@@ -33,7 +33,7 @@ import cutlass
 from jax_efc.config import GemmConfig
 from jax_efc.kernels import TILE_K
 
-__all__ = ["StreamK", "TileSchedule", "TileWalk", "Unit", "plan_schedule"]
+__all__ = ["StreamK", "TileSchedule", "TileWalk", "Unit", "cluster_tiles", "plan_schedule"]
 
 # Stream-K pays when the last round of whole tiles would leave at least this fraction of the
 # clusters idle. Measured on H200 (bf16, 128x128 ping-pong tiles in 1x2 clusters, one run,
@@ -80,16 +80,18 @@ class TileSchedule:
         return self.clusters * self.cluster_mn[0] * self.cluster_mn[1] if self.stream_k else 0
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+def cluster_tiles(m, n, l, tile_mn: tuple[int, int], cluster_mn: tuple[int, int]) -> tuple:
+    """Cluster tiles along M, N and L of an M x N x L output (Python or device integers)."""
+    return tuple((x + t * c - 1) // (t * c) for x, t, c in zip((m, n), tile_mn, cluster_mn)) + (l,)
 
 
 def plan_schedule(config: GemmConfig, m: int, n: int, k: int, l: int, clusters: int) -> TileSchedule:
     """The schedule of an M x N x K x L GEMM run with ``config`` on a grid of ``clusters``."""
     cm, cn = config.cluster_m, config.cluster_n
     base = TileSchedule(clusters, (cm, cn), config.raster == "m", config.swizzle)
-    tiles = (_ceil_div(_ceil_div(m, config.tile_m), cm) * _ceil_div(_ceil_div(n, config.tile_n), cn) * l)
-    k_tiles = _ceil_div(k, TILE_K)
+    mc, nc, _ = cluster_tiles(m, n, l, (config.tile_m, config.tile_n), (cm, cn))
+    tiles = mc * nc * l
+    k_tiles = -(-k // TILE_K)
     rounds, last = divmod(tiles, clusters)
     split = last + clusters
     if (not config.stream_k or rounds == 0 or last == 0 or last > (1 - _STREAM_K_MIN_IDLE) * clusters or k_tiles < _STREAM_K_MIN_K_TILES

@@ -42,7 +42,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from jax_efc.kernels import (EPI_STAGES, SMEM_ALIGN, TILE_K, KernelProblem, pipeline_stages,
                              tile_operand_indices)
-from jax_efc.kernels.schedule import TileSchedule, TileWalk, Unit
+from jax_efc.kernels.schedule import TileSchedule, TileWalk, Unit, cluster_tiles
 from jax_efc.kernels.visitor import EpilogueVisitor, cutlass_dtype
 
 __all__ = ["Sm90FusedGemm"]
@@ -204,8 +204,7 @@ class Sm90FusedGemm:
         # cluster tiles along M, N and L; the grid is one cluster per (cluster_m, cluster_n)
         # block of x and y, and the persistent clusters along z
         d0 = outputs[0]
-        tiles_mnl = tuple((d0.shape[i] + t * c - 1) // (t * c)
-                          for i, t, c in zip(range(2), self.tile_mnk, self.cluster_mn)) + (d0.shape[2],)
+        tiles_mnl = cluster_tiles(*d0.shape, self.tile_mnk[:2], self.cluster_mn)
         clusters = self.schedule.clusters
         if cutlass.const_expr(not split):
             clusters = cutlass.min(tiles_mnl[0] * tiles_mnl[1] * tiles_mnl[2], clusters)
