@@ -94,8 +94,9 @@ def plan_schedule(config: GemmConfig, m: int, n: int, k: int, l: int, clusters: 
     k_tiles = -(-k // TILE_K)
     rounds, last = divmod(tiles, clusters)
     split = last + clusters
-    if (not config.stream_k or rounds == 0 or last == 0 or last > (1 - _STREAM_K_MIN_IDLE) * clusters or k_tiles < _STREAM_K_MIN_K_TILES
-            or 2 * split * k_tiles * clusters > _INT32_MAX):
+    worth_it = (rounds > 0 and 0 < last <= (1 - _STREAM_K_MIN_IDLE) * clusters
+                and k_tiles >= _STREAM_K_MIN_K_TILES)
+    if not (config.stream_k and worth_it) or 2 * split * k_tiles * clusters > _INT32_MAX:
         return base
     return dataclasses.replace(base, stream_k=StreamK(rounds - 1, split, k_tiles))
 
