@@ -83,10 +83,11 @@ def _rel_error(got, want) -> float:
 
 @pytest.mark.parametrize("transpose_a", [False, True])
 @pytest.mark.parametrize("transpose_b", [False, True])
-def test_plain_gemm_majors_odd_shape(transpose_a, transpose_b):
+@pytest.mark.parametrize("config", [(128, 128, 1, 1), (192, 128, 1, 2, {"pingpong": True})])
+def test_plain_gemm_majors_odd_shape(transpose_a, transpose_b, config):
     # M, N, K not multiples of the tile: partial tiles on every edge (N, K multiples of 8)
     _run(lambda acc: acc, [], m=1000, n=1000, k=1000, transpose_a=transpose_a,
-         transpose_b=transpose_b, config=(128, 128, 1, 1))
+         transpose_b=transpose_b, config=config)
 
 
 @pytest.mark.parametrize("config", [(128, 256, 2, 1), (128, 128, 1, 2), (128, 128, 2, 2),
@@ -102,7 +103,9 @@ def test_configs(config):
     ((128, 128, 1, 2, {"pingpong": True, "swizzle": 8}), 2176, 4096, 1288, None, "bias_gelu", False),
     ((128, 256, 2, 1, {"swizzle": 8}), 4608, 3840, 1288, None, "alpha_beta", False),
     ((128, 128, 1, 1, {"pingpong": True}), 1152, 2048, 1024, 2, "alpha_beta", True),
-], ids=["pingpong_bias_gelu", "cooperative_alpha_beta", "pingpong_alpha_beta_batched_transposed"])
+    ((192, 128, 1, 2, {"pingpong": True, "swizzle": 8}), 2300, 1536, 1288, None, "bias_gelu", False),
+], ids=["pingpong_bias_gelu", "cooperative_alpha_beta", "pingpong_alpha_beta_batched_transposed",
+        "pingpong_192x128_bias_gelu"])
 def test_stream_k(config, m, n, k, batch, epilogue, transpose):
     import jax
 
@@ -207,6 +210,15 @@ def test_tile_operands_alpha_beta_edges(config):
          out_dtypes={"D": jnp.bfloat16, "Y": jnp.float32})
 
 
+def test_pingpong_192x128_batched_fp16_transposed():
+    # three 64-row WGMMAs per k-step from an M-major A; B shared across the batch
+    import jax
+
+    _run(lambda acc, bias: jax.nn.gelu(acc + bias), [((1, 520), "float16")], m=424, n=520, k=328,
+         batch=3, b_batched=False, dtype="float16", transpose_a=True,
+         config=(192, 128, 1, 2, {"pingpong": True}))
+
+
 def test_tile_operand_f32_shared_across_batch():
     import jax.numpy as jnp
 
@@ -228,7 +240,7 @@ def test_bias_gelu_epi64_cluster():
 
 # Ping-pong schedule (GemmConfig(pingpong=True)): two consumer warpgroups on alternate tiles
 # taking turns with the epilogue buffers; partial edge tiles, TILE operands, clusters.
-@pytest.mark.parametrize("tile", [(64, 256), (128, 128)])
+@pytest.mark.parametrize("tile", [(64, 256), (128, 128), (192, 128), (128, 192)])
 @pytest.mark.parametrize("shape", [(1000, 1000, 1000), (8192, 4096, 4096)])
 @pytest.mark.parametrize("epilogue", ["plain", "bias_gelu", "alpha_beta"])
 def test_pingpong(tile, shape, epilogue):

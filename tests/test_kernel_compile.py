@@ -53,6 +53,11 @@ VARIANTS = {
     "bf16_pingpong_128x128_c1x2_swizzle8": ("bfloat16", False, False, None,
                                             (128, 128, 1, 2, {"pingpong": True, "swizzle": 8}),
                                             "identity"),
+    "bf16_pingpong_192x128_c1x2_swizzle8": ("bfloat16", False, False, None,
+                                            (192, 128, 1, 2, {"pingpong": True, "swizzle": 8}),
+                                            "bias_gelu"),
+    "fp16_pingpong_alpha_beta_128x192_mk": ("float16", True, False, None,
+                                            (128, 192, 1, 1, {"pingpong": True}), "alpha_beta"),
     "bf16_pingpong_128x128_c2x1": ("bfloat16", False, False, None,
                                    (128, 128, 2, 1, {"pingpong": True}), "bias_gelu"),
     "bf16_pingpong_alpha_beta_128x128": ("bfloat16", True, True, 2,
@@ -184,6 +189,12 @@ def test_gelu_tanh_is_rewritten(compiled):
     assert tanhs > 0 and len(re.findall(r"\bmul\.f32\s", ptx)) == 3 * tanhs
 
 
+def test_pingpong_192_tiles_use_their_wgmma_shapes(compiled):
+    # a 192x128 consumer issues three m64n128 WGMMAs per k-step, a 128x192 one two m64n192
+    assert "wgmma.mma_async.sync.aligned.m64n128k16" in compiled["bf16_pingpong_192x128_c1x2_swizzle8"]["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n192k16" in compiled["fp16_pingpong_alpha_beta_128x192_mk"]["ptx"]
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_variant_compiles_to_wgmma(compiled, name):
     result = compiled[name]
@@ -239,6 +250,8 @@ def _aval(shape, dtype):
         (dict(config=(128, 128, 4, 2)), "at most 4"),
         (dict(config=(128, 192, 1, 1, {"epi_n": 128})), "epi_n=128"),
         (dict(config=(128, 256, 1, 1, {"pingpong": True})), "pingpong=True with a 128x256 tile"),
+        (dict(config=(192, 192, 1, 1, {"pingpong": True})), "pingpong=True with a 192x192 tile"),
+        (dict(config=(192, 128, 1, 1)), "tile_m=192 needs pingpong=True"),
         (dict(arch="sm_80"), "sm_80"),
     ],
 )
@@ -275,8 +288,11 @@ def test_supported_and_heuristic():
                                 acc_dtype=jnp.float32, config=None, arch="sm_90a") is None
     problem = KernelProblem(ir, "bfloat16", "float32", "k", "n", False, False, False, (), "sm_90a",
                             GemmConfig())
-    # large problems: ping-pong 128x128 in 1x2 clusters; smaller ones: cooperative
+    # large problems: ping-pong in 1x2 clusters, 192x128 tiles unless they fill the SMs'
+    # rounds worse than 128x128; smaller ones: cooperative
     cfg = choose_config(problem, 8192, 8192, 8192, 1)
+    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (192, 128, 1, 2, True)
+    cfg = choose_config(problem, 8192, 4096, 4096, 1)  # 1376 tiles of 192x128: 10.4 per SM
     assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (128, 128, 1, 2, True)
     cfg = choose_config(problem, 1000, 4096, 4096, 1)  # 128 tiles of 128x256: one wave
     assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 256, False)
@@ -303,8 +319,9 @@ def test_supported_and_heuristic():
     p_ab = dataclasses.replace(problem, ir=ab, operand_batched=(False, False))
     from jax_efc.kernels import pipeline_stages
     # 16-bit: the four buffers leave the ping-pong ring 5 stages, enough for ping-pong
+    # (192x128 would leave 3)
     cfg = choose_config(p_ab, 8192, 8192, 8192, 1)
-    assert (cfg.tile_n, cfg.pingpong) == (128, True)
+    assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 128, True)
     assert pipeline_stages(dataclasses.replace(p_ab, config=cfg)) == 5
     cfg = choose_config(p_ab, 512, 16384, 8192, 1)
     assert (cfg.tile_n, cfg.epi_n, cfg.pingpong) == (256, 32, False)

@@ -15,6 +15,7 @@ from jax_efc.config import GemmConfig  # noqa: E402
 from jax_efc.kernels.schedule import TileWalk, cluster_tiles, plan_schedule  # noqa: E402
 
 PINGPONG = GemmConfig(128, 128, 1, 2, swizzle=8, pingpong=True)
+PINGPONG_192 = dataclasses.replace(PINGPONG, tile_m=192)
 COOP = GemmConfig(128, 256, 2, 1, swizzle=8)
 
 
@@ -38,6 +39,8 @@ CASES = [
     (PINGPONG, 8192, 4096, 14336, 1, 66),     # 15 rounds and 34: whole tiles only
     (COOP, 8192, 7936, 8192, 1, 66),          # 15 rounds and 2
     (PINGPONG, 4096, 4096, 4096, 1, 66),      # 7 rounds and 50: whole tiles only
+    (PINGPONG_192, 8192, 8192, 8192, 1, 66),  # 43 x 32 cluster tiles: 20 rounds and 56
+    (PINGPONG_192, 2300, 1536, 1288, 1, 66),  # 72 cluster tiles (a partial M edge): all split
     (GemmConfig(128, 128, 2, 2, swizzle=4, raster="n"), 3000, 1200, 1280, 2, 29),
     (GemmConfig(128, 128, swizzle=8), 1200, 1200, 2000, 3, 59),  # last swizzle band narrower
     (GemmConfig(64, 128), 100, 300, 64, 1, 132),  # fewer tiles than SMs

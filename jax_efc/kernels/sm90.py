@@ -3,7 +3,7 @@
 Two schedules share this code. Cooperative: one CTA = one producer warpgroup +
 ``tile_m // 64`` consumer warpgroups that work on the same tile. Ping-pong
 (``GemmConfig(pingpong=True)``): one producer + two consumer warpgroups, each owning whole
-tiles (64 or 128 rows) and taking alternate tiles of the persistent schedule. Two pairs of
+tiles (64, 128 or 192 rows) and taking alternate tiles of the persistent schedule. Two pairs of
 named barriers order them: their mainloops alternate, so one consumer's epilogue runs while
 the other's WGMMAs do, and their epilogues alternate, so both share one set of epilogue
 smem buffers (a consumer hands them over once its TMA stores have read them). Each
@@ -54,7 +54,7 @@ __all__ = ["Sm90FusedGemm"]
 # alignment (TILE_K, EPI_STAGES, SMEM_ALIGN) live in jax_efc.kernels, whose pipeline_stages
 # counts the stages that fit Hopper's 227 KiB next to them.
 # Register split across warpgroups (setmaxnreg): the producer needs few, the consumers hold
-# up to 128 fp32 accumulators each plus epilogue temporaries. 40 + 2 * 232 (x 128 threads)
+# up to 192 fp32 accumulators each plus epilogue temporaries. 40 + 2 * 232 (x 128 threads)
 # fits the 64K-register file; the values must be multiples of 8.
 _PRODUCER_REGS = 40
 _CONSUMER_REGS = 232
