@@ -285,9 +285,9 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     # against 0.462 / 0.812 with 4 stages and 0.449 / 0.775 cooperative.
     if (-(-m // 128) >= 8 and -(-n // 128) >= 2 and tiles(128, 128) >= 2 * sms
             and stages(128, 128) >= 5):
-        # 192x128 moves a third less A/B per multiply-add than 128x128 (from L2 and through
-        # smem), which the H200 turns into speed: these kernels run at its 700 W cap, where
-        # less data movement means higher clocks. Measured on H200, one run, 192x128 against
+        # 192x128 loads about a fifth less A/B per multiply-add from L2 than 128x128 (smem
+        # reads per WGMMA stay the same), and these kernels run at the H200's 700 W cap,
+        # where clocks follow the data moved. Measured on H200, one run, 192x128 against
         # 128x128 (ms): bias+gelu_tanh 1.548 vs 1.627 at 8192^3, 1.417 vs 1.460 at
         # 8192x14336x4096, 0.802 vs 0.829 at 16384x4096x4096; plain GEMMs within 1.5%. It is
         # taken unless its tiles fill the SMs' rounds worse (8192x4096: 10.4 tiles per SM
