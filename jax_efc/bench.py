@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -39,8 +40,8 @@ from .ops import fused_dense, gemm
 from .primitive import backends
 
 __all__ = ["Problem", "Result", "STANDARD_SHAPES", "QUICK_SHAPES", "EPILOGUES", "epilogue_problem",
-           "bench_problem", "measure", "run", "format_table", "add_arguments", "run_from_args",
-           "text_progress", "main"]
+           "bench_problem", "measure", "measure_together", "run", "format_table", "add_arguments",
+           "run_from_args", "text_progress", "main"]
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense peak of the reference H200
 L2_BYTES = 60 * 2**20
@@ -216,29 +217,43 @@ def _time(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tuple], rounds
     return [statistics.median(t) for t in per_call]
 
 
-def measure(problem: Problem, *, rounds: int = 5, calls: int | None = None, warmup: int = 1,
-            min_round_s: float = 0.1, check: bool = True, seed: int = 0) -> Result:
+def measure(problem: Problem, **kw: Any) -> Result:
     """Time ``problem``'s op and baseline side by side, after checking both against the
-    reference (unless ``check=False``)."""
-    out_shapes = jax.eval_shape(problem.ours, *problem.specs)
-    moved = _nbytes(problem.specs) + _nbytes(out_shapes)
-    n_sets = 1 if moved >= L2_BYTES else min(16, math.ceil(2 * L2_BYTES / moved))
-    input_sets = [_random_inputs(problem.specs, k) for k in jax.random.split(jax.random.key(seed), n_sets)]
+    reference (unless ``check=False``); the options are :func:`measure_together`'s."""
+    return measure_together([problem], **kw)[0]
 
-    err = base_err = None
+
+def measure_together(problems: Sequence[Problem], *, rounds: int = 5, calls: int | None = None,
+                     warmup: int = 1, min_round_s: float = 0.1, check: bool = True,
+                     seed: int = 0) -> list[Result]:
+    """Time several configurations of one epilogue at one shape (problems that differ only in
+    ``config``) in the same interleaved rounds as their shared baseline, so the drift of the
+    GPU's clock between rounds hits them all alike and their times compare directly."""
+    first = problems[0]
+    if any((p.epilogue, p.shape, p.dtype) != (first.epilogue, first.shape, first.dtype) for p in problems):
+        raise ValueError("measure_together takes configurations of one epilogue, shape and dtype")
+    out_shapes = jax.eval_shape(first.ours, *first.specs)
+    moved = _nbytes(first.specs) + _nbytes(out_shapes)
+    n_sets = 1 if moved >= L2_BYTES else min(16, math.ceil(2 * L2_BYTES / moved))
+    input_sets = [_random_inputs(first.specs, k) for k in jax.random.split(jax.random.key(seed), n_sets)]
+
+    errs: list[float | None] = [None] * len(problems)
+    base_err = None
     if check:
-        ref = problem.reference(*input_sets[0])
-        err = _rel_err(problem.ours(*input_sets[0]), ref)
-        base_err = _rel_err(problem.baseline(*input_sets[0]), ref)
+        ref = first.reference(*input_sets[0])
+        errs = [_rel_err(p.ours(*input_sets[0]), ref) for p in problems]
+        base_err = _rel_err(first.baseline(*input_sets[0]), ref)
         del ref
-    ours_s, base_s = _time((problem.ours, problem.baseline), input_sets, rounds, calls, min_round_s,
-                           warmup)
-    m, n, k, l = problem.shape
-    tflops = 2 * m * n * k * l / ours_s / 1e12
-    backend = "; ".join(dict.fromkeys(backends(problem.ours, *problem.specs))) or "none"
-    return Result(problem.epilogue, problem.shape, problem.dtype, problem.config, backend, ours_s,
-                  base_s, tflops,
-                  base_s / ours_s, tflops / PEAK_TFLOPS, moved / 1e9, err, base_err)
+    *ours_s, base_s = _time([p.ours for p in problems] + [first.baseline], input_sets, rounds, calls,
+                            min_round_s, warmup)
+    m, n, k, l = first.shape
+    results = []
+    for p, t, err in zip(problems, ours_s, errs):
+        tflops = 2 * m * n * k * l / t / 1e12
+        backend = "; ".join(dict.fromkeys(backends(p.ours, *p.specs))) or "none"
+        results.append(Result(p.epilogue, p.shape, p.dtype, p.config, backend, t, base_s, tflops,
+                              base_s / t, tflops / PEAK_TFLOPS, moved / 1e9, err, base_err))
+    return results
 
 
 def text_progress(done: int, total: int, label: str) -> None:
@@ -252,18 +267,24 @@ def text_progress(done: int, total: int, label: str) -> None:
 
 def run(problems: Sequence[Problem], *, progress: Callable[[int, int, str], None] | None = None,
         **measure_kw: Any) -> list[Result]:
-    """``measure`` each problem in turn, reporting progress as ``progress(done, total, label)``:
-    the problem about to run, then the one just measured with its ratio (so a log of an
+    """Measure each problem, the consecutive configurations of one epilogue and shape together
+    (:func:`measure_together`), reporting progress as ``progress(done, total, label)``: the
+    problem about to run, then each one just measured with its ratio (so a log of an
     interrupted run still holds every finished figure)."""
-    results = []
-    for i, p in enumerate(problems):
-        label = f"{_shape_str(p.shape)} {p.epilogue}" + ("" if p.config == "auto" else f" {p.config}")
+    groups = [list(g) for _, g in itertools.groupby(problems, key=lambda p: (p.epilogue, p.shape, p.dtype))]
+    results: list[Result] = []
+    for group in groups:
         if progress:
-            progress(i, len(problems), label)
-        results.append(measure(p, **measure_kw))
-        if progress:
-            progress(i + 1, len(problems), f"{label} {results[-1].ratio:.2f}x")
+            progress(len(results), len(problems), _label(group[0]))
+        for p, r in zip(group, measure_together(group, **measure_kw)):
+            results.append(r)
+            if progress:
+                progress(len(results), len(problems), f"{_label(p)} {r.ratio:.2f}x")
     return results
+
+
+def _label(p: Problem) -> str:
+    return f"{_shape_str(p.shape)} {p.epilogue}" + ("" if p.config == "auto" else f" {p.config}")
 
 
 def _shape_str(shape: Shape) -> str:
@@ -366,8 +387,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epilogues", type=_epilogue_list, default=list(EPILOGUES),
                    help=f"comma-separated, from {','.join(EPILOGUES)} (default: all)")
     p.add_argument("--configs", nargs="+", type=parse_config, default=[None], metavar="CONFIG",
-                   help="kernel configs to compare: 'auto' (the heuristic, default) or "
-                        "tile_m,tile_n[,cluster_m,cluster_n][,field=value...]")
+                   help="kernel configs to compare, timed in the same rounds: 'auto' (the "
+                        "heuristic, default) or tile_m,tile_n[,cluster_m,cluster_n][,field=value...]")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--rounds", type=int, default=5, help="timed rounds; the median counts")
     p.add_argument("--min-round-time", type=float, default=0.1, help="seconds per round (sets the calls)")

@@ -65,6 +65,29 @@ def test_bench(capsys, tmp_path):
         assert r["err"] < 1e-2 and r["baseline_err"] < 1e-2 and r["ours_s"] > 0
 
 
+def test_bench_configs_share_their_rounds(capsys, tmp_path):
+    # the configurations of one epilogue and shape are timed together with one baseline
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "--shapes", "32,64,48", "64,32,16", "--epilogues", "gemm,bias+gelu",
+            "--configs", "auto", "128,256,2,1", "--rounds", "2", "--min-round-time", "0.001",
+            "--json", str(out_json)]
+    assert main(argv) == 0
+    results = json.loads(out_json.read_text())["results"]
+    assert [(r["shape"][:3], r["epilogue"], r["config"]) for r in results] == [
+        (shape, epilogue, config) for shape in ([32, 64, 48], [64, 32, 16])
+        for epilogue in ("gemm", "bias+gelu") for config in ("auto", "128,256,2,1")]
+    for auto, pinned in zip(results[::2], results[1::2]):
+        assert auto["baseline_s"] == pinned["baseline_s"] and auto["baseline_err"] == pinned["baseline_err"]
+        assert auto["ours_s"] > 0 and pinned["ours_s"] > 0 and pinned["err"] < 1e-2
+    assert "8/8" in capsys.readouterr().err
+
+
+def test_measure_together_refuses_mixed_problems():
+    problems = [bench.bench_problem("gemm", (32, 64, 48, 1)), bench.bench_problem("gemm", (64, 64, 48, 1))]
+    with pytest.raises(ValueError, match="one epilogue, shape and dtype"):
+        bench.measure_together(problems)
+
+
 def test_bench_plot_without_matplotlib(capsys, monkeypatch):
     import builtins
 
