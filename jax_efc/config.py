@@ -30,8 +30,8 @@ class GemmConfig:
     # stores per tile, but more registers and shared memory per subtile
     epi_n: int = 32
     # ping-pong schedule: two consumer warpgroups each own whole tiles (at most 192x128,
-    # 128x192 or 64x256) and take alternate tiles of the persistent schedule, so one runs its epilogue
-    # while the other runs its mainloop. False: the cooperative schedule (tile_m // 64
+    # 128x192 or 64x256) and take alternate tiles of the persistent schedule, so one runs its
+    # epilogue while the other runs its mainloop. False: the cooperative schedule (tile_m // 64
     # warpgroups share each tile).
     pingpong: bool = False
     # stream-K: when the last round of whole tiles would leave many SMs idle, the last two
