@@ -6,7 +6,10 @@ among several sets when they fit in L2, and every variant checked against a floa
 reference in the same run. The baseline is the same epilogue in plain JAX under ``jax.jit``.
 
     python -m jax_efc.bench [--quick | --shapes M,N,K[,L] ...] [--epilogues gemm,bias+gelu_tanh]
-                            [--also-no-triton] [--json out.json]
+                            [--configs auto 192,128,1,2,pingpong=1 ...] [--also-no-triton]
+                            [--json out.json]
+
+Several ``--configs`` of one epilogue and shape are timed in the same interleaved rounds.
 
 ``--also-no-triton`` repeats the run in a subprocess with
 ``XLA_FLAGS=--xla_gpu_enable_triton_gemm=false`` (XLA reads its flags once, at start-up), so
