@@ -6,10 +6,11 @@ among several sets when they fit in L2, and every variant checked against a floa
 reference in the same run. The baseline is the same epilogue in plain JAX under ``jax.jit``.
 
     python -m jax_efc.bench [--quick | --shapes M,N,K[,L] ...] [--epilogues gemm,bias+gelu_tanh]
-                            [--configs auto 192,128,1,2,pingpong=1 ...] [--also-no-triton]
-                            [--json out.json]
+                            [--configs auto 192,128,1,2,pingpong=1 ...] [--clocks]
+                            [--also-no-triton] [--json out.json]
 
-Several ``--configs`` of one epilogue and shape are timed in the same interleaved rounds.
+Several ``--configs`` of one epilogue and shape are timed in the same interleaved rounds;
+``--clocks`` adds the SM clock and board power each side held (nvidia-smi).
 
 ``--also-no-triton`` repeats the run in a subprocess with
 ``XLA_FLAGS=--xla_gpu_enable_triton_gemm=false`` (XLA reads its flags once, at start-up), so
@@ -19,17 +20,21 @@ the baseline is XLA's cuBLASLt-epilogue path, and prints that second table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import itertools
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,8 +48,8 @@ from .ops import fused_dense, gemm
 from .primitive import backends
 
 __all__ = ["Problem", "Result", "STANDARD_SHAPES", "QUICK_SHAPES", "EPILOGUES", "epilogue_problem",
-           "bench_problem", "measure", "measure_together", "run", "format_table", "add_arguments",
-           "run_from_args", "text_progress", "main"]
+           "bench_problem", "measure", "measure_together", "run", "format_table", "ClockSampler",
+           "add_arguments", "run_from_args", "text_progress", "main"]
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense peak of the reference H200
 L2_BYTES = 60 * 2**20
@@ -97,6 +102,11 @@ class Result:
     gbytes: float  # least bytes any implementation must move (inputs read, outputs written)
     err: float | None
     baseline_err: float | None
+    # with a ClockSampler: median SM clock (MHz) and board power (W) while each side ran
+    ours_mhz: float | None = None
+    baseline_mhz: float | None = None
+    ours_watts: float | None = None
+    baseline_watts: float | None = None
 
 
 def _identity(acc: Any) -> Any:
@@ -197,11 +207,65 @@ def _rel_err(out: Any, ref: Any) -> float:
     return float(max(errs))
 
 
+class ClockSampler:
+    """The GPU's SM clock and board power, read by ``nvidia-smi`` every ``period_ms`` while
+    the sampler is entered (``with ClockSampler() as clocks:``). At the power cap the clock a
+    kernel holds depends on its work, so it explains times that the FLOP count does not.
+
+    ``command`` replaces the nvidia-smi call (each output line: "MHz, W"). The GPU sampled is
+    the first of ``CUDA_VISIBLE_DEVICES`` (0 if unset), the one JAX's first device runs on.
+    Samples in a round's first ``settle_s`` are left out (the clock moving from the previous
+    load).
+    """
+
+    def __init__(self, period_ms: int = 20, settle_s: float = 0.02,
+                 command: Sequence[str] | None = None):
+        self.settle_s = settle_s
+        gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+        self.command = list(command or ["nvidia-smi", f"--id={gpu}", "--query-gpu=clocks.sm,power.draw",
+                                        "--format=csv,noheader,nounits", f"--loop-ms={period_ms}"])
+        self.samples: list[tuple[float, float, float]] = []  # (perf_counter, MHz, W)
+
+    def __enter__(self) -> ClockSampler:
+        self._proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._proc.terminate()
+        self._proc.wait()
+        self._reader.join()
+        if not self.samples:
+            warnings.warn(f"{self.command[0]} gave no clock samples: "
+                          f"{self._proc.stderr.read().strip() or 'no output'}", RuntimeWarning, stacklevel=2)
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            try:
+                mhz, watts = (float(v) for v in line.split(","))
+            except ValueError:  # a header, "[N/A]" or a cut line
+                continue
+            self.samples.append((time.perf_counter(), mhz, watts))
+
+    def median(self, windows: Sequence[tuple[float, float]]) -> tuple[float | None, float | None]:
+        """Median clock and power over the samples inside the (start, end) ``perf_counter``
+        windows (past each one's settling time)."""
+        inside = [(mhz, w) for t, mhz, w in self.samples
+                  if any(a + self.settle_s <= t <= b for a, b in windows)]
+        if not inside:
+            return None, None
+        return statistics.median(m for m, _ in inside), statistics.median(w for _, w in inside)
+
+
 def _time(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tuple], rounds: int,
-          calls: int | None, min_round_s: float, warmup: int) -> list[float]:
-    """For each function, the median over ``rounds`` of the mean time per call. Rounds of the
-    functions alternate, so a drift in clocks hits them alike. ``calls=None`` picks enough
-    calls for a round to last ``min_round_s``; ``warmup`` (>= 1) calls exclude compilation."""
+          calls: int | None, min_round_s: float, warmup: int
+          ) -> tuple[list[float], list[list[tuple[float, float]]]]:
+    """For each function, the median over ``rounds`` of the mean time per call, and the
+    (start, end) ``perf_counter`` window of each of its rounds. Rounds of the functions
+    alternate, so a drift in clocks hits them alike. ``calls=None`` picks enough calls for a
+    round to last ``min_round_s``; ``warmup`` (>= 1) calls exclude compilation."""
     counts = []
     for fn in fns:
         for i in range(max(1, warmup)):
@@ -210,14 +274,17 @@ def _time(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tuple], rounds
         jax.block_until_ready(fn(*input_sets[-1]))
         counts.append(calls or max(1, min(1000, math.ceil(min_round_s / max(time.perf_counter() - t0, 1e-7)))))
     per_call: list[list[float]] = [[] for _ in fns]
+    windows: list[list[tuple[float, float]]] = [[] for _ in fns]
     for _ in range(rounds):
-        for fn, n, times in zip(fns, counts, per_call):
+        for fn, n, times, spans in zip(fns, counts, per_call, windows):
             t0 = time.perf_counter()
             for i in range(n):
                 out = fn(*input_sets[i % len(input_sets)])
             jax.block_until_ready(out)
-            times.append((time.perf_counter() - t0) / n)
-    return [statistics.median(t) for t in per_call]
+            t1 = time.perf_counter()
+            times.append((t1 - t0) / n)
+            spans.append((t0, t1))
+    return [statistics.median(t) for t in per_call], windows
 
 
 def measure(problem: Problem, **kw: Any) -> Result:
@@ -228,10 +295,11 @@ def measure(problem: Problem, **kw: Any) -> Result:
 
 def measure_together(problems: Sequence[Problem], *, rounds: int = 5, calls: int | None = None,
                      warmup: int = 1, min_round_s: float = 0.1, check: bool = True,
-                     seed: int = 0) -> list[Result]:
+                     seed: int = 0, clocks: ClockSampler | None = None) -> list[Result]:
     """Time several configurations of one epilogue at one shape (problems that differ only in
     ``config``) in the same interleaved rounds as their shared baseline, so the drift of the
-    GPU's clock between rounds hits them all alike and their times compare directly."""
+    GPU's clock between rounds hits them all alike and their times compare directly. With an
+    entered ``clocks`` sampler, each result also holds the clock and power of its rounds."""
     first = problems[0]
     if any((p.epilogue, p.shape, p.dtype) != (first.epilogue, first.shape, first.dtype) for p in problems):
         raise ValueError("measure_together takes configurations of one epilogue, shape and dtype")
@@ -247,15 +315,18 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = 5, calls: int
         errs = [_rel_err(p.ours(*input_sets[0]), ref) for p in problems]
         base_err = _rel_err(first.baseline(*input_sets[0]), ref)
         del ref
-    *ours_s, base_s = _time([p.ours for p in problems] + [first.baseline], input_sets, rounds, calls,
-                            min_round_s, warmup)
+    times, windows = _time([p.ours for p in problems] + [first.baseline], input_sets, rounds, calls,
+                           min_round_s, warmup)
+    *ours_s, base_s = times
+    power = [clocks.median(w) if clocks else (None, None) for w in windows]
     m, n, k, l = first.shape
     results = []
-    for p, t, err in zip(problems, ours_s, errs):
+    for p, t, err, (mhz, watts) in zip(problems, ours_s, errs, power):
         tflops = 2 * m * n * k * l / t / 1e12
         backend = "; ".join(dict.fromkeys(backends(p.ours, *p.specs))) or "none"
         results.append(Result(p.epilogue, p.shape, p.dtype, p.config, backend, t, base_s, tflops,
-                              base_s / t, tflops / PEAK_TFLOPS, moved / 1e9, err, base_err))
+                              base_s / t, tflops / PEAK_TFLOPS, moved / 1e9, err, base_err,
+                              mhz, power[-1][0], watts, power[-1][1]))
     return results
 
 
@@ -303,14 +374,23 @@ def _err_str(e: float | None) -> str:
     return "-" if e is None else f"{e:.1e}"
 
 
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
 def format_table(results: Sequence[Result], title: str = "") -> str:
-    """A fixed-width table of results (shape is M x N x K [x L])."""
+    """A fixed-width table of results (shape is M x N x K [x L]); with sampled clocks, also
+    each side's median SM clock and board power."""
     head = ("shape", "dtype", "epilogue", "config", "backend", "ours ms", "base ms", "TFLOP/s", "ratio",
             "%peak", "GB", "err", "base err")
     rows = [(_shape_str(r.shape), r.dtype, r.epilogue, r.config, _clip(r.backend, 40), f"{r.ours_s * 1e3:.3f}",
              f"{r.baseline_s * 1e3:.3f}", f"{r.tflops:.4g}", f"{r.ratio:.2f}",
              f"{100 * r.peak_fraction:.3g}", f"{r.gbytes:.2f}", _err_str(r.err), _err_str(r.baseline_err))
             for r in results]
+    if any(r.ours_mhz is not None for r in results):
+        head += ("ours MHz", "base MHz", "ours W", "base W")
+        rows = [row + tuple(_num(v) for v in (r.ours_mhz, r.baseline_mhz, r.ours_watts, r.baseline_watts))
+                for row, r in zip(rows, results)]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     lines = [title] if title else []
     lines += ["  ".join(f"{x:<{w}}" for x, w in zip(row, widths)) for row in (head, *rows)]
@@ -399,6 +479,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--also-no-triton", action="store_true",
                    help=f"also run with XLA_FLAGS={NO_TRITON_FLAG} in a subprocess")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--clocks", action=_ClocksFlag,
+                   help="sample the SM clock and board power (nvidia-smi, every 20 ms) during the "
+                        "timed rounds and add their medians to the table")
+
+
+class _ClocksFlag(argparse.Action):
+    """``--clocks``, refused at parse time where there is no nvidia-smi to read them."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kw: Any):
+        super().__init__(option_strings, dest, nargs=0, default=False, **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if shutil.which("nvidia-smi") is None:
+            parser.error("--clocks reads the GPU's clock with nvidia-smi, which is not on PATH")
+        setattr(namespace, self.dest, True)
 
 
 def run_from_args(args: argparse.Namespace,
@@ -408,8 +504,9 @@ def run_from_args(args: argparse.Namespace,
     shapes = args.shapes or (QUICK_SHAPES if args.quick else STANDARD_SHAPES)
     problems = [bench_problem(e, s, args.dtype, c) for s in shapes for e in args.epilogues
                 for c in args.configs]
-    results = run(problems, progress=progress, rounds=args.rounds, min_round_s=args.min_round_time,
-                  check=not args.skip_check)
+    with ClockSampler() if args.clocks else contextlib.nullcontext() as clocks:
+        results = run(problems, progress=progress, rounds=args.rounds, min_round_s=args.min_round_time,
+                      check=not args.skip_check, clocks=clocks)
     print(format_table(results, baseline_title()), flush=True)
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -431,8 +528,7 @@ def _run_without_triton(args: argparse.Namespace, shapes: Sequence[Shape]) -> li
                 "--epilogues", ",".join(args.epilogues), "--dtype", args.dtype, "--rounds", str(args.rounds),
                 "--configs", *(config_label(c) for c in args.configs),
                 "--min-round-time", str(args.min_round_time), "--json", out]
-        if args.skip_check:
-            argv.append("--skip-check")
+        argv += ["--skip-check"] * args.skip_check + ["--clocks"] * args.clocks
         env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {NO_TRITON_FLAG}".strip())
         # this process keeps its preallocated GPU pool: the child allocates as it goes
         env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -2,6 +2,8 @@
 
 import json
 import re
+import sys
+import time
 
 import jax
 import pytest
@@ -86,6 +88,44 @@ def test_measure_together_refuses_mixed_problems():
     problems = [bench.bench_problem("gemm", (32, 64, 48, 1)), bench.bench_problem("gemm", (64, 64, 48, 1))]
     with pytest.raises(ValueError, match="one epilogue, shape and dtype"):
         bench.measure_together(problems)
+
+
+_FAKE_SMI = """
+import sys, time
+print("clocks.current.sm [MHz], power.draw [W]")  # a header: skipped
+print("[N/A], [N/A]", flush=True)
+while True:
+    print("1500, 650.5", flush=True)
+    time.sleep(0.002)
+"""
+
+
+def test_clock_sampler_attributes_samples_to_rounds():
+    # no settling time: the CPU's rounds may last only a few milliseconds
+    with bench.ClockSampler(settle_s=0.0, command=[sys.executable, "-c", _FAKE_SMI]) as clocks:
+        problems = [bench.bench_problem("gemm", (512, 512, 512, 1))]
+        (r,) = bench.run(problems, rounds=2, calls=20, clocks=clocks)
+    assert clocks.samples and all(s[1:] == (1500.0, 650.5) for s in clocks.samples)
+    assert (r.ours_mhz, r.baseline_mhz, r.ours_watts, r.baseline_watts) == (1500, 1500, 650.5, 650.5)
+    table = bench.format_table([r])
+    assert "ours MHz" in table and "650" in table.splitlines()[-1]
+    # a window with no samples inside has no median
+    assert clocks.median([(0.0, 0.01)]) == (None, None)
+
+
+def test_clock_sampler_says_when_it_got_nothing():
+    failing = [sys.executable, "-c", "import sys; sys.exit('unknown option --loop-ms')"]
+    with pytest.warns(RuntimeWarning, match="no clock samples: unknown option --loop-ms"):
+        with bench.ClockSampler(command=failing) as clocks:
+            time.sleep(1.0)  # the command fails at start-up, as nvidia-smi would on a bad flag
+    assert clocks.median([(0.0, float("inf"))]) == (None, None)
+
+
+def test_bench_clocks_need_nvidia_smi(capsys, monkeypatch):
+    monkeypatch.setattr(bench.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--shapes", "32,32,32", "--clocks"])
+    assert e.value.code == 2 and "nvidia-smi" in capsys.readouterr().err
 
 
 def test_bench_plot_without_matplotlib(capsys, monkeypatch):
