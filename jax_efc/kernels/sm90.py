@@ -570,8 +570,7 @@ class Sm90FusedGemm:
         ) for i in range(n_out)]
         for s in cutlass.range_constexpr(n_sub):
             sub_index = epi.acc_index[s]
-            for v in cutlass.range_constexpr(cute.size(frag)):
-                frag[v] = acc[sub_index[v]]
+            _gather_registers(frag, acc, sub_index)
             coords = _tile_coords(epi.tCcT, sub_index,
                                   m_idx * self.tile_mnk[0], n_idx * self.tile_mnk[1])
             buf = subtile_count % EPI_STAGES
@@ -638,6 +637,13 @@ class Sm90FusedGemm:
         if dtype.width == 16:
             return cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), dtype)
         return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
+
+
+def _gather_registers(frag: cute.Tensor, acc: cute.Tensor, indices: list[int]) -> None:
+    """``frag[v] = acc[indices[v]]``: register renames, unrolled by Python at trace time (a
+    subtile holds up to 96 values a thread, past the DSL's static-loop warning)."""
+    for v, i in enumerate(indices):
+        frag[v] = acc[i]
 
 
 def _tile_coords(tCcT: cute.Tensor, indices: list[int], m0, n0) -> list[tuple]:
