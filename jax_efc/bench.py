@@ -528,7 +528,7 @@ def _run_without_triton(args: argparse.Namespace, shapes: Sequence[Shape]) -> li
                 "--epilogues", ",".join(args.epilogues), "--dtype", args.dtype, "--rounds", str(args.rounds),
                 "--configs", *(config_label(c) for c in args.configs),
                 "--min-round-time", str(args.min_round_time), "--json", out]
-        argv += ["--skip-check"] * args.skip_check + ["--clocks"] * args.clocks
+        argv += [flag for flag, on in (("--skip-check", args.skip_check), ("--clocks", args.clocks)) if on]
         env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {NO_TRITON_FLAG}".strip())
         # this process keeps its preallocated GPU pool: the child allocates as it goes
         env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

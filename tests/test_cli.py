@@ -84,6 +84,19 @@ def test_bench_configs_share_their_rounds(capsys, tmp_path):
     assert "8/8" in capsys.readouterr().err
 
 
+def test_bench_also_no_triton_runs_a_second_process(capfd, tmp_path):
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "--shapes", "32,64,48", "--epilogues", "bias+gelu_tanh", "--configs", "auto",
+            "128,128,1,2,pingpong=1", "--rounds", "1", "--min-round-time", "0.001", "--skip-check",
+            "--also-no-triton", "--json", str(out_json)]
+    assert main(argv) == 0
+    report = json.loads(out_json.read_text())
+    assert [r["config"] for r in report["no_triton"]] == ["auto", "128,128,1,2,pingpong=1"]
+    assert all(r["err"] is None and r["ours_s"] > 0 for r in report["no_triton"])
+    # the child prints its own table, titled with the flag its XLA runs with
+    assert "baseline: XLA with --xla_gpu_enable_triton_gemm=false" in capfd.readouterr().out
+
+
 def test_measure_together_refuses_mixed_problems():
     problems = [bench.bench_problem("gemm", (32, 64, 48, 1)), bench.bench_problem("gemm", (64, 64, 48, 1))]
     with pytest.raises(ValueError, match="one epilogue, shape and dtype"):
