@@ -20,6 +20,7 @@ the baseline is XLA's cuBLASLt-epilogue path, and prints that second table.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import dataclasses
 import functools
@@ -252,8 +253,10 @@ class ClockSampler:
     def median(self, windows: Sequence[tuple[float, float]]) -> tuple[float | None, float | None]:
         """Median clock and power over the samples inside the (start, end) ``perf_counter``
         windows (past each one's settling time)."""
-        inside = [(mhz, w) for t, mhz, w in self.samples
-                  if any(a + self.settle_s <= t <= b for a, b in windows)]
+        # samples arrive in time order: each window is a slice of them
+        inside = [(mhz, w) for a, b in windows
+                  for _, mhz, w in self.samples[bisect.bisect_left(self.samples, (a + self.settle_s,)):
+                                                bisect.bisect_right(self.samples, (b, math.inf))]]
         if not inside:
             return None, None
         return statistics.median(m for m, _ in inside), statistics.median(w for _, w in inside)
@@ -318,7 +321,7 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = 5, calls: int
     times, windows = _time([p.ours for p in problems] + [first.baseline], input_sets, rounds, calls,
                            min_round_s, warmup)
     *ours_s, base_s = times
-    power = [clocks.median(w) if clocks else (None, None) for w in windows]
+    *power, (base_mhz, base_watts) = [clocks.median(w) if clocks else (None, None) for w in windows]
     m, n, k, l = first.shape
     results = []
     for p, t, err, (mhz, watts) in zip(problems, ours_s, errs, power):
@@ -326,7 +329,7 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = 5, calls: int
         backend = "; ".join(dict.fromkeys(backends(p.ours, *p.specs))) or "none"
         results.append(Result(p.epilogue, p.shape, p.dtype, p.config, backend, t, base_s, tflops,
                               base_s / t, tflops / PEAK_TFLOPS, moved / 1e9, err, base_err,
-                              mhz, power[-1][0], watts, power[-1][1]))
+                              mhz, base_mhz, watts, base_watts))
     return results
 
 
@@ -370,12 +373,8 @@ def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def _err_str(e: float | None) -> str:
-    return "-" if e is None else f"{e:.1e}"
-
-
-def _num(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0f}"
+def _optional(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
 
 
 def format_table(results: Sequence[Result], title: str = "") -> str:
@@ -385,11 +384,11 @@ def format_table(results: Sequence[Result], title: str = "") -> str:
             "%peak", "GB", "err", "base err")
     rows = [(_shape_str(r.shape), r.dtype, r.epilogue, r.config, _clip(r.backend, 40), f"{r.ours_s * 1e3:.3f}",
              f"{r.baseline_s * 1e3:.3f}", f"{r.tflops:.4g}", f"{r.ratio:.2f}",
-             f"{100 * r.peak_fraction:.3g}", f"{r.gbytes:.2f}", _err_str(r.err), _err_str(r.baseline_err))
+             f"{100 * r.peak_fraction:.3g}", f"{r.gbytes:.2f}", _optional(r.err, ".1e"), _optional(r.baseline_err, ".1e"))
             for r in results]
     if any(r.ours_mhz is not None for r in results):
         head += ("ours MHz", "base MHz", "ours W", "base W")
-        rows = [row + tuple(_num(v) for v in (r.ours_mhz, r.baseline_mhz, r.ours_watts, r.baseline_watts))
+        rows = [row + tuple(_optional(v, ".0f") for v in (r.ours_mhz, r.baseline_mhz, r.ours_watts, r.baseline_watts))
                 for row, r in zip(rows, results)]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     lines = [title] if title else []
