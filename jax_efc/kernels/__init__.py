@@ -275,8 +275,7 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     def fill(tm: int, tn: int) -> float:
         """Useful share of the work when tm x tn tiles run in rounds of one per SM: the edge
         tiles' padding and the last round's idle SMs count as waste."""
-        t = tiles(tm, tn)
-        return m * n * l / (t * tm * tn) * t / (sms * -(-t // sms))
+        return m * n * l / (tm * tn * sms * -(-tiles(tm, tn) // sms))
 
     # Measured on H200 (bf16, one run, ratio to XLA): ping-pong 128x128 1x2 against the
     # cooperative 128x256 2x1 default at 8192x4096x4096 / 8192x14336x4096 / 8192^3:
