@@ -216,15 +216,19 @@ class ClockSampler:
     ``command`` replaces the nvidia-smi call (each output line: "MHz, W"). The GPU sampled is
     the first of ``CUDA_VISIBLE_DEVICES`` (0 if unset), the one JAX's first device runs on.
     Samples in a round's first ``settle_s`` are left out (the clock moving from the previous
-    load).
+    load). Power is the instantaneous reading where the driver has one: ``power.draw`` is a
+    one-second average on current drivers, longer than a round.
     """
 
     def __init__(self, period_ms: int = 20, settle_s: float = 0.02,
                  command: Sequence[str] | None = None):
         self.settle_s = settle_s
         gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
-        self.command = list(command or ["nvidia-smi", f"--id={gpu}", "--query-gpu=clocks.sm,power.draw",
-                                        "--format=csv,noheader,nounits", f"--loop-ms={period_ms}"])
+        if command is None:
+            power = "power.draw.instant" if _smi_knows(gpu, "power.draw.instant") else "power.draw"
+            command = ["nvidia-smi", f"--id={gpu}", f"--query-gpu=clocks.sm,{power}",
+                       "--format=csv,noheader,nounits", f"--loop-ms={period_ms}"]
+        self.command = list(command)
         self.samples: list[tuple[float, float, float]] = []  # (perf_counter, MHz, W)
 
     def __enter__(self) -> ClockSampler:
@@ -260,6 +264,17 @@ class ClockSampler:
         if not inside:
             return None, None
         return statistics.median(m for m, _ in inside), statistics.median(w for _, w in inside)
+
+
+def _smi_knows(gpu: str, field: str) -> bool:
+    """Whether this nvidia-smi reports ``field`` as a number (older drivers reject the name)."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--id={gpu}", f"--query-gpu={field}",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+        float(out.stdout.strip())
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return False
+    return out.returncode == 0
 
 
 def _time(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tuple], rounds: int,

@@ -31,8 +31,8 @@ class GemmConfig:
     epi_n: int = 32
     # ping-pong schedule: two consumer warpgroups each own whole tiles (at most 192x128,
     # 128x192 or 64x256) and take alternate tiles of the persistent schedule, so one runs its
-    # epilogue while the other runs its mainloop. False: the cooperative schedule (tile_m // 64
-    # warpgroups share each tile).
+    # epilogue while the other runs its mainloop. False: the cooperative schedule (one or two
+    # warpgroups share each tile, up to 256x128 or 128x256).
     pingpong: bool = False
     # stream-K: when the last round of whole tiles would leave many SMs idle, the last two
     # rounds' k-iterations are shared evenly by all of them (partial sums meet through an

@@ -2,6 +2,7 @@
 
 import json
 import re
+import subprocess
 import sys
 import time
 
@@ -132,6 +133,26 @@ def test_clock_sampler_says_when_it_got_nothing():
         with bench.ClockSampler(command=failing) as clocks:
             time.sleep(1.0)  # the command fails at start-up, as nvidia-smi would on a bad flag
     assert clocks.median([(0.0, float("inf"))]) == (None, None)
+
+
+@pytest.mark.parametrize("answer, instant", [
+    (subprocess.CompletedProcess([], 0, "687.25\n", ""), True),
+    (subprocess.CompletedProcess([], 0, "[N/A]\n", ""), False),
+    (subprocess.CompletedProcess([], 2, "", "Field \"power.draw.instant\" is not a valid field"), False),
+    (FileNotFoundError("nvidia-smi"), False),
+])
+def test_clock_sampler_prefers_instant_power(monkeypatch, answer, instant):
+    # power.draw is a one-second average on current drivers: the sampler asks for the
+    # instantaneous reading where this nvidia-smi gives one as a number
+    def fake_run(cmd, **kw):
+        assert "--query-gpu=power.draw.instant" in cmd
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    query = [c for c in bench.ClockSampler().command if c.startswith("--query-gpu=")]
+    assert query == ["--query-gpu=clocks.sm," + ("power.draw.instant" if instant else "power.draw")]
 
 
 def test_bench_clocks_need_nvidia_smi(capsys, monkeypatch):

@@ -83,7 +83,8 @@ def _rel_error(got, want) -> float:
 
 @pytest.mark.parametrize("transpose_a", [False, True])
 @pytest.mark.parametrize("transpose_b", [False, True])
-@pytest.mark.parametrize("config", [(128, 128, 1, 1), (192, 128, 1, 2, {"pingpong": True})])
+@pytest.mark.parametrize("config", [(128, 128, 1, 1), (192, 128, 1, 2, {"pingpong": True}),
+                                    (256, 128, 1, 2)])
 def test_plain_gemm_majors_odd_shape(transpose_a, transpose_b, config):
     # M, N, K not multiples of the tile: partial tiles on every edge (N, K multiples of 8)
     _run(lambda acc: acc, [], m=1000, n=1000, k=1000, transpose_a=transpose_a,
@@ -91,7 +92,7 @@ def test_plain_gemm_majors_odd_shape(transpose_a, transpose_b, config):
 
 
 @pytest.mark.parametrize("config", [(128, 256, 2, 1), (128, 128, 1, 2), (128, 128, 2, 2),
-                                    (64, 128, 1, 1), (128, 192, 1, 1), None])
+                                    (64, 128, 1, 1), (128, 192, 1, 1), (256, 128, 2, 1), None])
 def test_configs(config):
     _run(lambda acc, bias: acc + bias, [((1, 768), "bfloat16")], m=1032, n=768, k=520,
          config=config)
@@ -104,8 +105,9 @@ def test_configs(config):
     ((128, 256, 2, 1, {"swizzle": 8}), 4608, 3840, 1288, None, "alpha_beta", False),
     ((128, 128, 1, 1, {"pingpong": True}), 1152, 2048, 1024, 2, "alpha_beta", True),
     ((192, 128, 1, 2, {"pingpong": True, "swizzle": 8}), 2300, 1536, 1288, None, "bias_gelu", False),
+    ((256, 128, 1, 2, {"swizzle": 8}), 2048, 2304, 1288, None, "bias_gelu", True),
 ], ids=["pingpong_bias_gelu", "cooperative_alpha_beta", "pingpong_alpha_beta_batched_transposed",
-        "pingpong_192x128_bias_gelu"])
+        "pingpong_192x128_bias_gelu", "cooperative_256x128_bias_gelu_transposed"])
 def test_stream_k(config, m, n, k, batch, epilogue, transpose):
     import jax
 
@@ -208,6 +210,18 @@ def test_tile_operands_alpha_beta_edges(config):
     m, n = 1000, 1000  # partial tiles on both edges (N a multiple of 8 for TMA)
     _run(fn, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=520, config=config,
          out_dtypes={"D": jnp.bfloat16, "Y": jnp.float32})
+
+
+def test_cooperative_256x128_tile_operands_batched_fp16():
+    # two 128-row warpgroups share the tile's epilogue: TILE operands through 256x32 buffers
+    import jax.numpy as jnp
+
+    def fn(acc, c, x):
+        return {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}
+
+    L, m, n = 2, 600, 392
+    _run(fn, [((L, m, n), "float16"), ((m, n), "float16")], m=m, n=n, k=520, batch=L,
+         dtype="float16", config=(256, 128, 2, 1), out_dtypes={"D": jnp.float16, "Y": jnp.float16})
 
 
 def test_pingpong_192x128_batched_fp16_transposed():

@@ -58,6 +58,10 @@ VARIANTS = {
                                             "bias_gelu"),
     "fp16_pingpong_alpha_beta_128x192_mk": ("float16", True, False, None,
                                             (128, 192, 1, 1, {"pingpong": True}), "alpha_beta"),
+    # cooperative 256x128: two warpgroups of 128 rows, two m64n128 WGMMAs each per k-step
+    "bf16_256x128_c1x2_swizzle8": ("bfloat16", False, True, None, (256, 128, 1, 2, {"swizzle": 8}),
+                                   "bias_gelu"),
+    "fp16_256x192_mk": ("float16", True, False, None, (256, 192, 1, 1), "bias_silu"),
     "bf16_pingpong_128x128_c2x1": ("bfloat16", False, False, None,
                                    (128, 128, 2, 1, {"pingpong": True}), "bias_gelu"),
     "bf16_pingpong_alpha_beta_128x128": ("bfloat16", True, True, 2,
@@ -193,6 +197,9 @@ def test_pingpong_192_tiles_use_their_wgmma_shapes(compiled):
     # a 192x128 consumer issues three m64n128 WGMMAs per k-step, a 128x192 one two m64n192
     assert "wgmma.mma_async.sync.aligned.m64n128k16" in compiled["bf16_pingpong_192x128_c1x2_swizzle8"]["ptx"]
     assert "wgmma.mma_async.sync.aligned.m64n192k16" in compiled["fp16_pingpong_alpha_beta_128x192_mk"]["ptx"]
+    # cooperative 256x128: each of the two warpgroups issues two m64n128 per k-step
+    ptx = compiled["bf16_256x128_c1x2_swizzle8"]["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n128k16" in ptx and "m64n256k16" not in ptx
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -245,7 +252,9 @@ def _aval(shape, dtype):
         (dict(k=1001), "K=1001"),
         (dict(n=1001), "N=1001"),
         (dict(dtype="float32"), "float32"),
-        (dict(config=(256, 128, 1, 1)), "tile_m=256"),
+        (dict(config=(32, 128, 1, 1)), "tile_m=32"),
+        (dict(config=(256, 128, 1, 1, {"pingpong": True})), "tile_m=256 needs pingpong=False"),
+        (dict(config=(256, 256, 1, 1)), "cooperative 256x256 tile"),
         (dict(config=(128, 96, 1, 1)), "tile_n=96"),
         (dict(config=(128, 128, 4, 2)), "at most 4"),
         (dict(config=(128, 192, 1, 1, {"epi_n": 128})), "epi_n=128"),

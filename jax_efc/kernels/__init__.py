@@ -26,7 +26,7 @@ _OUT_DTYPES = ("bfloat16", "float16", "float32")
 _OPERAND_DTYPES = ("bfloat16", "float16", "float32")
 # dtypes the visitor evaluates in: 16-bit values are computed in fp32 and rounded per op
 _VALUE_DTYPES = ("float32", "bfloat16", "float16", "bool")
-_TILE_M = (64, 128, 192)
+_TILE_M = (64, 128, 192, 256)
 _TILE_N = (64, 128, 192, 256)
 # SM90 clusters: the TMA multicast mask and the cluster launch allow up to 8 CTAs, but
 # portable cluster sizes (those guaranteed schedulable on every SM90 part) stop at 8 and
@@ -46,12 +46,13 @@ TILE_K = 64
 EPI_STAGES = 2
 # Each smem buffer is 1 KiB aligned (the 128-byte swizzle repeats every 1 KiB).
 SMEM_ALIGN = 1024
-# a ping-pong consumer warpgroup (128 threads) holds a whole tile's fp32 accumulators: up to
-# 192 per thread (192x128 or 128x192 tiles) leave the epilogue's temporaries room in the
-# 232-register budget (ptxas: no spills for bias+gelu_tanh or bias+silu, 24 bytes for the
-# erf GELU's longer chain); 256 would not
+# a consumer warpgroup (128 threads) covers at most two 64-row WGMMA blocks of a cooperative
+# tile, or a whole ping-pong tile; up to 192 fp32 accumulators per thread (192x128 or 128x192
+# ping-pong tiles) leave the epilogue's temporaries room in the 232-register budget (ptxas:
+# no spills for bias+gelu_tanh or bias+silu, 24 bytes for the erf GELU's longer chain); 256
+# would not
 _WG = 128
-_PINGPONG_ACC_PER_THREAD = 192
+_ACC_PER_THREAD = 192
 _BITS = {"bfloat16": 16, "float16": 16, "float32": 32}
 # a tile count that fills this fraction of the SMs counts as one full wave
 _ONE_WAVE = 0.9
@@ -103,13 +104,23 @@ def _align_elems(dtype: str) -> int:
     return 16 // {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
 
 
+def mma_warpgroups(config: GemmConfig) -> int:
+    """Consumer warpgroups that share one tile's WGMMAs and epilogue: a ping-pong consumer
+    covers its whole tile, cooperative ones 64 rows each up to two (a 256-row tile gives each
+    two 64-row blocks)."""
+    return 1 if config.pingpong else min(config.tile_m // 64, 2)
+
+
 def _config_reason(config: GemmConfig) -> str | None:
     if config.tile_m not in _TILE_M:
         return (f"tile_m={config.tile_m} is not supported on SM90; use one of {_TILE_M} "
-                "(one WGMMA warpgroup covers 64 rows, two cooperate on 128).")
+                "(a WGMMA covers 64 rows; a warpgroup issues one to three of them per k-step).")
     if config.tile_m == 192 and not config.pingpong:
         return ("tile_m=192 needs pingpong=True (one warpgroup runs the tile's three 64-row "
-                "WGMMAs); the cooperative schedule takes tile_m 64 or 128.")
+                "WGMMAs); the cooperative schedule takes tile_m 64, 128 or 256.")
+    if config.tile_m == 256 and config.pingpong:
+        return ("tile_m=256 needs pingpong=False (two cooperating warpgroups of 128 rows "
+                "each); ping-pong tiles have at most 192 rows.")
     if config.tile_n not in _TILE_N:
         return f"tile_n={config.tile_n} is not supported on SM90; use one of {_TILE_N}."
     for name in ("cluster_m", "cluster_n"):
@@ -130,11 +141,15 @@ def _config_reason(config: GemmConfig) -> str | None:
     for name in ("pingpong", "stream_k"):
         if not isinstance(getattr(config, name), bool):
             return f"{name}={getattr(config, name)!r} must be True or False."
-    if config.pingpong and config.tile_m * config.tile_n > _PINGPONG_ACC_PER_THREAD * _WG:
+    if config.pingpong and config.tile_m * config.tile_n > _ACC_PER_THREAD * _WG:
         return (f"pingpong=True with a {config.tile_m}x{config.tile_n} tile: one ping-pong "
-                f"warpgroup holds the whole tile's fp32 accumulators, at most {_PINGPONG_ACC_PER_THREAD} "
+                f"warpgroup holds the whole tile's fp32 accumulators, at most {_ACC_PER_THREAD} "
                 "per thread; use 128x128, 192x128, 128x192 or 64x256 (or pingpong=False for "
-                "the cooperative schedule, where two warpgroups share a 128-row tile).")
+                "the cooperative schedule, where two warpgroups share a tile).")
+    if not config.pingpong and config.tile_m * config.tile_n > _ACC_PER_THREAD * _WG * mma_warpgroups(config):
+        return (f"a cooperative {config.tile_m}x{config.tile_n} tile needs more than "
+                f"{_ACC_PER_THREAD} fp32 accumulators per thread; use 256x128, 128x256 or "
+                "a smaller tile.")
     return None
 
 
@@ -292,7 +307,10 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # 1.460 at 8192x14336x4096, 0.802 vs 0.829 at 16384x4096x4096; plain GEMMs within
         # 1.5%. It is taken unless its tiles fill the SMs' rounds more than 1% worse
         # (8192x4096: 10.4 tiles per SM, 11 rounds, against 15.5 in 16) or its smem leaves
-        # fewer stages.
+        # fewer stages. Cooperative 256x128 tiles fill 8192x4096 better (7.8 per SM) but
+        # expose their epilogue; one run at 8192x4096x4096 / 8192x4096x14336, ms, against
+        # this choice: plain 0.419 / 1.431 vs 0.413 / 1.411, bias+gelu_tanh 0.438 / 1.432 vs
+        # 0.423 / 1.445. They stay a config to pin, not a default.
         tm = 192 if stages(192, 128) >= 5 and fill(192, 128) >= fill(128, 128) - 0.01 else 128
         return GemmConfig(tile_m=tm, tile_n=128, cluster_m=1, cluster_n=2, swizzle=8, pingpong=True)
 

@@ -1,7 +1,7 @@
 """Warp-specialized persistent GEMM with a fused epilogue for Hopper (sm_90a).
 
-Two schedules share this code. Cooperative: one CTA = one producer warpgroup +
-``tile_m // 64`` consumer warpgroups that work on the same tile. Ping-pong
+Two schedules share this code. Cooperative: one CTA = one producer warpgroup + one or two
+consumer warpgroups that work on the same tile (64 rows each, 128 in a 256-row tile). Ping-pong
 (``GemmConfig(pingpong=True)``): one producer + two consumer warpgroups, each owning whole
 tiles (64, 128 or 192 rows) and taking alternate tiles of the persistent schedule. Two pairs of
 named barriers order them: their mainloops alternate, so one consumer's epilogue runs while
@@ -40,8 +40,8 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from jax_efc.kernels import (EPI_STAGES, SMEM_ALIGN, TILE_K, KernelProblem, pipeline_stages,
-                             tile_operand_indices)
+from jax_efc.kernels import (EPI_STAGES, SMEM_ALIGN, TILE_K, KernelProblem, mma_warpgroups,
+                             pipeline_stages, tile_operand_indices)
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, Unit, cluster_tiles
 from jax_efc.kernels.visitor import EpilogueVisitor, cutlass_dtype
 
@@ -122,9 +122,10 @@ class Sm90FusedGemm:
         self.n_operands = len(problem.ir.operands)
         self.out_dtypes = self.visitor.out_dtypes
         self.pingpong = bool(cfg.pingpong)
-        # warpgroups that cooperate on one tile (its MMA and its epilogue); a ping-pong
-        # consumer covers all tile_m rows itself (two 64-row WGMMAs per k-block at 128)
-        self.n_mma_wg = 1 if self.pingpong else cfg.tile_m // 64
+        # warpgroups that cooperate on one tile (its MMA and its epilogue); each covers
+        # tile_m / n_mma_wg rows in 64-row WGMMA blocks (two per k-step for a 128x128
+        # ping-pong consumer or a cooperative 256x128 tile)
+        self.n_mma_wg = mma_warpgroups(cfg)
         # consumer warpgroups per CTA; each group of n_mma_wg runs its own tiles and epilogue
         self.n_epi_groups = 2 if self.pingpong else 1
         self.n_consumer_wg = self.n_mma_wg * self.n_epi_groups
