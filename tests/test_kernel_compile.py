@@ -193,7 +193,7 @@ def test_gelu_tanh_is_rewritten(compiled):
     assert tanhs > 0 and len(re.findall(r"\bmul\.f32\s", ptx)) == 3 * tanhs
 
 
-def test_pingpong_192_tiles_use_their_wgmma_shapes(compiled):
+def test_tiles_use_their_wgmma_shapes(compiled):
     # a 192x128 consumer issues three m64n128 WGMMAs per k-step, a 128x192 one two m64n192
     assert "wgmma.mma_async.sync.aligned.m64n128k16" in compiled["bf16_pingpong_192x128_c1x2_swizzle8"]["ptx"]
     assert "wgmma.mma_async.sync.aligned.m64n192k16" in compiled["fp16_pingpong_alpha_beta_128x192_mk"]["ptx"]

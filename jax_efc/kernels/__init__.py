@@ -141,12 +141,12 @@ def _config_reason(config: GemmConfig) -> str | None:
     for name in ("pingpong", "stream_k"):
         if not isinstance(getattr(config, name), bool):
             return f"{name}={getattr(config, name)!r} must be True or False."
-    if config.pingpong and config.tile_m * config.tile_n > _ACC_PER_THREAD * _WG:
-        return (f"pingpong=True with a {config.tile_m}x{config.tile_n} tile: one ping-pong "
-                f"warpgroup holds the whole tile's fp32 accumulators, at most {_ACC_PER_THREAD} "
-                "per thread; use 128x128, 192x128, 128x192 or 64x256 (or pingpong=False for "
-                "the cooperative schedule, where two warpgroups share a tile).")
-    if not config.pingpong and config.tile_m * config.tile_n > _ACC_PER_THREAD * _WG * mma_warpgroups(config):
+    if config.tile_m * config.tile_n > _ACC_PER_THREAD * _WG * mma_warpgroups(config):
+        if config.pingpong:
+            return (f"pingpong=True with a {config.tile_m}x{config.tile_n} tile: one ping-pong "
+                    f"warpgroup holds the whole tile's fp32 accumulators, at most {_ACC_PER_THREAD} "
+                    "per thread; use 128x128, 192x128, 128x192 or 64x256 (or pingpong=False for "
+                    "the cooperative schedule, where two warpgroups share a tile).")
         return (f"a cooperative {config.tile_m}x{config.tile_n} tile needs more than "
                 f"{_ACC_PER_THREAD} fp32 accumulators per thread; use 256x128, 128x256 or "
                 "a smaller tile.")
