@@ -104,6 +104,26 @@ def test_measure_together_refuses_mixed_problems():
         bench.measure_together(problems)
 
 
+def test_rounds_alternate_their_order():
+    # every other round runs the functions in reverse, so none is always timed right after
+    # the same neighbour (the one timed right after the baseline ran faster on an H200)
+    log = []
+
+    def named(name):
+        def fn(x):
+            log.append(name)
+            return x
+        return fn
+
+    x = jax.numpy.ones(4)
+    times, windows = bench._time([named("a"), named("b"), named("base")], [(x,)], rounds=3,
+                                 calls=1, min_round_s=0.0, warmup=1)
+    assert log[6:] == ["a", "b", "base", "base", "b", "a", "a", "b", "base"]  # after 2 warm-up calls each
+    assert len(times) == 3 and all(len(w) == 3 for w in windows)
+    # each window is the function's own round: a's second round comes after base's
+    assert windows[0][1][0] >= windows[2][1][1]
+
+
 _FAKE_SMI = """
 import sys, time
 print("clocks.current.sm [MHz], power.draw [W]")  # a header: skipped
