@@ -283,9 +283,9 @@ def _time(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tuple], rounds
     """For each function, the median over ``rounds`` of the mean time per call, and the
     (start, end) ``perf_counter`` window of each of its rounds. Rounds of the functions
     alternate, so a drift in clocks hits them alike, and every other round runs them in
-    reverse order: on an H200, with three identical kernels timed in one round, the one timed
-    right after the baseline was 2-4% faster than the other two in every round, and
-    reversing the order removed that. ``calls=None`` picks enough calls for a round to last
+    reverse order: on an H200, of three identical kernels timed in the same rounds, the one
+    timed right after the baseline came out 2-4% faster than the other two at three of four
+    problems, and reversing the order removed that. ``calls=None`` picks enough calls for a round to last
     ``min_round_s``; ``warmup`` (>= 1) calls exclude compilation."""
     counts = []
     for fn in fns:
