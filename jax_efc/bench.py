@@ -48,13 +48,14 @@ from .config import GemmConfig
 from .ops import fused_dense, gemm
 from .primitive import backends
 
-__all__ = ["Problem", "Result", "STANDARD_SHAPES", "QUICK_SHAPES", "EPILOGUES", "epilogue_problem",
+__all__ = ["Problem", "Result", "ROUNDS", "STANDARD_SHAPES", "QUICK_SHAPES", "EPILOGUES", "epilogue_problem",
            "bench_problem", "measure", "measure_together", "run", "format_table", "ClockSampler",
            "add_arguments", "run_from_args", "text_progress", "main"]
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense peak of the reference H200
 L2_BYTES = 60 * 2**20
 NO_TRITON_FLAG = "--xla_gpu_enable_triton_gemm=false"
+ROUNDS = 6  # timed rounds by default: even, so both orders of the functions count alike
 
 Shape = tuple[int, int, int, int]  # M, N, K, L
 
@@ -285,8 +286,8 @@ def _time(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tuple], rounds
     alternate, so a drift in clocks hits them alike, and every other round runs them in
     reverse order: on an H200, of three identical kernels timed in the same rounds, the one
     timed right after the baseline came out 2-4% faster than the other two at three of four
-    problems, and reversing the order removed that. ``calls=None`` picks enough calls for a round to last
-    ``min_round_s``; ``warmup`` (>= 1) calls exclude compilation."""
+    problems, and reversing the order removed that. ``calls=None`` picks enough calls for a
+    round to last ``min_round_s``; ``warmup`` (>= 1) calls exclude compilation."""
     counts = []
     for fn in fns:
         for i in range(max(1, warmup)):
@@ -316,7 +317,7 @@ def measure(problem: Problem, **kw: Any) -> Result:
     return measure_together([problem], **kw)[0]
 
 
-def measure_together(problems: Sequence[Problem], *, rounds: int = 6, calls: int | None = None,
+def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls: int | None = None,
                      warmup: int = 1, min_round_s: float = 0.1, check: bool = True,
                      seed: int = 0, clocks: ClockSampler | None = None) -> list[Result]:
     """Time several configurations of one epilogue at one shape (problems that differ only in
@@ -492,7 +493,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="kernel configs to compare, timed in the same rounds: 'auto' (the "
                         "heuristic, default) or tile_m,tile_n[,cluster_m,cluster_n][,field=value...]")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--rounds", type=int, default=6,
+    p.add_argument("--rounds", type=int, default=ROUNDS,
                    help="timed rounds, every other one in reverse order; the median counts")
     p.add_argument("--min-round-time", type=float, default=0.1, help="seconds per round (sets the calls)")
     p.add_argument("--skip-check", action="store_true", help="skip the correctness check")

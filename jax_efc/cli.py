@@ -87,7 +87,8 @@ def _add_run(sub: Any) -> None:
     p.add_argument("--scale", type=float, default=0.5, help="the complex epilogue's scale")
     p.add_argument("--warmup_iterations", type=int, default=2)
     p.add_argument("--iterations", type=int, default=50,
-                   help="timed calls, in 6 rounds, every other one in reverse order (median round)")
+                   help=f"timed calls, in {bench.ROUNDS} rounds, every other one in reverse order "
+                        "(median round)")
     p.add_argument("--skip_ref_check", action="store_true")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--epilogue", choices=sorted(seed_epilogues.SEEDS), default="alpha-beta")
@@ -139,7 +140,7 @@ def _run(args: argparse.Namespace) -> int:
             compile(args.expr, "<--expr>", "eval")
         except SyntaxError as e:
             args.parser.error(f"--expr is not a Python expression: {e.msg}")
-    rounds = max(1, min(6, args.iterations))
+    rounds = max(1, min(bench.ROUNDS, args.iterations))
     try:
         r = bench.measure(_run_problem(args), rounds=rounds, calls=max(1, args.iterations // rounds),
                           warmup=args.warmup_iterations, check=not args.skip_ref_check)
