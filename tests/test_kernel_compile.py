@@ -53,6 +53,9 @@ VARIANTS = {
     "bf16_pingpong_128x128_c1x2_swizzle8": ("bfloat16", False, False, None,
                                             (128, 128, 1, 2, {"pingpong": True, "swizzle": 8}),
                                             "identity"),
+    "bf16_pingpong_bias_silu_epi64_c1x2": ("bfloat16", False, False, None,
+                                           (128, 128, 1, 2, {"pingpong": True, "swizzle": 8, "epi_n": 64}),
+                                           "bias_silu"),
     "bf16_pingpong_192x128_c1x2_swizzle8": ("bfloat16", False, False, None,
                                             (192, 128, 1, 2, {"pingpong": True, "swizzle": 8}),
                                             "bias_gelu"),
@@ -320,6 +323,12 @@ def test_supported_and_heuristic():
                               jnp.bfloat16, jnp.bfloat16)
     p_bias = dataclasses.replace(problem, ir=bias, operand_batched=(False,))
     assert choose_config(p_bias, 8192, 8192, 8192, 1).pingpong
+    # ping-pong 128x128 with one 16-bit output: 64-wide subtiles, which keep its 6 stages
+    cfg = choose_config(p_bias, 8192, 4096, 4096, 1)
+    assert (cfg.tile_m, cfg.epi_n, cfg.pingpong) == (128, 64, True)
+    assert choose_config(problem, 8192, 4096, 4096, 1).epi_n == 32  # no epilogue work
+    # 192x128 would lose a stage to 64-wide subtiles
+    assert choose_config(p_bias, 8192, 8192, 8192, 1).epi_n == 32
     cfg = choose_config(p_bias, 512, 16384, 8192, 1)
     assert (cfg.tile_n, cfg.epi_n, cfg.pingpong) == (256, 64, False)
     ab, *_ = trace_epilogue(lambda acc, c, x: {"D": acc * 2 + c + x, "Y": acc}, (8192, 8192),
@@ -330,7 +339,7 @@ def test_supported_and_heuristic():
     # 16-bit: the four buffers leave the ping-pong ring 5 stages, enough for ping-pong
     # (192x128 would leave 3)
     cfg = choose_config(p_ab, 8192, 8192, 8192, 1)
-    assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 128, True)
+    assert (cfg.tile_m, cfg.tile_n, cfg.epi_n, cfg.pingpong) == (128, 128, 32, True)
     assert pipeline_stages(dataclasses.replace(p_ab, config=cfg)) == 5
     cfg = choose_config(p_ab, 512, 16384, 8192, 1)
     assert (cfg.tile_n, cfg.epi_n, cfg.pingpong) == (256, 32, False)

@@ -280,12 +280,16 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     Large problems walk the tiles in bands of 8 clusters for L2 reuse.
     """
     sms = sm_count
+    has_work = bool(problem.ir.instrs) or bool(problem.ir.operands)
 
     def tiles(tm: int, tn: int) -> int:
         return -(-m // tm) * -(-n // tn) * l
 
     def stages(tm: int, tn: int) -> int:
-        return pipeline_stages(dataclasses.replace(problem, config=GemmConfig(tile_m=tm, tile_n=tn)))
+        return stages_of(GemmConfig(tile_m=tm, tile_n=tn))
+
+    def stages_of(cfg: GemmConfig) -> int:
+        return pipeline_stages(dataclasses.replace(problem, config=cfg))
 
     def fill(tm: int, tn: int) -> float:
         """Useful share of the work when tm x tn tiles run in rounds of one per SM: the edge
@@ -307,12 +311,27 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # 1.460 at 8192x14336x4096, 0.802 vs 0.829 at 16384x4096x4096; plain GEMMs within
         # 1.5%. It is taken unless its tiles fill the SMs' rounds more than 1% worse
         # (8192x4096: 10.4 tiles per SM, 11 rounds, against 15.5 in 16) or its smem leaves
-        # fewer stages. Cooperative 256x128 tiles fill 8192x4096 better (7.8 per SM) but
+        # fewer stages. Where the fill keeps 128x128, two runs with the rounds' order
+        # alternating (ms, bias+gelu_tanh, 128x128 vs 192x128) mostly agree: 0.433 vs 0.435
+        # and 0.423 vs 0.431 at 8192x4096x4096, 0.220 vs 0.242 at 4096^3, 0.728 vs 0.812 at
+        # 4096x4096x14336; they split at 4096x14336x4096 (0.800 vs 0.749, 0.732 vs 0.743)
+        # and 8192x4096x14336 (1.576 vs 1.459 with the 128x128 rounds at a 1275 MHz clock
+        # against 1455, then 1.458 vs 1.461; that run's 192x128 kept two WGMMA batches in
+        # flight). Cooperative 256x128 tiles fill 8192x4096 better (7.8 per SM) but
         # expose their epilogue; one run at 8192x4096x4096 / 8192x4096x14336, ms, against
         # this choice: plain 0.419 / 1.431 vs 0.413 / 1.411, bias+gelu_tanh 0.438 / 1.432 vs
         # 0.423 / 1.445. They stay a config to pin, not a default.
         tm = 192 if stages(192, 128) >= 5 and fill(192, 128) >= fill(128, 128) - 0.01 else 128
-        return GemmConfig(tile_m=tm, tile_n=128, cluster_m=1, cluster_n=2, swizzle=8, pingpong=True)
+        cfg = GemmConfig(tile_m=tm, tile_n=128, cluster_m=1, cluster_n=2, swizzle=8, pingpong=True)
+        # 64-wide epilogue subtiles (half the barriers and TMA stores) when the epilogue does
+        # work and they cost the ring no stage (a 128x128 tile with one 16-bit output: 6
+        # stages either way). Measured on H200, 128x128, two runs, ms, 64 against 32:
+        # bias+gelu_tanh 0.420 / 0.426 and 0.418 / 0.426 at 8192x4096x4096, 0.738 / 0.744 and
+        # 0.734 / 0.743 at 4096x14336x4096, 0.372 / 0.379 and 0.376 / 0.381 at
+        # 2048x14336x4096, 0.210 / 0.214 and 0.211 / 0.218 at 4096^3; bias+silu within 1.2%
+        # either way (five of eight faster).
+        wide = dataclasses.replace(cfg, epi_n=64)
+        return wide if has_work and stages_of(wide) >= stages_of(cfg) else cfg
 
     # 128x256 once its tiles fill nearly one wave (a wave of 128x256 tiles beats two of
     # 128x128: the same work per SM at a higher MMA efficiency), and only while its
@@ -334,9 +353,8 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     # work and 3 stages still fit. Measured on H200, 8192x14336x4096, 128x256 2x1 swizzle 8,
     # one run: bias+gelu_tanh 1.545 vs 1.569 ms, bias+silu 1.709 vs 1.753, bias+gelu(erf)
     # 1.703 vs 1.713; plain GEMMs were within noise either way, so they keep 32.
-    has_work = bool(problem.ir.instrs) or bool(problem.ir.operands)
     if tn == 256 and has_work:
         wide = dataclasses.replace(cfg, epi_n=64)
-        if pipeline_stages(dataclasses.replace(problem, config=wide)) >= 3:
+        if stages_of(wide) >= 3:
             cfg = wide
     return cfg
