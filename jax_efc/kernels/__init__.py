@@ -277,7 +277,8 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     fp32 accumulators per thread) when they (nearly) fill the SMs, else 128x128 (or 64x128
     when even those leave most SMs idle), with a 2x1 cluster multicasting B when M spans
     several tiles.
-    Large problems walk the tiles in bands of 8 clusters for L2 reuse.
+    Large problems walk the tiles in bands of 8 clusters for L2 reuse. Epilogues that do work
+    get 64-wide subtiles where the ring keeps enough stages (128x128 ping-pong, 128x256).
     """
     sms = sm_count
     has_work = bool(problem.ir.instrs) or bool(problem.ir.operands)
@@ -290,6 +291,12 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
 
     def stages_of(cfg: GemmConfig) -> int:
         return pipeline_stages(dataclasses.replace(problem, config=cfg))
+
+    def widened(cfg: GemmConfig, min_stages: int) -> GemmConfig:
+        """``cfg`` with 64-wide epilogue subtiles (half the barriers and TMA stores) when the
+        epilogue does work and the ring keeps ``min_stages`` stages."""
+        wide = dataclasses.replace(cfg, epi_n=64)
+        return wide if has_work and stages_of(wide) >= min_stages else cfg
 
     def fill(tm: int, tn: int) -> float:
         """Useful share of the work when tm x tn tiles run in rounds of one per SM: the edge
@@ -323,15 +330,13 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # 0.423 / 1.445. They stay a config to pin, not a default.
         tm = 192 if stages(192, 128) >= 5 and fill(192, 128) >= fill(128, 128) - 0.01 else 128
         cfg = GemmConfig(tile_m=tm, tile_n=128, cluster_m=1, cluster_n=2, swizzle=8, pingpong=True)
-        # 64-wide epilogue subtiles (half the barriers and TMA stores) when the epilogue does
-        # work and they cost the ring no stage (a 128x128 tile with one 16-bit output: 6
-        # stages either way). Measured on H200, 128x128, two runs, ms, 64 against 32:
+        # 64-wide epilogue subtiles when they cost the ring no stage (a 128x128 tile with one
+        # 16-bit output: 6 stages either way). Measured on H200, 128x128, two runs, ms, 64 against 32:
         # bias+gelu_tanh 0.420 / 0.426 and 0.418 / 0.426 at 8192x4096x4096, 0.738 / 0.744 and
         # 0.734 / 0.743 at 4096x14336x4096, 0.372 / 0.379 and 0.376 / 0.381 at
         # 2048x14336x4096, 0.210 / 0.214 and 0.211 / 0.218 at 4096^3; bias+silu within 1.2%
         # either way (five of eight faster).
-        wide = dataclasses.replace(cfg, epi_n=64)
-        return wide if has_work and stages_of(wide) >= stages_of(cfg) else cfg
+        return widened(cfg, stages_of(cfg))
 
     # 128x256 once its tiles fill nearly one wave (a wave of 128x256 tiles beats two of
     # 128x128: the same work per SM at a higher MMA efficiency), and only while its
@@ -349,12 +354,8 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     # 1.02-1.10x cuBLAS on 8192^3 and 8192x4096x14336, against 0.97-1.03x with swizzle 1.
     cfg = GemmConfig(tile_m=tm, tile_n=tn, cluster_m=2 if big else 1, cluster_n=1,
                      swizzle=8 if big else 1)
-    # 64-wide epilogue subtiles (half the barriers and TMA stores) when the epilogue does
-    # work and 3 stages still fit. Measured on H200, 8192x14336x4096, 128x256 2x1 swizzle 8,
-    # one run: bias+gelu_tanh 1.545 vs 1.569 ms, bias+silu 1.709 vs 1.753, bias+gelu(erf)
-    # 1.703 vs 1.713; plain GEMMs were within noise either way, so they keep 32.
-    if tn == 256 and has_work:
-        wide = dataclasses.replace(cfg, epi_n=64)
-        if stages_of(wide) >= 3:
-            cfg = wide
-    return cfg
+    # 64-wide epilogue subtiles when 3 stages still fit. Measured on H200, 8192x14336x4096,
+    # 128x256 2x1 swizzle 8, one run: bias+gelu_tanh 1.545 vs 1.569 ms, bias+silu 1.709 vs
+    # 1.753, bias+gelu(erf) 1.703 vs 1.713; plain GEMMs were within noise either way, so they
+    # keep 32.
+    return widened(cfg, 3) if tn == 256 else cfg
