@@ -355,11 +355,12 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
 
 
 def text_progress(done: int, total: int, label: str) -> None:
-    """A one-line progress bar on stderr (no dependency)."""
+    """A one-line progress bar on stderr (no dependency). The label is never cut, so a log
+    keeps every ratio and the config it belongs to."""
     width = 30
     filled = width * done // max(total, 1)
     end = "\n" if done == total else ""
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<48.48}{end}")
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<72}{end}")
     sys.stderr.flush()
 
 

@@ -26,8 +26,8 @@ class GemmConfig:
     swizzle: int = 1
     # A/B shared-memory pipeline depth; 0 = as many as fit next to the epilogue buffers
     stages: int = 0
-    # epilogue subtile width in columns (32 or 64): wider means fewer barriers and TMA
-    # stores per tile, but more registers and shared memory per subtile
+    # epilogue subtile width in columns (16, 32 or 64): wider means fewer barriers and TMA
+    # stores per tile, narrower leaves more shared memory to the A/B pipeline
     epi_n: int = 32
     # ping-pong schedule: two consumer warpgroups each own whole tiles (at most 192x128,
     # 128x192 or 64x256) and take alternate tiles of the persistent schedule, so one runs its

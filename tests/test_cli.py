@@ -242,3 +242,11 @@ def test_bench_baseline_is_plain_jax(epilogue, plain):
         return str(eqn.params["jaxpr"])
 
     assert inner(problem.baseline) == inner(jax.jit(lambda a, b, bias: plain(a @ b + bias)))
+
+
+def test_progress_keeps_long_labels(capsys):
+    from jax_efc.bench import text_progress
+
+    label = "8192x4096x4096 alpha-beta 128,128,1,2,swizzle=8,epi_n=16,pingpong=1 1.09x"
+    text_progress(3, 4, label)
+    assert label in capsys.readouterr().err

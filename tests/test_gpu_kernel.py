@@ -105,10 +105,12 @@ def test_configs(config):
     ((128, 128, 1, 2, {"pingpong": True, "swizzle": 8, "epi_n": 64}), 2176, 4096, 1288, None, "bias_gelu",
      False),
     ((128, 256, 2, 1, {"swizzle": 8}), 4608, 3840, 1288, None, "alpha_beta", False),
+    ((128, 128, 1, 2, {"pingpong": True, "swizzle": 8, "epi_n": 16}), 2176, 4096, 1288, None, "alpha_beta",
+     False),
     ((128, 128, 1, 1, {"pingpong": True}), 1152, 2048, 1024, 2, "alpha_beta", True),
     ((192, 128, 1, 2, {"pingpong": True, "swizzle": 8}), 2300, 1536, 1288, None, "bias_gelu", False),
     ((256, 128, 1, 2, {"swizzle": 8}), 2048, 2304, 1288, None, "bias_gelu", True),
-], ids=["pingpong_bias_gelu", "pingpong_epi64_bias_gelu", "cooperative_alpha_beta",
+], ids=["pingpong_bias_gelu", "pingpong_epi64_bias_gelu", "cooperative_alpha_beta", "pingpong_epi16_alpha_beta",
         "pingpong_alpha_beta_batched_transposed", "pingpong_192x128_bias_gelu",
         "cooperative_256x128_bias_gelu_transposed"])
 def test_stream_k(config, m, n, k, batch, epilogue, transpose):
@@ -203,7 +205,7 @@ def test_fast_erf_erfc_float32():
 # two subtiles fetched under the mainloop): partial edge tiles, several outputs of different
 # dtypes, 16- and 32-bit operands, operands shared across the batch, 32- and 64-wide subtiles.
 @pytest.mark.parametrize("config", [(128, 256, 1, 1), (128, 128, 2, 1), (64, 128, 1, 1, {"epi_n": 64}),
-                                    (128, 192, 1, 1)])
+                                    (128, 192, 1, 1), (128, 128, 1, 2, {"pingpong": True, "epi_n": 16})])
 def test_tile_operands_alpha_beta_edges(config):
     import jax.numpy as jnp
 

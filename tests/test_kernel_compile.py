@@ -69,6 +69,12 @@ VARIANTS = {
                                    (128, 128, 2, 1, {"pingpong": True}), "bias_gelu"),
     "bf16_pingpong_alpha_beta_128x128": ("bfloat16", True, True, 2,
                                          (128, 128, 1, 1, {"pingpong": True}), "alpha_beta"),
+    # 16-wide subtiles (what the heuristic gives alpha-beta on ping-pong tiles), and with
+    # outputs of three dtypes (fp32 and fp16 outputs are not stored by stmatrix)
+    "bf16_pingpong_alpha_beta_epi16_c1x2": ("bfloat16", False, False, None,
+                                            (128, 128, 1, 2, {"pingpong": True, "swizzle": 8, "epi_n": 16}),
+                                            "alpha_beta"),
+    "fp16_multi_epi16_128x256": ("float16", False, True, 2, (128, 256, 1, 1, {"epi_n": 16}), "multi"),
     # shapes whose last round of whole tiles would leave most clusters idle: stream-K
     "bf16_pingpong_bias_gelu_stream_k": ("bfloat16", False, False, None,
                                          (128, 128, 1, 2, {"pingpong": True, "swizzle": 8}),
@@ -336,11 +342,12 @@ def test_supported_and_heuristic():
                             {"D": jnp.bfloat16, "Y": jnp.bfloat16}, jnp.bfloat16)
     p_ab = dataclasses.replace(problem, ir=ab, operand_batched=(False, False))
     from jax_efc.kernels import pipeline_stages
-    # 16-bit: the four buffers leave the ping-pong ring 5 stages, enough for ping-pong
-    # (192x128 would leave 3)
+    # 16-bit: the four buffers leave the ping-pong ring 5 stages at 32-wide subtiles, enough
+    # for ping-pong (192x128 would leave 3), and 6 at 16-wide ones, which it takes
     cfg = choose_config(p_ab, 8192, 8192, 8192, 1)
-    assert (cfg.tile_m, cfg.tile_n, cfg.epi_n, cfg.pingpong) == (128, 128, 32, True)
-    assert pipeline_stages(dataclasses.replace(p_ab, config=cfg)) == 5
+    assert (cfg.tile_m, cfg.tile_n, cfg.epi_n, cfg.pingpong) == (128, 128, 16, True)
+    assert pipeline_stages(dataclasses.replace(p_ab, config=cfg)) == 6
+    assert pipeline_stages(dataclasses.replace(p_ab, config=dataclasses.replace(cfg, epi_n=32))) == 5
     cfg = choose_config(p_ab, 512, 16384, 8192, 1)
     assert (cfg.tile_n, cfg.epi_n, cfg.pingpong) == (256, 32, False)
     assert pipeline_stages(dataclasses.replace(p_ab, config=cfg)) == 3

@@ -136,8 +136,8 @@ def _config_reason(config: GemmConfig) -> str | None:
         return f"swizzle={config.swizzle} must be 1, 2, 4 or 8."
     if config.stages != 0 and not 2 <= config.stages <= 8:
         return f"stages={config.stages} must be 0 (as many as fit) or between 2 and 8."
-    if config.epi_n not in (32, 64) or config.tile_n % config.epi_n:
-        return (f"epi_n={config.epi_n} must be 32 or 64 and divide tile_n={config.tile_n}.")
+    if config.epi_n not in (16, 32, 64) or config.tile_n % config.epi_n:
+        return (f"epi_n={config.epi_n} must be 16, 32 or 64 and divide tile_n={config.tile_n}.")
     for name in ("pingpong", "stream_k"):
         if not isinstance(getattr(config, name), bool):
             return f"{name}={getattr(config, name)!r} must be True or False."
@@ -278,7 +278,8 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     when even those leave most SMs idle), with a 2x1 cluster multicasting B when M spans
     several tiles.
     Large problems walk the tiles in bands of 8 clusters for L2 reuse. Epilogues that do work
-    get 64-wide subtiles where the ring keeps enough stages (128x128 ping-pong, 128x256).
+    get 16-wide subtiles on ping-pong tiles where that buys the ring a stage, else 64-wide
+    ones where the ring keeps enough stages (128x128 ping-pong, 128x256).
     """
     sms = sm_count
     has_work = bool(problem.ir.instrs) or bool(problem.ir.operands)
@@ -333,12 +334,25 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # 8192^3 and 4096x14336x4096, 0.3-6% slower than this choice at all 8.
         tm = 192 if stages(192, 128) >= 5 and fill(192, 128) >= fill(128, 128) - 0.01 else 128
         cfg = GemmConfig(tile_m=tm, tile_n=128, cluster_m=1, cluster_n=2, swizzle=8, pingpong=True)
+        # The ring's depth is what the mainloop feeds on: a k-tile takes a 128x128 consumer
+        # about 520 SM cycles of WGMMA, and a k-tile's TMA load (L2 to smem, multicast) takes
+        # several of those. Measured on H200 (SM cycles per 8192x4096x4096 tile, in-kernel
+        # clock stamps, plain GEMM, 32-wide subtiles): 32.9k with 6 stages, 33.2k with 5,
+        # 37.0k with 4. So 16-wide epilogue subtiles when they give the ring a stage: the
+        # alpha-beta epilogue's four buffers (two TILE operands, two outputs) leave it 5 at
+        # 32 wide and 6 at 16; its tiles then took 34.5k-35.1k cycles against 35.7k-36.0k
+        # (four paired measurements at 8192x4096x4096 and 4096^3).
+        narrow = dataclasses.replace(cfg, epi_n=16)
+        if has_work and stages_of(narrow) > stages_of(cfg):
+            return narrow
         # 64-wide epilogue subtiles when they cost the ring no stage (a 128x128 tile with one
         # 16-bit output: 6 stages either way). Measured on H200, 128x128, two runs, ms, 64 against 32:
         # bias+gelu_tanh 0.420 / 0.426 and 0.418 / 0.426 at 8192x4096x4096, 0.738 / 0.744 and
         # 0.734 / 0.743 at 4096x14336x4096, 0.372 / 0.379 and 0.376 / 0.381 at
         # 2048x14336x4096, 0.210 / 0.214 and 0.211 / 0.218 at 4096^3; bias+silu within 1.2%
-        # either way (five of eight faster).
+        # either way (five of eight faster). 16-wide subtiles, which keep the same 6 stages,
+        # were slower for bias+gelu(erf) (35.9k against 34.9k cycles a tile) and no faster for
+        # bias+silu; for bias+gelu_tanh they were 0.6% faster at 8192x4096x4096 and even at 4096^3.
         return widened(cfg, stages_of(cfg))
 
     # 128x256 once its tiles fill nearly one wave (a wave of 128x256 tiles beats two of

@@ -50,7 +50,8 @@ __all__ = ["Sm90FusedGemm"]
 # Epilogue subtile width (GemmConfig.epi_n): 32 columns keeps the per-thread output
 # fragment at 16 values (128 rows x 32 cols / 256 cooperative threads; 32 for a 128-row
 # ping-pong consumer), i.e. few live registers on top of the accumulators; 64 halves the
-# barriers and TMA stores per tile. The k-tile depth, the epilogue buffer count and the smem
+# barriers and TMA stores per tile; 16 halves the epilogue's smem buffers, which can buy the
+# A/B ring a stage. The k-tile depth, the epilogue buffer count and the smem
 # alignment (TILE_K, EPI_STAGES, SMEM_ALIGN) live in jax_efc.kernels, whose pipeline_stages
 # counts the stages that fit Hopper's 227 KiB next to them.
 # Register split across warpgroups (setmaxnreg): the producer needs few, the consumers hold
