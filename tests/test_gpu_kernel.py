@@ -110,8 +110,8 @@ def test_configs(config):
     ((128, 128, 1, 1, {"pingpong": True}), 1152, 2048, 1024, 2, "alpha_beta", True),
     ((192, 128, 1, 2, {"pingpong": True, "swizzle": 8}), 2300, 1536, 1288, None, "bias_gelu", False),
     ((256, 128, 1, 2, {"swizzle": 8}), 2048, 2304, 1288, None, "bias_gelu", True),
-], ids=["pingpong_bias_gelu", "pingpong_epi64_bias_gelu", "cooperative_alpha_beta", "pingpong_epi16_alpha_beta",
-        "pingpong_alpha_beta_batched_transposed", "pingpong_192x128_bias_gelu",
+], ids=["pingpong_bias_gelu", "pingpong_epi64_bias_gelu", "cooperative_alpha_beta",
+        "pingpong_epi16_alpha_beta", "pingpong_alpha_beta_batched_transposed", "pingpong_192x128_bias_gelu",
         "cooperative_256x128_bias_gelu_transposed"])
 def test_stream_k(config, m, n, k, batch, epilogue, transpose):
     import jax

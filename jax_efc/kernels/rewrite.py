@@ -4,9 +4,9 @@ In a kernel epilogue every fp32 operation on every element costs GEMM time, abou
 K = 4096 GEMM each on an H200: the epilogue runs while the other consumer's WGMMAs do, and
 its fp32 arithmetic slows them (the hardware approximations of tanh and exp2 do not), whereas
 XLA's elementwise code is memory-bound and keeps the user's form. So the kernels replace
-known functions by equivalent forms with fewer operations. Each rewrite is a
-pair of plain JAX functions of one value: the template, traced into the IR exactly as a user's
-call of it traces (so the match follows the installed JAX's definition), and the replacement.
+known functions by equivalent forms with fewer operations. Each rewrite is a pair of plain
+JAX functions of one value: the template, traced into the IR exactly as a user's call of it
+traces (so the match follows the installed JAX's definition), and the replacement.
 """
 
 from __future__ import annotations
