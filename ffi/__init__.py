@@ -20,7 +20,7 @@ import numpy as np
 
 from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR
-from jax_efc.kernels import DEFAULT_SM_COUNT, assumed_max_clusters
+from jax_efc.kernels import DEFAULT_SM_COUNT, TIMELINE_EVENTS, TIMELINE_UNITS, assumed_max_clusters
 
 __all__ = ["device_arch", "unsupported_reason", "fused_gemm"]
 
@@ -161,27 +161,31 @@ def _as3d(x):
     return x.reshape((1,) * (3 - x.ndim) + tuple(x.shape)) if x.ndim < 3 else x
 
 
-def _kernel(problem, mnkl):
+def _kernel(problem, mnkl, timeline):
     from jax_efc.kernels.schedule import plan_schedule
 
     cfg = problem.config
     schedule = plan_schedule(cfg, *mnkl, _max_active_clusters(cfg.cluster_m * cfg.cluster_n))
-    key = (problem.compile_key, dataclasses.astuple(schedule))
+    key = (problem.compile_key, dataclasses.astuple(schedule)) + (("timeline",) if timeline else ())
     kernel = _KERNELS.get(key)
     if kernel is None:
         from jax_efc.kernels.sm90 import Sm90FusedGemm
 
-        kernel = _KERNELS[key] = Sm90FusedGemm(problem, schedule)
+        kernel = _KERNELS[key] = Sm90FusedGemm(problem, schedule, timeline)
     return key, kernel
 
 
 def fused_gemm(a, b, *operands, ir: EpilogueIR, transpose_a: bool, transpose_b: bool,
-               acc_dtype: Any, config: GemmConfig | None, arch: str | None) -> list:
+               acc_dtype: Any, config: GemmConfig | None, arch: str | None,
+               timeline: bool = False) -> list:
     """``ir``'s outputs of ``epilogue(op(a) @ op(b), *operands)``, one array per output in
     shape (M, N), or (L, M, N) when a or b is batched.
 
     Emits one ``cutlass_call`` custom call; call it under ``jit`` (or inside a lowering).
     Raise ``ValueError`` with the reason when :func:`unsupported_reason` refuses the call.
+    ``timeline=True`` runs the kernel's diagnostic build and appends its SM-clock stamps to
+    the outputs: int32 (CTAs, consumer groups, ``TIMELINE_UNITS``, ``TIMELINE_EVENTS``) of
+    :mod:`jax_efc.kernels`, zero where no unit ran (read by :mod:`jax_efc.timeline`).
     """
     import jax
     import jax.numpy as jnp
@@ -192,7 +196,7 @@ def fused_gemm(a, b, *operands, ir: EpilogueIR, transpose_a: bool, transpose_b: 
     if reason:
         raise ValueError(f"jax_efc kernel cannot run this GEMM: {reason}")
     m, n, _, batch = mnkl
-    key, kernel = _kernel(problem, mnkl)
+    key, kernel = _kernel(problem, mnkl, timeline)
 
     # (L, r, c) row-major -> the kernel's (r|c, c|r, L) views: (1, 2, 0) keeps the rows
     # first, (2, 1, 0) swaps them.
@@ -214,6 +218,13 @@ def fused_gemm(a, b, *operands, ir: EpilogueIR, transpose_a: bool, transpose_b: 
         out_shapes += [jax.ShapeDtypeStruct((slots,), jnp.int32),
                        jax.ShapeDtypeStruct((slots * cfg.tile_m * cfg.tile_n,), jnp.float32)]
         out_specs += [TensorSpec(), TensorSpec()]
+    if timeline:
+        # zeroed, so units that never ran read 0 (an input aliased to an output, as the flags)
+        aliases[len(inputs)] = len(out_shapes)
+        inputs.append(jnp.zeros((kernel.timeline_size(),), jnp.int32))
+        in_specs.append(TensorSpec())
+        out_shapes.append(jax.ShapeDtypeStruct((kernel.timeline_size(),), jnp.int32))
+        out_specs.append(TensorSpec())
     call = cutlass_call(
         kernel,
         output_shape_dtype=out_shapes,
@@ -222,6 +233,9 @@ def fused_gemm(a, b, *operands, ir: EpilogueIR, transpose_a: bool, transpose_b: 
         input_output_aliases=aliases,
         compile_key=key,
     )
-    outs = call(*inputs)[: len(ir.outputs)]
+    results = call(*inputs)
     batched = len(a.shape) == 3 or len(b.shape) == 3
-    return [o if batched else o.reshape(m, n) for o in outs]
+    outs = [o if batched else o.reshape(m, n) for o in results[: len(ir.outputs)]]
+    if not timeline:
+        return outs
+    return outs + [results[-1].reshape(-1, kernel.n_epi_groups, TIMELINE_UNITS, len(TIMELINE_EVENTS))]

@@ -394,6 +394,39 @@ def test_export_of_the_public_op_holds_the_kernels():
     assert proc.stdout.split() == ["1", "3"]
 
 
+_EXPORT_TIMELINE = """
+import os, sys
+import jax
+from cutlass.jax import get_export_disabled_safety_checks
+from jax_efc.bench import bench_problem
+from jax_efc.config import GemmConfig
+from jax_efc.timeline import timeline_call
+cfg = GemmConfig(128, 128, 1, 2, swizzle=8, pingpong=True, epi_n=64)
+fn, specs = timeline_call(bench_problem("bias+gelu_tanh", (2048, 1024, 512, 1), config=cfg))
+exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=get_export_disabled_safety_checks())(*specs)
+dump = sys.argv[1]
+ptx = "".join(open(os.path.join(dump, f)).read() for f in os.listdir(dump) if f.endswith(".ptx"))
+stamps = exported.out_avals[0]
+print(",".join(map(str, stamps.shape)), stamps.dtype, "%clock;" in ptx)
+"""
+
+
+def test_timeline_build_exports(tmp_path):
+    """The diagnostic timeline build compiles for sm_90a and returns its SM-clock stamps:
+    (132 CTAs, 2 ping-pong groups, units, events) int32."""
+    pytest.importorskip("cutlass.jax")
+    from jax_efc.kernels import TIMELINE_EVENTS, TIMELINE_UNITS
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", JAX_PLATFORMS="cpu", CUTE_DSL_KEEP="ptx",
+               CUTE_DSL_DUMP_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", _EXPORT_TIMELINE, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.split() == [f"132,2,{TIMELINE_UNITS},{len(TIMELINE_EVENTS)}", "int32", "True"]
+
+
 if __name__ == "__main__":
     dump_dir, out_path = sys.argv[1], sys.argv[2]
     with open(out_path, "w") as f:

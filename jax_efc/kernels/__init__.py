@@ -46,6 +46,12 @@ TILE_K = 64
 EPI_STAGES = 2
 # Each smem buffer is 1 KiB aligned (the 128-byte swizzle repeats every 1 KiB).
 SMEM_ALIGN = 1024
+# A timeline build (a diagnostic, ``jax_efc.timeline``) stamps the SM clock per consumer
+# group and unit at these events, in order: the consumer reaches its mainloop (ping-pong:
+# before waiting for the other consumer's), starts it, has issued its WGMMAs, has them
+# complete, starts its epilogue, ends it; for at most TIMELINE_UNITS units a group.
+TIMELINE_EVENTS = ("reached", "mainloop", "issued", "complete", "epilogue", "end")
+TIMELINE_UNITS = 256
 # a consumer warpgroup (128 threads) covers at most two 64-row WGMMA blocks of a cooperative
 # tile, or a whole ping-pong tile; up to 192 fp32 accumulators per thread (192x128 or 128x192
 # ping-pong tiles) leave the epilogue's temporaries room in the 232-register budget (ptxas:

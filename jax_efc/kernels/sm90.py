@@ -40,8 +40,8 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from jax_efc.kernels import (EPI_STAGES, SMEM_ALIGN, TILE_K, KernelProblem, mma_warpgroups,
-                             pipeline_stages, tile_operand_indices)
+from jax_efc.kernels import (EPI_STAGES, SMEM_ALIGN, TILE_K, TIMELINE_EVENTS, TIMELINE_UNITS,
+                             KernelProblem, mma_warpgroups, pipeline_stages, tile_operand_indices)
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, Unit, cluster_tiles
 from jax_efc.kernels.visitor import EpilogueVisitor, cutlass_dtype
 
@@ -103,14 +103,20 @@ class _ConsumerEpilogue:
 class Sm90FusedGemm:
     """One compiled kernel variant; call it (inside ``cute.jit``) as
     ``kernel(stream, a, b, *operands, *outputs)``, or with stream-K
-    ``kernel(stream, a, b, *operands, flags, *outputs, workspace)``."""
+    ``kernel(stream, a, b, *operands, flags, *outputs, workspace)``; with ``timeline``, a
+    ``stamps`` tensor follows the operands (and ``flags``)."""
 
-    def __init__(self, problem: KernelProblem, schedule: TileSchedule):
+    def __init__(self, problem: KernelProblem, schedule: TileSchedule, timeline: bool = False):
         """``schedule``: the persistent grid and how it walks the tiles. With stream-K,
-        ``flags`` holds ``schedule.slots`` zeroed int32 and ``workspace`` as many fp32 tiles."""
+        ``flags`` holds ``schedule.slots`` zeroed int32 and ``workspace`` as many fp32 tiles.
+        ``timeline``: a diagnostic build that also writes, per consumer group and unit, the SM
+        clock (32 bits, wrapping) at each of :data:`TIMELINE_EVENTS` into ``stamps`` (int32,
+        :meth:`timeline_size` values, zeroed beforehand; units past :data:`TIMELINE_UNITS` a
+        group are not kept)."""
         cfg = problem.config
         self.problem = problem
         self.schedule = schedule
+        self.timeline = timeline
         self.tile_mnk = (cfg.tile_m, cfg.tile_n, TILE_K)
         self.cluster_mn = (cfg.cluster_m, cfg.cluster_n)
         self.ab_dtype = cutlass_dtype(problem.ab_dtype)
@@ -158,12 +164,14 @@ class Sm90FusedGemm:
         rest = rest[self.n_operands:]
         n_out = len(self.out_dtypes)
         split = self.schedule.stream_k is not None
-        outputs = rest[int(split): int(split) + n_out]
+        n_extra = int(split) + int(self.timeline)  # inputs between the operands and the outputs
+        outputs = rest[n_extra: n_extra + n_out]
+        stamps = (rest[int(split)],) if self.timeline else ()
         sk_buffers = ()
         if cutlass.const_expr(split):
             # workspace slot s, thread t, accumulator 4c + v at ((v, t, c, s)): each warp
             # writes and reads 512 contiguous bytes per vector
-            ws = rest[1 + n_out]
+            ws = rest[n_extra + n_out]
             tile_elems = self.tile_mnk[0] * self.tile_mnk[1]
             sk_buffers = (rest[0], cute.make_tensor(ws.iterator, cute.make_layout(
                 (4, self.n_epi_threads, self.acc_per_thread // 4, self.schedule.slots),
@@ -212,7 +220,7 @@ class Sm90FusedGemm:
             clusters = cutlass.min(tiles_mnl[0] * tiles_mnl[1] * tiles_mnl[2], clusters)
         self.kernel(
             tiled_mma, tma_a, g_a, tma_b, g_b, tuple(tma_d), tuple(g_d), tuple(operands),
-            tuple(tma_c), tuple(g_c), a_smem, b_smem, d_smem, c_smem, tiles_mnl, sk_buffers,
+            tuple(tma_c), tuple(g_c), a_smem, b_smem, d_smem, c_smem, tiles_mnl, sk_buffers, stamps,
         ).launch(
             grid=(*self.cluster_mn, clusters), block=[self.threads, 1, 1], cluster=(*self.cluster_mn, 1),
             min_blocks_per_mp=1, stream=stream,
@@ -231,7 +239,7 @@ class Sm90FusedGemm:
                tma_b: cute.CopyAtom, mB: cute.Tensor, tma_d: tuple, mD: tuple, operands: tuple,
                tma_c: tuple, mC: tuple,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, d_smem: tuple,
-               c_smem: tuple, tiles_mnl: tuple, sk_buffers: tuple):
+               c_smem: tuple, tiles_mnl: tuple, sk_buffers: tuple, stamps: tuple):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
@@ -375,6 +383,7 @@ class Sm90FusedGemm:
                 j = cutlass.Int32(group)
             while j < n_units:
                 u = self._unit(walk, j)
+                self._stamp(stamps, ctid, slot, group, j, 0)
                 # TMA partitions of this tile's TILE-operand subtiles
                 bSC = self._tile_op_partitions(epi, u.m, u.n, u.l)
                 if cutlass.const_expr(not self.pingpong):
@@ -384,12 +393,15 @@ class Sm90FusedGemm:
                 # ---- mainloop (ping-pong: in turn with the other consumer)
                 if cutlass.const_expr(self.pingpong):
                     self._order_barrier(_MMA_ORDER_ID, group).arrive_and_wait()
+                self._stamp(stamps, ctid, slot, group, j, 1)
                 read, release, tiled_mma = self._mainloop(mainloop, read, release, tiled_mma, acc,
                                                           tCrA, tCrB, u.k_count)
                 if cutlass.const_expr(self.pingpong):
                     # our WGMMAs are issued: the other consumer may issue its own
                     self._order_barrier(_MMA_ORDER_ID, 1 - group).arrive()
+                self._stamp(stamps, ctid, slot, group, j, 2)
                 warpgroup.wait_group(0)
+                self._stamp(stamps, ctid, slot, group, j, 3)
                 mainloop.consumer_release(release)
                 release.advance()
                 if cutlass.const_expr(self.pingpong):
@@ -405,11 +417,13 @@ class Sm90FusedGemm:
                         self._prefetch_tile_ops(epi, bSC, subtile_count)
 
                 # ---- epilogue
+                self._stamp(stamps, ctid, slot, group, j, 4)
                 if cutlass.const_expr(self.schedule.stream_k is None):
                     subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count)
                 else:
                     subtile_count = self._split_epilogue(epi, acc, bSC, u, subtile_count, sk_buffers,
                                                          slot, cta_rank, ctid)
+                self._stamp(stamps, ctid, slot, group, j, 5)
                 if cutlass.const_expr(self.pingpong):
                     # hand the buffers over once our TMA stores have read them
                     if epi.is_store_warp:
@@ -463,6 +477,23 @@ class Sm90FusedGemm:
                 w += 1
             subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count)
         return subtile_count
+
+    def timeline_size(self) -> int:
+        """Values in a ``timeline`` build's ``stamps``: per CTA of the grid, consumer group and
+        unit, one per event."""
+        ctas = self.schedule.clusters * self.cluster_mn[0] * self.cluster_mn[1]
+        return ctas * self.n_epi_groups * TIMELINE_UNITS * len(TIMELINE_EVENTS)
+
+    @cute.jit
+    def _stamp(self, stamps: tuple, ctid, slot, group, j, event: int):
+        """``timeline`` builds: the first thread of consumer ``group`` in CTA ``slot`` writes
+        the SM clock for ``event`` of its unit ``j`` (units past :data:`TIMELINE_UNITS` are
+        not kept)."""
+        if cutlass.const_expr(len(stamps) > 0):
+            row = ((slot * self.n_epi_groups + group) * TIMELINE_UNITS + j // self.n_epi_groups) \
+                * len(TIMELINE_EVENTS)
+            if ctid == 0 and row < cute.size(stamps[0]):
+                stamps[0][row + event] = cute.arch.clock()
 
     @staticmethod
     def _order_barrier(first_id, group):

@@ -1,0 +1,127 @@
+"""Where a fused GEMM's SM cycles go, read from the kernel's timeline build.
+
+    python benchmarks/timeline.py [--shape M,N,K[,L]] [--epilogues gemm,bias+gelu_tanh]
+                                  [--configs auto 128,128,1,2,pingpong=1,epi_n=16 ...]
+
+The timeline build (``jax_efc.ffi.fused_gemm(..., timeline=True)``) has the first thread of
+every consumer group stamp the SM clock at each unit's ``TIMELINE_EVENTS``
+(:mod:`jax_efc.kernels`). Per CTA, in SM cycles (so clock changes under the power cap do not
+blur them):
+
+- ``span``: its first mainloop start to its last epilogue end;
+- ``tile``: WGMMA cycles per tile, from the later of the tile's mainloop start and the
+  previous tile's completion to its own completion, over all but the CTA's first and last;
+- ``gaps``: cycles between one tile's WGMMAs completing and the next tile's mainloop starting;
+- ``epilogue``: one epilogue's length; ``last``: the CTA's last epilogue, which nothing hides.
+
+The table shows the mean over the CTAs (and the longest span, which sets the kernel's time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .bench import EPILOGUES, Problem, bench_problem, config_label, parse_config, parse_shape
+from .kernels import TIMELINE_EVENTS
+from .primitive import fused_gemm_eqns
+
+__all__ = ["Summary", "summarize", "timeline_call", "record", "main"]
+
+_REACHED, _MAINLOOP, _COMPLETE, _EPILOGUE, _END = (
+    TIMELINE_EVENTS.index(e) for e in ("reached", "mainloop", "complete", "epilogue", "end"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """Means over the CTAs that ran units, in SM cycles (see the module's docstring)."""
+
+    units: float
+    span: float
+    span_max: float
+    tile: float
+    gaps: float
+    epilogue: float
+    last: float
+
+
+def _cta_units(cta: np.ndarray) -> np.ndarray:
+    """A CTA's (units, events) stamps in unit order, as cycles since its first stamp.
+    ``cta``: (groups, units, events) int32; consumer group g ran units g, g + groups, ..."""
+    groups, per_group, n_events = cta.shape
+    ordered = cta.transpose(1, 0, 2).reshape(groups * per_group, n_events)
+    ran = ordered[ordered[:, _REACHED] != 0].astype(np.int64)
+    if not len(ran):
+        return ran
+    # the 32-bit clock wraps: differences are taken modulo 2^32, as signed values (a kernel
+    # spans far fewer cycles; another group may stamp before the first unit's "reached")
+    return (ran - ran[0, _REACHED] + 2**31) % 2**32 - 2**31
+
+
+def summarize(stamps: np.ndarray) -> Summary:
+    """The summary of a timeline build's stamps, (CTAs, groups, units, events) int32."""
+    rows = []
+    for cta in np.asarray(stamps):
+        e = _cta_units(cta)
+        if not len(e):
+            continue
+        busy_from = np.maximum(e[:, _MAINLOOP], np.r_[0, e[:-1, _COMPLETE]])
+        tile = e[:, _COMPLETE] - busy_from
+        rows.append((len(e), e[-1, _END] - e[0, _MAINLOOP], tile[1:-1].mean() if len(e) > 2 else tile.mean(),
+                     np.maximum(0, e[1:, _MAINLOOP] - e[:-1, _COMPLETE]).sum(),
+                     (e[:, _END] - e[:, _EPILOGUE]).mean(), e[-1, _END] - e[-1, _COMPLETE]))
+    r = np.array(rows, dtype=np.float64)
+    return Summary(units=r[:, 0].mean(), span=r[:, 1].mean(), span_max=r[:, 1].max(), tile=r[:, 2].mean(),
+                   gaps=r[:, 3].mean(), epilogue=r[:, 4].mean(), last=r[:, 5].mean())
+
+
+def timeline_call(problem: Problem) -> tuple[Callable[..., Any], list[jax.ShapeDtypeStruct]]:
+    """A jitted function that runs the timeline build of ``problem``'s kernel (``jax_efc``'s
+    side of a benchmark problem) and returns its stamps, and the shapes of its arguments (the
+    fused GEMM's operands, as the op hands them to the kernel)."""
+    from . import ffi
+
+    eqns = fused_gemm_eqns(jax.make_jaxpr(problem.ours)(*problem.specs))
+    if len(eqns) != 1:
+        raise ValueError(f"{problem.epilogue} runs {len(eqns)} fused GEMMs; a timeline needs one.")
+    params = {k: v for k, v in eqns[0].params.items() if k not in ("precision", "local")}
+    specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqns[0].invars]
+    fn = jax.jit(lambda *a: ffi.fused_gemm(*a, **params, arch=ffi.device_arch(), timeline=True)[-1])
+    return fn, specs
+
+
+def record(problem: Problem, calls: int = 3, seed: int = 0) -> np.ndarray:
+    """The stamps of ``problem``'s kernel run ``calls`` times on random inputs (the last's)."""
+    fn, specs = timeline_call(problem)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(specs))
+    args = [jax.random.normal(k, s.shape).astype(s.dtype) for k, s in zip(keys, specs)]
+    for _ in range(calls):
+        stamps = fn(*args)
+    return np.asarray(stamps)
+
+
+def _table(rows: Sequence[tuple[str, str, Summary]]) -> str:
+    head = ("epilogue", "config", "units", "span", "span max", "tile", "gaps", "epilogue", "last")
+    lines = [head] + [(e, c, f"{s.units:.1f}", *(f"{v:.0f}" for v in (s.span, s.span_max, s.tile, s.gaps,
+                                                                     s.epilogue, s.last)))
+                      for e, c, s in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)) for line in lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python benchmarks/timeline.py", description=__doc__.splitlines()[0])
+    p.add_argument("--shape", type=parse_shape, default=(8192, 4096, 4096, 1), metavar="M,N,K[,L]")
+    p.add_argument("--epilogues", nargs="+", default=["gemm", "bias+gelu_tanh"], choices=EPILOGUES)
+    p.add_argument("--configs", nargs="+", type=parse_config, default=[None], metavar="CONFIG",
+                   help="'auto' (the heuristic's) or tile_m,tile_n[,cluster_m,cluster_n][,field=value...]")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    args = p.parse_args(argv)
+    rows = [(e, config_label(c), summarize(record(bench_problem(e, args.shape, args.dtype, c))))
+            for e in args.epilogues for c in args.configs]
+    print(_table(rows), flush=True)
