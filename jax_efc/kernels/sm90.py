@@ -383,7 +383,7 @@ class Sm90FusedGemm:
                 j = cutlass.Int32(group)
             while j < n_units:
                 u = self._unit(walk, j)
-                self._stamp(stamps, ctid, slot, group, j, 0)
+                self._stamp(stamps, ctid, slot, group, j, "reached")
                 # TMA partitions of this tile's TILE-operand subtiles
                 bSC = self._tile_op_partitions(epi, u.m, u.n, u.l)
                 if cutlass.const_expr(not self.pingpong):
@@ -393,15 +393,15 @@ class Sm90FusedGemm:
                 # ---- mainloop (ping-pong: in turn with the other consumer)
                 if cutlass.const_expr(self.pingpong):
                     self._order_barrier(_MMA_ORDER_ID, group).arrive_and_wait()
-                self._stamp(stamps, ctid, slot, group, j, 1)
+                self._stamp(stamps, ctid, slot, group, j, "mainloop")
                 read, release, tiled_mma = self._mainloop(mainloop, read, release, tiled_mma, acc,
                                                           tCrA, tCrB, u.k_count)
                 if cutlass.const_expr(self.pingpong):
                     # our WGMMAs are issued: the other consumer may issue its own
                     self._order_barrier(_MMA_ORDER_ID, 1 - group).arrive()
-                self._stamp(stamps, ctid, slot, group, j, 2)
+                self._stamp(stamps, ctid, slot, group, j, "issued")
                 warpgroup.wait_group(0)
-                self._stamp(stamps, ctid, slot, group, j, 3)
+                self._stamp(stamps, ctid, slot, group, j, "complete")
                 mainloop.consumer_release(release)
                 release.advance()
                 if cutlass.const_expr(self.pingpong):
@@ -417,13 +417,13 @@ class Sm90FusedGemm:
                         self._prefetch_tile_ops(epi, bSC, subtile_count)
 
                 # ---- epilogue
-                self._stamp(stamps, ctid, slot, group, j, 4)
+                self._stamp(stamps, ctid, slot, group, j, "epilogue")
                 if cutlass.const_expr(self.schedule.stream_k is None):
                     subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count)
                 else:
                     subtile_count = self._split_epilogue(epi, acc, bSC, u, subtile_count, sk_buffers,
                                                          slot, cta_rank, ctid)
-                self._stamp(stamps, ctid, slot, group, j, 5)
+                self._stamp(stamps, ctid, slot, group, j, "end")
                 if cutlass.const_expr(self.pingpong):
                     # hand the buffers over once our TMA stores have read them
                     if epi.is_store_warp:
@@ -485,7 +485,7 @@ class Sm90FusedGemm:
         return ctas * self.n_epi_groups * TIMELINE_UNITS * len(TIMELINE_EVENTS)
 
     @cute.jit
-    def _stamp(self, stamps: tuple, ctid, slot, group, j, event: int):
+    def _stamp(self, stamps: tuple, ctid, slot, group, j, event: str):
         """``timeline`` builds: the first thread of consumer ``group`` in CTA ``slot`` writes
         the SM clock for ``event`` of its unit ``j`` (units past :data:`TIMELINE_UNITS` are
         not kept)."""
@@ -493,7 +493,7 @@ class Sm90FusedGemm:
             row = ((slot * self.n_epi_groups + group) * TIMELINE_UNITS + j // self.n_epi_groups) \
                 * len(TIMELINE_EVENTS)
             if ctid == 0 and row < cute.size(stamps[0]):
-                stamps[0][row + event] = cute.arch.clock()
+                stamps[0][row + TIMELINE_EVENTS.index(event)] = cute.arch.clock()
 
     @staticmethod
     def _order_barrier(first_id, group):
