@@ -49,7 +49,7 @@ from .ops import fused_dense, gemm
 from .primitive import backends
 
 __all__ = ["Problem", "Result", "ROUNDS", "STANDARD_SHAPES", "QUICK_SHAPES", "EPILOGUES", "epilogue_problem",
-           "bench_problem", "measure", "measure_together", "run", "format_table", "ClockSampler",
+           "bench_problem", "random_inputs", "measure", "measure_together", "run", "format_table", "ClockSampler",
            "add_arguments", "run_from_args", "text_progress", "main"]
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense peak of the reference H200
@@ -194,7 +194,8 @@ def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
     raise ValueError(f"unknown epilogue {epilogue!r}; choose from {', '.join(EPILOGUES)}.")
 
 
-def _random_inputs(specs: Sequence[jax.ShapeDtypeStruct], key: Any) -> tuple[Any, ...]:
+def random_inputs(specs: Sequence[jax.ShapeDtypeStruct], key: Any) -> tuple[Any, ...]:
+    """Standard-normal arrays of ``specs``' shapes, cast to their dtypes."""
     keys = jax.random.split(key, len(specs))
     return tuple(jax.random.normal(kk, s.shape, jnp.float32).astype(s.dtype) for kk, s in zip(keys, specs))
 
@@ -330,7 +331,7 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
     out_shapes = jax.eval_shape(first.ours, *first.specs)
     moved = _nbytes(first.specs) + _nbytes(out_shapes)
     n_sets = 1 if moved >= L2_BYTES else min(16, math.ceil(2 * L2_BYTES / moved))
-    input_sets = [_random_inputs(first.specs, k) for k in jax.random.split(jax.random.key(seed), n_sets)]
+    input_sets = [random_inputs(first.specs, k) for k in jax.random.split(jax.random.key(seed), n_sets)]
 
     errs: list[float | None] = [None] * len(problems)
     base_err = None

@@ -26,7 +26,7 @@ from .epilogue import EpilogueIR, Role, canonical_shape
 from .reference import fused_gemm_reference
 
 __all__ = ["fused_gemm_p", "fused_gemm", "FallbackError", "fused_gemm_eqns", "backends",
-           "match_varying"]
+           "match_varying", "kernel_params"]
 
 logger = logging.getLogger("jax_efc")
 
@@ -205,9 +205,14 @@ def _cuda_lowering(ctx, *args, **params):
         return _reference_lowering(ctx, *args, **params)
     from jax_efc import ffi
 
-    del params["precision"]
-    kernel = partial(ffi.fused_gemm, arch=ffi.device_arch(), **params)
+    kernel = partial(ffi.fused_gemm, arch=ffi.device_arch(), **kernel_params(params))
     return mlir.lower_fun(kernel, multiple_results=True)(ctx, *args)
+
+
+def kernel_params(params: dict[str, Any]) -> dict[str, Any]:
+    """The keywords ``ffi.fused_gemm`` takes from a ``fused_gemm_p`` equation's params:
+    ``precision`` only steers the reference, ``local`` only the partitioner."""
+    return {k: v for k, v in params.items() if k not in ("precision", "local")}
 
 
 def _default_lowering(ctx, *args, **params):

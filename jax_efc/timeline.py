@@ -27,9 +27,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from .bench import EPILOGUES, Problem, bench_problem, config_label, parse_config, parse_shape
+from .bench import (EPILOGUES, Problem, bench_problem, config_label, parse_config, parse_shape,
+                    random_inputs)
 from .kernels import TIMELINE_EVENTS
-from .primitive import fused_gemm_eqns
+from .primitive import fused_gemm_eqns, kernel_params
 
 __all__ = ["Summary", "summarize", "timeline_call", "record", "main"]
 
@@ -89,7 +90,7 @@ def timeline_call(problem: Problem) -> tuple[Callable[..., Any], list[jax.ShapeD
     eqns = fused_gemm_eqns(jax.make_jaxpr(problem.ours)(*problem.specs))
     if len(eqns) != 1:
         raise ValueError(f"{problem.epilogue} runs {len(eqns)} fused GEMMs; a timeline needs one.")
-    params = {k: v for k, v in eqns[0].params.items() if k not in ("precision", "local")}
+    params = kernel_params(eqns[0].params)
     specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqns[0].invars]
     fn = jax.jit(lambda *a: ffi.fused_gemm(*a, **params, arch=ffi.device_arch(), timeline=True)[-1])
     return fn, specs
@@ -98,8 +99,7 @@ def timeline_call(problem: Problem) -> tuple[Callable[..., Any], list[jax.ShapeD
 def record(problem: Problem, calls: int = 3, seed: int = 0) -> np.ndarray:
     """The stamps of ``problem``'s kernel run ``calls`` times on random inputs (the last's)."""
     fn, specs = timeline_call(problem)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(specs))
-    args = [jax.random.normal(k, s.shape).astype(s.dtype) for k, s in zip(keys, specs)]
+    args = random_inputs(specs, jax.random.PRNGKey(seed))
     for _ in range(calls):
         stamps = fn(*args)
     return np.asarray(stamps)
