@@ -321,6 +321,11 @@ def test_supported_and_heuristic():
     cfg = choose_config(problem, 512, 16384, 4096, 1)
     assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 256, False)
     assert not choose_config(problem, 8192, 128, 8192, 1).pingpong  # one N tile: no 1x2 cluster
+    # a long K: cooperative 128x256 tiles in 2x1 clusters where they fill the SMs as well
+    cfg = choose_config(problem, 8192, 4096, 14336, 1)
+    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (128, 256, 2, 1, False)
+    assert choose_config(problem, 16384, 4096, 14336, 1).tile_m == 192  # 192x128 fills better
+    assert choose_config(problem, 8192, 4096, 8192, 1).pingpong  # K not long enough
 
     # a cooperative epilogue with work gets 64-wide subtiles; four epilogue buffers (two
     # TILE operands, two outputs) would leave too few stages at 64, and fp32 outputs too few
@@ -329,6 +334,7 @@ def test_supported_and_heuristic():
                               jnp.bfloat16, jnp.bfloat16)
     p_bias = dataclasses.replace(problem, ir=bias, operand_batched=(False,))
     assert choose_config(p_bias, 8192, 8192, 8192, 1).pingpong
+    assert choose_config(p_bias, 8192, 4096, 14336, 1).pingpong  # its epilogue hides under ping-pong
     # ping-pong 128x128 with one 16-bit output: 64-wide subtiles, which keep its 6 stages
     cfg = choose_config(p_bias, 8192, 4096, 4096, 1)
     assert (cfg.tile_m, cfg.epi_n, cfg.pingpong) == (128, 64, True)

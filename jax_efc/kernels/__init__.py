@@ -62,6 +62,11 @@ _ACC_PER_THREAD = 192
 _BITS = {"bfloat16": 16, "float16": 16, "float32": 32}
 # a tile count that fills this fraction of the SMs counts as one full wave
 _ONE_WAVE = 0.9
+# fills of two tile shapes closer than this count as equal
+_FILL_TIE = 1e-6
+# K from which plain GEMMs take cooperative 128x256 tiles when those fill the SMs as well
+# as ping-pong ones (192 k-tiles)
+_LONG_K = 12288
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +282,8 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     Large problems (at least two 128x128 tiles per SM) run ping-pong tiles in 1x2 clusters:
     one consumer's epilogue hides under the other's mainloop, and each A tile is multicast to
     the two CTAs along N. The tiles are 192x128 where those fill the SMs about as well as
-    128x128, else 128x128. When the epilogue's smem buffers would leave the
+    128x128, else 128x128; plain GEMMs with a long K (>= 12288) run cooperative 128x256 tiles
+    in 2x1 clusters instead where those fill the SMs as well. When the epilogue's smem buffers would leave the
     ping-pong ring fewer than 5 stages (two fp32 outputs next to two TILE operands), or the
     problem is smaller, the cooperative schedule runs: 128x256 tiles (two warpgroups, 128
     fp32 accumulators per thread) when they (nearly) fill the SMs, else 128x128 (or 64x128
@@ -339,6 +345,16 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # traffic): one run, plain and bias+gelu_tanh at 8192x4096x4096, 4096x4096x14336,
         # 8192^3 and 4096x14336x4096, 0.3-6% slower than this choice at all 8.
         tm = 192 if stages(192, 128) >= 5 and fill(192, 128) >= fill(128, 128) - 0.01 else 128
+        # A plain GEMM with a long K has little epilogue to hide: a 128x128 tile's takes
+        # about 2k SM cycles against 115k of WGMMA at K = 14336. There cooperative 128x256
+        # tiles in 2x1 clusters, which read a sixth less smem and a third less L2 per
+        # multiply-add, win where they fill the SMs' rounds as well. Measured on H200, two runs, ms, against
+        # 128x128 ping-pong: 1.410 / 1.528 and 1.415 / 1.451 at 8192x4096x14336, 0.702 /
+        # 0.731 and 0.717 / 0.723 at 4096x4096x14336. At K = 8192 one run split (4096x28672:
+        # 2.831 / 2.896; 8192x28672: 5.729 / 5.618; 8192^3: 1.630 / 1.601 against 192x128).
+        if (not has_work and k >= _LONG_K and n >= 256
+                and fill(128, 256) >= fill(tm, 128) - _FILL_TIE):
+            return GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, swizzle=8)
         cfg = GemmConfig(tile_m=tm, tile_n=128, cluster_m=1, cluster_n=2, swizzle=8, pingpong=True)
         # The ring's depth is what the mainloop feeds on: a k-tile takes a 128x128 consumer
         # about 520 SM cycles of WGMMA, and a k-tile's TMA load (L2 to smem, multicast) takes
