@@ -366,11 +366,12 @@ def text_progress(done: int, total: int, label: str) -> None:
 
 
 def run(problems: Sequence[Problem], *, progress: Callable[[int, int, str], None] | None = None,
-        **measure_kw: Any) -> list[Result]:
+        checkpoint: Callable[[list[Result]], None] | None = None, **measure_kw: Any) -> list[Result]:
     """Measure each problem, the consecutive configurations of one epilogue and shape together
     (:func:`measure_together`), reporting progress as ``progress(done, total, label)``: the
     problem about to run, then each one just measured with its ratio (so a log of an
-    interrupted run still holds every finished figure)."""
+    interrupted run still holds every finished figure). ``checkpoint`` gets the results so
+    far after each group."""
     groups = [list(g) for _, g in itertools.groupby(problems, key=lambda p: (p.epilogue, p.shape, p.dtype))]
     results: list[Result] = []
     for group in groups:
@@ -380,6 +381,8 @@ def run(problems: Sequence[Problem], *, progress: Callable[[int, int, str], None
             results.append(r)
             if progress:
                 progress(len(results), len(problems), f"{_label(p)} {r.ratio:.2f}x")
+        if checkpoint:
+            checkpoint(results)
     return results
 
 
@@ -522,23 +525,33 @@ class _ClocksFlag(argparse.Action):
 
 def run_from_args(args: argparse.Namespace,
                   progress: Callable[[int, int, str], None] | None = text_progress) -> dict[str, Any]:
-    """Run the benchmark ``args`` ask for, print its table(s), write the JSON if asked, and
-    return {"results": [...], "no_triton": [...] or None} as dicts."""
+    """Run the benchmark ``args`` ask for, print its table(s) and return {"results": [...],
+    "no_triton": [...] or None, "complete": True} as dicts. The JSON file, if asked for, is
+    rewritten after every measured problem with ``"complete": false`` until the end, so a
+    run that is stopped keeps what it measured."""
     shapes = args.shapes or (QUICK_SHAPES if args.quick else STANDARD_SHAPES)
     problems = [bench_problem(e, s, args.dtype, c) for s in shapes for e in args.epilogues
                 for c in args.configs]
+    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "results": [], "no_triton": None,
+              "complete": False}
+
+    def save(**update: Any) -> None:
+        report.update(update)
+        if args.json:
+            # write aside, then rename: a run stopped mid-write leaves the previous file whole
+            with open(args.json + ".tmp", "w") as f:
+                json.dump(report, f, indent=1)
+            os.replace(args.json + ".tmp", args.json)
+
     with ClockSampler() if args.clocks else contextlib.nullcontext() as clocks:
         results = run(problems, progress=progress, rounds=args.rounds, min_round_s=args.min_round_time,
-                      check=not args.skip_check, clocks=clocks)
+                      check=not args.skip_check, clocks=clocks,
+                      checkpoint=lambda rs: save(results=[dataclasses.asdict(r) for r in rs]))
     print(format_table(results, baseline_title()), flush=True)
-    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "xla_flags": os.environ.get("XLA_FLAGS", ""),
-              "results": [dataclasses.asdict(r) for r in results], "no_triton": None}
     if args.also_no_triton:
-        report["no_triton"] = _run_without_triton(args, shapes)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        save(no_triton=_run_without_triton(args, shapes))
+    save(complete=True)
     return report
 
 

@@ -62,10 +62,33 @@ def test_bench(capsys, tmp_path):
     assert "bias+silu" in captured.out and "32x16x8x2" in captured.out
     assert "6/6" in captured.err  # the progress bar, with each finished problem's ratio
     assert re.search(r"1/6 32x64x48 gemm \d+\.\d\dx", captured.err)
-    results = json.loads(out_json.read_text())["results"]
-    assert len(results) == 6
-    for r in results:
+    report = json.loads(out_json.read_text())
+    assert report["complete"] and len(report["results"]) == 6
+    for r in report["results"]:
         assert r["err"] < 1e-2 and r["baseline_err"] < 1e-2 and r["ours_s"] > 0
+
+
+def test_bench_stopped_keeps_what_it_measured(monkeypatch, tmp_path):
+    out_json = tmp_path / "bench.json"
+    measure = bench.measure_together
+    calls = []
+
+    def stopped_at_the_second(group, **kw):
+        calls.append(group)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return measure(group, **kw)
+
+    monkeypatch.setattr(bench, "measure_together", stopped_at_the_second)
+    argv = ["bench", "--shapes", "32,64,48", "--epilogues", "gemm,bias+silu,alpha-beta",
+            "--rounds", "1", "--min-round-time", "0.001", "--json", str(out_json)]
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    report = json.loads(out_json.read_text())
+    assert not report["complete"]
+    assert [r["epilogue"] for r in report["results"]] == ["gemm"]
+    assert report["results"][0]["ours_s"] > 0
+    assert not (tmp_path / "bench.json.tmp").exists()
 
 
 def test_bench_configs_share_their_rounds(capsys, tmp_path):
