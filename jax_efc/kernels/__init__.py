@@ -282,9 +282,9 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     Large problems (at least two 128x128 tiles per SM) run ping-pong tiles in 1x2 clusters:
     one consumer's epilogue hides under the other's mainloop, and each A tile is multicast to
     the two CTAs along N. The tiles are 192x128 where those fill the SMs about as well as
-    128x128, else 128x128; plain GEMMs with a long K (>= 12288) run cooperative 128x256 tiles
-    in 2x1 clusters instead where those fill the SMs as well. When the epilogue's smem buffers would leave the
-    ping-pong ring fewer than 5 stages (two fp32 outputs next to two TILE operands), or the
+    128x128, else 128x128; plain GEMMs with a long K (>= 12288) run cooperative 128x256
+    tiles in 2x1 clusters instead where those fill the SMs as well. When the epilogue's smem
+    buffers would leave the ping-pong ring fewer than 5 stages (two fp32 outputs next to two TILE operands), or the
     problem is smaller, the cooperative schedule runs: 128x256 tiles (two warpgroups, 128
     fp32 accumulators per thread) when they (nearly) fill the SMs, else 128x128 (or 64x128
     when even those leave most SMs idle), with a 2x1 cluster multicasting B when M spans
@@ -348,10 +348,13 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # A plain GEMM with a long K has little epilogue to hide: a 128x128 tile's takes
         # about 2k SM cycles against 115k of WGMMA at K = 14336. There cooperative 128x256
         # tiles in 2x1 clusters, which read a sixth less smem and a third less L2 per
-        # multiply-add, win where they fill the SMs' rounds as well. Measured on H200, two runs, ms, against
-        # 128x128 ping-pong: 1.410 / 1.528 and 1.415 / 1.451 at 8192x4096x14336, 0.702 /
-        # 0.731 and 0.717 / 0.723 at 4096x4096x14336. At K = 8192 one run split (4096x28672:
-        # 2.831 / 2.896; 8192x28672: 5.729 / 5.618; 8192^3: 1.630 / 1.601 against 192x128).
+        # multiply-add, win where they fill the SMs' rounds as well. Measured on H200, two
+        # runs, ms, against 128x128 ping-pong: 1.410 / 1.528 and 1.415 / 1.451 at
+        # 8192x4096x14336, 0.702 / 0.731 and 0.717 / 0.723 at 4096x4096x14336. At K = 8192
+        # one run split (4096x28672: 2.831 / 2.896; 8192x28672: 5.729 / 5.618; 8192^3:
+        # 1.630 / 1.601 against 192x128). With an epilogue, ping-pong (which hides it) was as
+        # fast or faster: bias+gelu_tanh 1.435 / 1.455 and 0.721 / 0.721, alpha-beta 1.505 /
+        # 1.464 and 0.751 / 0.732 at those two shapes.
         if (not has_work and k >= _LONG_K and n >= 256
                 and fill(128, 256) >= fill(tm, 128) - _FILL_TIE):
             return GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, swizzle=8)
