@@ -557,9 +557,11 @@ def run_from_args(args: argparse.Namespace,
 
 def _run_without_triton(args: argparse.Namespace, shapes: Sequence[Shape]) -> list[dict[str, Any]]:
     """The same benchmark in a fresh process whose XLA has Triton GEMMs off; its table goes
-    to our stdout, its results come back through a JSON file."""
+    to our stdout, its results come back through a JSON file: next to ``--json``'s
+    (``<name>.no_triton.json``, kept as it goes, like ours) or a temporary one."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "no_triton.json")
+        out = (os.path.splitext(args.json)[0] + ".no_triton.json" if args.json
+               else os.path.join(tmp, "no_triton.json"))
         argv = [sys.executable, "-m", "jax_efc.bench", "--shapes", *(",".join(map(str, s)) for s in shapes),
                 "--epilogues", ",".join(args.epilogues), "--dtype", args.dtype, "--rounds", str(args.rounds),
                 "--configs", *(config_label(c) for c in args.configs),

@@ -116,6 +116,9 @@ def test_bench_also_no_triton_runs_a_second_process(capfd, tmp_path):
     assert main(argv) == 0
     report = json.loads(out_json.read_text())
     assert [r["config"] for r in report["no_triton"]] == ["auto", "128,128,1,2,pingpong=1"]
+    # the child's own file stays next to ours, complete
+    child = json.loads((tmp_path / "bench.no_triton.json").read_text())
+    assert child["complete"] and child["results"] == report["no_triton"]
     assert all(r["err"] is None and r["ours_s"] > 0 for r in report["no_triton"])
     # the child prints its own table, titled with the flag its XLA runs with
     assert "baseline: XLA with --xla_gpu_enable_triton_gemm=false" in capfd.readouterr().out
