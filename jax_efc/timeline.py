@@ -1,6 +1,6 @@
 """Where a fused GEMM's SM cycles go, read from the kernel's timeline build.
 
-    python benchmarks/timeline.py [--shape M,N,K[,L]] [--epilogues gemm,bias+gelu_tanh]
+    python benchmarks/timeline.py [--shape M,N,K[,L]] [--epilogues gemm bias+gelu_tanh ...]
                                   [--configs auto 128,128,1,2,pingpong=1,epi_n=16 ...]
 
 The timeline build (``jax_efc.ffi.fused_gemm(..., timeline=True)``) has the first thread of
