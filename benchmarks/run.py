@@ -1,6 +1,7 @@
 """The standard benchmark of BENCHMARKING.md: jax_efc's fused GEMMs vs plain JAX, side by side.
 
-    python benchmarks/run.py [--quick] [--also-no-triton] [--json out.json] [--shapes M,N,K ...]
+    python benchmarks/run.py [--quick] [--also-no-triton] [--json out.json [--resume]]
+                             [--shapes M,N,K ...]
 
 All options are those of ``python -m jax_efc.bench`` (see ``--help``).
 """

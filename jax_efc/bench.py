@@ -7,10 +7,13 @@ reference in the same run. The baseline is the same epilogue in plain JAX under 
 
     python -m jax_efc.bench [--quick | --shapes M,N,K[,L] ...] [--epilogues gemm,bias+gelu_tanh]
                             [--configs auto 192,128,1,2,pingpong=1 ...] [--clocks]
-                            [--also-no-triton] [--json out.json]
+                            [--also-no-triton] [--json out.json [--resume]]
 
 Several ``--configs`` of one epilogue and shape are timed in the same interleaved rounds;
 ``--clocks`` adds the SM clock and board power each side held (nvidia-smi).
+
+``--resume`` keeps the figures a stopped run left in ``--json``'s file and measures only the
+rest, so the same command, run again, finishes the set.
 
 ``--also-no-triton`` repeats the run in a subprocess with
 ``XLA_FLAGS=--xla_gpu_enable_triton_gemm=false`` (XLA reads its flags once, at start-up), so
@@ -505,6 +508,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--also-no-triton", action="store_true",
                    help=f"also run with XLA_FLAGS={NO_TRITON_FLAG} in a subprocess")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the results already in --json's file (left by a stopped run of the "
+                        "same device and XLA flags) and measure only the problems it lacks")
     p.add_argument("--clocks", action=_ClocksFlag,
                    help="sample the SM clock and board power (nvidia-smi, every 20 ms) during the "
                         "timed rounds and add their medians to the table")
@@ -535,6 +541,10 @@ def run_from_args(args: argparse.Namespace,
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "results": [], "no_triton": None,
               "complete": False}
+    done = _resumed(args.json, report) if args.resume else []
+    report["results"] = [dataclasses.asdict(r) for r in done]
+    measured = {_key(r) for r in done}
+    problems = [p for p in problems if _key(p) not in measured]
 
     def save(**update: Any) -> None:
         report.update(update)
@@ -545,14 +555,34 @@ def run_from_args(args: argparse.Namespace,
             os.replace(args.json + ".tmp", args.json)
 
     with ClockSampler() if args.clocks else contextlib.nullcontext() as clocks:
-        results = run(problems, progress=progress, rounds=args.rounds, min_round_s=args.min_round_time,
-                      check=not args.skip_check, clocks=clocks,
-                      checkpoint=lambda rs: save(results=[dataclasses.asdict(r) for r in rs]))
+        results = done + run(problems, progress=progress, rounds=args.rounds,
+                             min_round_s=args.min_round_time, check=not args.skip_check, clocks=clocks,
+                             checkpoint=lambda rs: save(results=[dataclasses.asdict(r) for r in done + rs]))
     print(format_table(results, baseline_title()), flush=True)
     if args.also_no_triton:
         save(no_triton=_run_without_triton(args, shapes))
     save(complete=True)
     return report
+
+
+def _key(r: Problem | Result) -> tuple:
+    return r.epilogue, tuple(r.shape), r.dtype, r.config
+
+
+def _resumed(path: str | None, report: dict[str, Any]) -> list[Result]:
+    """The results a run left in ``path`` (none if there is no such file), refused with an
+    error naming the difference when it ran on another device or with other XLA flags."""
+    if not path:
+        raise SystemExit("--resume needs --json FILE: the file whose results it keeps")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        old = json.load(f)
+    for field in ("device", "xla_flags"):
+        if old.get(field) != report[field]:
+            raise SystemExit(f"--resume: {path} was measured with {field} {old.get(field)!r}, this "
+                             f"run has {report[field]!r}; name another --json file.")
+    return [Result(**{**r, "shape": tuple(r["shape"])}) for r in old["results"]]
 
 
 def _run_without_triton(args: argparse.Namespace, shapes: Sequence[Shape]) -> list[dict[str, Any]]:
@@ -566,7 +596,8 @@ def _run_without_triton(args: argparse.Namespace, shapes: Sequence[Shape]) -> li
                 "--epilogues", ",".join(args.epilogues), "--dtype", args.dtype, "--rounds", str(args.rounds),
                 "--configs", *(config_label(c) for c in args.configs),
                 "--min-round-time", str(args.min_round_time), "--json", out]
-        argv += [flag for flag, on in (("--skip-check", args.skip_check), ("--clocks", args.clocks)) if on]
+        argv += [flag for flag, on in (("--skip-check", args.skip_check), ("--clocks", args.clocks),
+                                       ("--resume", args.resume and args.json)) if on]
         env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {NO_TRITON_FLAG}".strip())
         # this process keeps its preallocated GPU pool: the child allocates as it goes
         env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -91,6 +91,51 @@ def test_bench_stopped_keeps_what_it_measured(monkeypatch, tmp_path):
     assert not (tmp_path / "bench.json.tmp").exists()
 
 
+def test_bench_resume_measures_only_what_is_missing(monkeypatch, tmp_path):
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "--shapes", "32,64,48", "--epilogues", "gemm,bias+silu,alpha-beta",
+            "--rounds", "1", "--min-round-time", "0.001", "--json", str(out_json), "--resume"]
+    measure = bench.measure_together
+    measured = []
+
+    def stopping_at(stop):
+        def measure_or_stop(group, **kw):
+            measured.append(group[0].epilogue)
+            if len(measured) == stop:
+                raise KeyboardInterrupt
+            return measure(group, **kw)
+        return measure_or_stop
+
+    monkeypatch.setattr(bench, "measure_together", stopping_at(2))
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)  # no file yet: --resume starts from nothing
+    first = json.loads(out_json.read_text())["results"]
+    assert [r["epilogue"] for r in first] == ["gemm"]
+    measured.clear()
+    monkeypatch.setattr(bench, "measure_together", stopping_at(0))
+    assert main(argv) == 0
+    assert measured == ["bias+silu", "alpha-beta"]  # gemm is not measured again
+    report = json.loads(out_json.read_text())
+    assert report["complete"]
+    assert [r["epilogue"] for r in report["results"]] == ["gemm", "bias+silu", "alpha-beta"]
+    assert report["results"][0] == first[0]
+    measured.clear()
+    assert main(argv) == 0 and measured == []  # a complete file: nothing left to measure
+    assert json.loads(out_json.read_text()) == report
+
+
+def test_bench_resume_refuses_other_xla_flags(monkeypatch, tmp_path):
+    out_json = tmp_path / "bench.json"
+    out_json.write_text(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                                    "xla_flags": "--xla_gpu_enable_triton_gemm=false",
+                                    "results": [], "no_triton": None, "complete": False}))
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    with pytest.raises(SystemExit, match="xla_flags '--xla_gpu_enable_triton_gemm=false'"):
+        main(["bench", "--shapes", "32,64,48", "--json", str(out_json), "--resume"])
+    with pytest.raises(SystemExit, match="needs --json"):
+        main(["bench", "--shapes", "32,64,48", "--resume"])
+
+
 def test_bench_configs_share_their_rounds(capsys, tmp_path):
     # the configurations of one epilogue and shape are timed together with one baseline
     out_json = tmp_path / "bench.json"
