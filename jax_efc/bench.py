@@ -10,7 +10,9 @@ reference in the same run. The baseline is the same epilogue in plain JAX under 
                             [--also-no-triton] [--json out.json [--resume]]
 
 Several ``--configs`` of one epilogue and shape are timed in the same interleaved rounds;
-``--clocks`` adds the SM clock and board power each side held (nvidia-smi).
+``--clocks`` adds the SM clock and board power each side held (nvidia-smi); ``--bound`` adds
+our plain GEMM's time in the same rounds, and the baseline's time over it: the most fusing the
+epilogue can gain.
 
 ``--resume`` keeps the figures a stopped run left in ``--json``'s file and measures only the
 rest, so the same command, run again, finishes the set.
@@ -112,6 +114,13 @@ class Result:
     baseline_mhz: float | None = None
     ours_watts: float | None = None
     baseline_watts: float | None = None
+    # with ``bound``: our plain GEMM of the same A and B, timed in the same rounds; baseline_s /
+    # plain_s bounds the ratio any fusion of this epilogue can reach
+    plain_s: float | None = None
+
+    @property
+    def bound(self) -> float | None:
+        return None if self.plain_s is None else self.baseline_s / self.plain_s
 
 
 def _identity(acc: Any) -> Any:
@@ -323,11 +332,13 @@ def measure(problem: Problem, **kw: Any) -> Result:
 
 def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls: int | None = None,
                      warmup: int = 1, min_round_s: float = 0.1, check: bool = True,
-                     seed: int = 0, clocks: ClockSampler | None = None) -> list[Result]:
+                     seed: int = 0, clocks: ClockSampler | None = None, bound: bool = False) -> list[Result]:
     """Time several configurations of one epilogue at one shape (problems that differ only in
     ``config``) in the same interleaved rounds as their shared baseline, so the drift of the
     GPU's clock between rounds hits them all alike and their times compare directly. With an
-    entered ``clocks`` sampler, each result also holds the clock and power of its rounds."""
+    entered ``clocks`` sampler, each result also holds the clock and power of its rounds; with
+    ``bound``, the time of our plain GEMM (``jax_efc.gemm(a, b)``, no epilogue) in the same
+    rounds."""
     first = problems[0]
     if any((p.epilogue, p.shape, p.dtype) != (first.epilogue, first.shape, first.dtype) for p in problems):
         raise ValueError("measure_together takes configurations of one epilogue, shape and dtype")
@@ -343,8 +354,11 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
         errs = [_rel_err(p.ours(*input_sets[0]), ref) for p in problems]
         base_err = _rel_err(first.baseline(*input_sets[0]), ref)
         del ref
-    times, windows = _time([p.ours for p in problems] + [first.baseline], input_sets, rounds, calls,
-                           min_round_s, warmup)
+    plain = [jax.jit(lambda a, b, *_: gemm(a, b))] if bound else []
+    times, windows = _time([p.ours for p in problems] + [first.baseline] + plain, input_sets, rounds,
+                           calls, min_round_s, warmup)
+    plain_s = times.pop() if bound else None
+    windows = windows[:len(problems) + 1]
     *ours_s, base_s = times
     *power, (base_mhz, base_watts) = [clocks.median(w) if clocks else (None, None) for w in windows]
     m, n, k, l = first.shape
@@ -354,7 +368,7 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
         backend = "; ".join(dict.fromkeys(backends(p.ours, *p.specs))) or "none"
         results.append(Result(p.epilogue, p.shape, p.dtype, p.config, backend, t, base_s, tflops,
                               base_s / t, tflops / PEAK_TFLOPS, moved / 1e9, err, base_err,
-                              mhz, base_mhz, watts, base_watts))
+                              mhz, base_mhz, watts, base_watts, plain_s))
     return results
 
 
@@ -415,6 +429,10 @@ def format_table(results: Sequence[Result], title: str = "") -> str:
              f"{r.baseline_s * 1e3:.3f}", f"{r.tflops:.4g}", f"{r.ratio:.2f}",
              f"{100 * r.peak_fraction:.3g}", f"{r.gbytes:.2f}", _optional(r.err, ".1e"), _optional(r.baseline_err, ".1e"))
             for r in results]
+    if any(r.plain_s is not None for r in results):
+        head += ("plain ms", "bound")
+        rows = [row + (_optional(None if r.plain_s is None else r.plain_s * 1e3, ".3f"), _optional(r.bound, ".2f"))
+                for row, r in zip(rows, results)]
     if any(r.ours_mhz is not None for r in results):
         head += ("ours MHz", "base MHz", "ours W", "base W")
         rows = [row + tuple(_optional(v, ".0f") for v in (r.ours_mhz, r.baseline_mhz, r.ours_watts, r.baseline_watts))
@@ -511,6 +529,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="keep the results already in --json's file (left by a stopped run of the "
                         "same device and XLA flags) and measure only the problems it lacks")
+    p.add_argument("--bound", action="store_true",
+                   help="also time our plain GEMM of each problem's A and B in the same rounds: the "
+                        "baseline's time over it bounds the ratio fusing the epilogue can reach")
     p.add_argument("--clocks", action=_ClocksFlag,
                    help="sample the SM clock and board power (nvidia-smi, every 20 ms) during the "
                         "timed rounds and add their medians to the table")
@@ -557,6 +578,7 @@ def run_from_args(args: argparse.Namespace,
     with ClockSampler() if args.clocks else contextlib.nullcontext() as clocks:
         results = done + run(problems, progress=progress, rounds=args.rounds,
                              min_round_s=args.min_round_time, check=not args.skip_check, clocks=clocks,
+                             bound=args.bound,
                              checkpoint=lambda rs: save(results=[dataclasses.asdict(r) for r in done + rs]))
     print(format_table(results, baseline_title()), flush=True)
     if args.also_no_triton:
@@ -597,6 +619,7 @@ def _run_without_triton(args: argparse.Namespace, shapes: Sequence[Shape]) -> li
                 "--configs", *(config_label(c) for c in args.configs),
                 "--min-round-time", str(args.min_round_time), "--json", out]
         argv += [flag for flag, on in (("--skip-check", args.skip_check), ("--clocks", args.clocks),
+                                       ("--bound", args.bound),
                                        ("--resume", args.resume and args.json)) if on]
         env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {NO_TRITON_FLAG}".strip())
         # this process keeps its preallocated GPU pool: the child allocates as it goes

@@ -136,6 +136,23 @@ def test_bench_resume_refuses_other_xla_flags(monkeypatch, tmp_path):
         main(["bench", "--shapes", "32,64,48", "--resume"])
 
 
+def test_bench_bound_times_our_plain_gemm_in_the_same_rounds(capsys, tmp_path):
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "--shapes", "32,64,48", "32,16,8,2", "--epilogues", "bias+gelu_tanh,alpha-beta",
+            "--configs", "auto", "128,256,2,1", "--rounds", "2", "--min-round-time", "0.001",
+            "--bound", "--json", str(out_json)]
+    assert main(argv) == 0
+    head = capsys.readouterr().out.splitlines()[1].split()
+    assert head[-3:] == ["plain", "ms", "bound"]
+    results = json.loads(out_json.read_text())["results"]
+    assert len(results) == 8
+    for r in results:
+        assert r["plain_s"] > 0
+        assert bench.Result(**{**r, "shape": tuple(r["shape"])}).bound == r["baseline_s"] / r["plain_s"]
+    # one plain GEMM per epilogue and shape, shared by its configurations
+    assert all(a["plain_s"] == b["plain_s"] for a, b in zip(results[::2], results[1::2]))
+
+
 def test_bench_configs_share_their_rounds(capsys, tmp_path):
     # the configurations of one epilogue and shape are timed together with one baseline
     out_json = tmp_path / "bench.json"
