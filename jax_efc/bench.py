@@ -122,6 +122,11 @@ class Result:
     def bound(self) -> float | None:
         return None if self.plain_s is None else self.baseline_s / self.plain_s
 
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Result:
+        """A result as ``dataclasses.asdict`` wrote it to the ``--json`` file."""
+        return cls(**{**d, "shape": tuple(d["shape"])})
+
 
 def _identity(acc: Any) -> Any:
     return acc
@@ -357,10 +362,10 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
     plain = [jax.jit(lambda a, b, *_: gemm(a, b))] if bound else []
     times, windows = _time([p.ours for p in problems] + [first.baseline] + plain, input_sets, rounds,
                            calls, min_round_s, warmup)
-    plain_s = times.pop() if bound else None
-    windows = windows[:len(problems) + 1]
-    *ours_s, base_s = times
-    *power, (base_mhz, base_watts) = [clocks.median(w) if clocks else (None, None) for w in windows]
+    count = len(problems)
+    ours_s, base_s, plain_s = times[:count], times[count], times[count + 1] if bound else None
+    *power, (base_mhz, base_watts) = [clocks.median(w) if clocks else (None, None)
+                                      for w in windows[:count + 1]]
     m, n, k, l = first.shape
     results = []
     for p, t, err, (mhz, watts) in zip(problems, ours_s, errs, power):
@@ -604,7 +609,7 @@ def _resumed(path: str | None, report: dict[str, Any]) -> list[Result]:
         if old.get(field) != report[field]:
             raise SystemExit(f"--resume: {path} was measured with {field} {old.get(field)!r}, this "
                              f"run has {report[field]!r}; name another --json file.")
-    return [Result(**{**r, "shape": tuple(r["shape"])}) for r in old["results"]]
+    return [Result.from_json(r) for r in old["results"]]
 
 
 def _run_without_triton(args: argparse.Namespace, shapes: Sequence[Shape]) -> list[dict[str, Any]]:
