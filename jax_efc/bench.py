@@ -54,7 +54,8 @@ from .ops import fused_dense, gemm
 from .primitive import backends
 
 __all__ = ["Problem", "Result", "ROUNDS", "STANDARD_SHAPES", "QUICK_SHAPES", "EPILOGUES", "epilogue_problem",
-           "bench_problem", "random_inputs", "measure", "measure_together", "run", "format_table", "ClockSampler",
+           "bench_problem", "random_inputs", "measure", "measure_together", "run", "format_table",
+           "fixed_width", "ClockSampler",
            "add_arguments", "run_from_args", "text_progress", "main"]
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense peak of the reference H200
@@ -442,6 +443,11 @@ def format_table(results: Sequence[Result], title: str = "") -> str:
         head += ("ours MHz", "base MHz", "ours W", "base W")
         rows = [row + tuple(_optional(v, ".0f") for v in (r.ours_mhz, r.baseline_mhz, r.ours_watts, r.baseline_watts))
                 for row, r in zip(rows, results)]
+    return fixed_width(head, rows, title)
+
+
+def fixed_width(head: Sequence[str], rows: Sequence[Sequence[str]], title: str = "") -> str:
+    """Left-aligned columns as wide as their widest cell, the head ruled off from the rows."""
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     lines = [title] if title else []
     lines += ["  ".join(f"{x:<{w}}" for x, w in zip(row, widths)) for row in (head, *rows)]

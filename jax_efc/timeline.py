@@ -27,8 +27,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .bench import (EPILOGUES, Problem, bench_problem, config_label, parse_config, parse_shape,
-                    random_inputs)
+from .bench import (EPILOGUES, Problem, bench_problem, config_label, fixed_width, parse_config,
+                    parse_shape, random_inputs)
 from .kernels import TIMELINE_EVENTS
 from .primitive import fused_gemm_eqns, kernel_params
 
@@ -107,11 +107,9 @@ def record(problem: Problem, calls: int = 3, seed: int = 0) -> np.ndarray:
 
 def _table(rows: Sequence[tuple[str, str, Summary]]) -> str:
     head = ("epilogue", "config", "units", "span", "span max", "tile", "gaps", "epilogue", "last")
-    lines = [head] + [(e, c, f"{s.units:.1f}", *(f"{v:.0f}" for v in (s.span, s.span_max, s.tile, s.gaps,
-                                                                     s.epilogue, s.last)))
-                      for e, c, s in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)) for line in lines)
+    return fixed_width(head, [(e, c, f"{s.units:.1f}", *(f"{v:.0f}" for v in (s.span, s.span_max, s.tile,
+                                                                             s.gaps, s.epilogue, s.last)))
+                              for e, c, s in rows])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
