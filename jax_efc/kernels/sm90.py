@@ -324,7 +324,8 @@ class Sm90FusedGemm:
 
         # ================================================================ producer
         # (TMA prefetches to L2 of the k-tiles 8 to 16 ahead of the ring made the H200 run
-        # 10-30% slower, so the ring is the only look-ahead)
+        # 10-30% slower, so the ring is the only look-ahead; L2 eviction hints on these and
+        # the epilogue's TMA copies were no faster, README "Speed")
         if wg_idx == 0:
             cute.arch.warpgroup_reg_dealloc(_PRODUCER_REGS)
             if warp_idx == 0:
