@@ -488,7 +488,8 @@ def parse_config(text: str) -> GemmConfig | None:
                 key, value = part.split("=", 1)
                 if key not in fields:
                     raise ValueError(f"no GemmConfig field {key!r}")
-                named[key] = value if fields[key] == "str" else int(value)
+                kind = fields[key]
+                named[key] = value if kind == "str" else bool(int(value)) if kind == "bool" else int(value)
             else:
                 positional.append(int(part))
         if len(positional) > 4:
@@ -497,7 +498,7 @@ def parse_config(text: str) -> GemmConfig | None:
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"{text!r} is not a config ({e}); write 'auto' or "
                                          "tile_m,tile_n[,cluster_m,cluster_n][,field=value...]") from None
-    return dataclasses.replace(config, **{f: bool(getattr(config, f)) for f, t in fields.items() if t == "bool"})
+    return config
 
 
 def config_label(config: GemmConfig | None) -> str:

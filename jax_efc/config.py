@@ -12,8 +12,11 @@ __all__ = ["GemmConfig", "disabled", "strict"]
 class GemmConfig:
     """Tile and cluster shape of the fused GEMM kernel.
 
-    ``None`` (the default everywhere) lets a heuristic choose per problem. A config that the
-    kernel cannot run raises ``ValueError`` naming the offending field.
+    ``None`` (the default everywhere) lets a heuristic choose per problem. A field outside its
+    domain raises ``ValueError`` when the config is made, on every platform. A config that the
+    device's kernel cannot run (an SM90 tile and schedule that do not go together, or too
+    little shared memory for the epilogue's buffers) raises ``ValueError`` naming the cause
+    when a call pinned to it is compiled for that device; platforms without a kernel ignore it.
     """
 
     tile_m: int = 128
@@ -38,6 +41,37 @@ class GemmConfig:
     # rounds' k-iterations are shared evenly by all of them (partial sums meet through an
     # fp32 workspace in global memory). False: every tile is computed whole by one CTA.
     stream_k: bool = True
+
+    def __post_init__(self) -> None:
+        reason = _field_error(self)
+        if reason:
+            raise ValueError(f"GemmConfig: {reason}")
+
+
+def _field_error(config: GemmConfig) -> str | None:
+    """The first field outside its domain, as a sentence; the checks every kernel shares."""
+    for name in ("tile_m", "tile_n", "cluster_m", "cluster_n", "swizzle", "stages", "epi_n"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"{name}={value!r} must be an int."
+    for name in ("tile_m", "tile_n", "cluster_m", "cluster_n"):
+        if getattr(config, name) < 1:
+            return f"{name}={getattr(config, name)} must be positive."
+    if config.raster not in ("m", "n"):
+        return f"raster={config.raster!r} must be 'm' or 'n'."
+    if config.swizzle not in (1, 2, 4, 8):
+        return f"swizzle={config.swizzle} must be 1, 2, 4 or 8."
+    if config.stages != 0 and not 2 <= config.stages <= 8:
+        return f"stages={config.stages} must be 0 (as many as fit) or between 2 and 8."
+    if config.epi_n not in (16, 32, 64):
+        return f"epi_n={config.epi_n} must be 16, 32 or 64."
+    if config.tile_n % config.epi_n:
+        return (f"tile_n={config.tile_n} is not a multiple of epi_n={config.epi_n}, the epilogue's "
+                "subtile width; choose a tile_n that is, or a narrower epi_n.")
+    for name in ("pingpong", "stream_k"):
+        if not isinstance(getattr(config, name), bool):
+            return f"{name}={getattr(config, name)!r} must be True or False."
+    return None
 
 
 def disabled() -> bool:

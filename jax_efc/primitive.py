@@ -149,7 +149,11 @@ def _fall_back(reason: str) -> None:
 
 
 def kernel_unsupported_reason(avals_in: Sequence[Any], params: dict[str, Any]) -> str | None:
-    """Why the CUDA kernel cannot run this call (None: it can)."""
+    """Why the CUDA kernel cannot run this call (None: it can).
+
+    Raises ``ValueError`` when the call pins a config that is the only obstacle (the
+    heuristic's config would run): a pinned config is a request, not a hint to drop silently.
+    """
     if _config.disabled():
         return "JAX_EFC_DISABLE is set."
     from jax_efc import ffi
@@ -158,11 +162,19 @@ def kernel_unsupported_reason(avals_in: Sequence[Any], params: dict[str, Any]) -
     if arch is None:
         return "no CUDA device with a supported architecture was found."
     a, b, *operands = avals_in
-    return ffi.unsupported_reason(
-        params["ir"], a, b, operands, transpose_a=params["transpose_a"],
-        transpose_b=params["transpose_b"], acc_dtype=params["acc_dtype"],
-        config=params["config"], arch=arch,
-    )
+
+    def reason(config):
+        return ffi.unsupported_reason(
+            params["ir"], a, b, operands, transpose_a=params["transpose_a"],
+            transpose_b=params["transpose_b"], acc_dtype=params["acc_dtype"], config=config, arch=arch,
+        )
+
+    pinned = params["config"]
+    why = reason(pinned)
+    if why is not None and pinned is not None and reason(None) is None:
+        raise ValueError(f"jax_efc: the kernel for {arch} cannot run {pinned}: {why} "
+                         "Pass config=None to let the heuristic choose.")
+    return why
 
 
 def fused_gemm_eqns(closed_jaxpr: Any) -> list[Any]:

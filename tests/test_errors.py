@@ -1,6 +1,7 @@
 """Every rejected input fails with an error that names the problem and the fix."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -109,6 +110,23 @@ def test_fused_dense_errors(ab):
         efc.fused_dense(b, b)
     with pytest.raises(ValueError, match="residual has shape"):
         efc.fused_dense(a, b, residual=jnp.ones((16, 8)))
+
+
+@pytest.mark.parametrize("fields, needle", [
+    (dict(tile_m=0), "tile_m=0 must be positive"),
+    (dict(tile_n=128.0), "tile_n=128.0 must be an int"),
+    (dict(raster="k"), "raster='k' must be 'm' or 'n'"),
+    (dict(swizzle=3), "swizzle=3 must be 1, 2, 4 or 8"),
+    (dict(stages=1), "stages=1 must be 0"),
+    (dict(epi_n=48), "epi_n=48 must be 16, 32 or 64"),
+    (dict(tile_n=80), "tile_n=80 is not a multiple of epi_n=32"),
+    (dict(pingpong=1), "pingpong=1 must be True or False"),
+])
+def test_config_fields_are_checked_when_made(fields, needle):
+    """On every platform, not only where a kernel would run it."""
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        efc.GemmConfig(**fields)
+    efc.GemmConfig(tile_n=64, epi_n=64, pingpong=True, swizzle=8, stages=4, raster="n")
 
 
 def test_fingerprint_is_stable_across_processes():

@@ -266,7 +266,6 @@ def _aval(shape, dtype):
         (dict(config=(256, 256, 1, 1)), "cooperative 256x256 tile"),
         (dict(config=(128, 96, 1, 1)), "tile_n=96"),
         (dict(config=(128, 128, 4, 2)), "at most 4"),
-        (dict(config=(128, 192, 1, 1, {"epi_n": 128})), "epi_n=128"),
         (dict(config=(128, 256, 1, 1, {"pingpong": True})), "pingpong=True with a 128x256 tile"),
         (dict(config=(192, 192, 1, 1, {"pingpong": True})), "pingpong=True with a 192x192 tile"),
         (dict(config=(192, 128, 1, 1)), "tile_m=192 needs pingpong=True"),
@@ -289,6 +288,35 @@ def test_unsupported_reasons(change, needle):
         arch=change.get("arch", "sm_90a"),
     )
     assert reason is not None and needle in reason, reason
+
+
+def _export_for_cuda(fn, *specs):
+    import jax
+    from cutlass.jax import get_export_disabled_safety_checks
+
+    return jax.export.export(jax.jit(fn), platforms=["cuda"],
+                             disabled_checks=get_export_disabled_safety_checks())(*specs)
+
+
+def test_pinned_config_the_kernel_refuses_is_an_error(monkeypatch):
+    """A pinned config that alone keeps the kernel from running raises at compile time for
+    the device; a call the kernel refuses for another reason still falls back."""
+    pytest.importorskip("cutlass.jax")
+    import jax.numpy as jnp
+
+    import jax_efc as efc
+    from jax_efc.config import GemmConfig
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    cooperative_192 = GemmConfig(192, 128)
+    ab = [_aval((256, 256), jnp.bfloat16)] * 2
+    with pytest.raises(ValueError, match=r"cannot run GemmConfig\(tile_m=192.*tile_m=192 needs pingpong=True"
+                                         r".*config=None"):
+        _export_for_cuda(lambda a, b: efc.gemm(a, b, config=cooperative_192), *ab)
+    # K = 1001 is not 16-byte aligned: no config would run, so the reference runs
+    odd = [_aval((256, 1001), jnp.bfloat16), _aval((1001, 256), jnp.bfloat16)]
+    exported = _export_for_cuda(lambda a, b: efc.gemm(a, b, config=cooperative_192), *odd)
+    assert "CuteDSLRT" not in exported.mlir_module()
 
 
 def test_supported_and_heuristic():

@@ -141,17 +141,6 @@ def _config_reason(config: GemmConfig) -> str | None:
     if config.cluster_m * config.cluster_n > _MAX_CLUSTER:
         return (f"cluster {config.cluster_m}x{config.cluster_n} has more than {_MAX_CLUSTER} "
                 "CTAs; SM90 clusters in jax_efc are at most 4 CTAs (e.g. 2x1, 1x2, 2x2).")
-    if config.raster not in ("m", "n"):
-        return f"raster={config.raster!r} must be 'm' or 'n'."
-    if config.swizzle not in (1, 2, 4, 8):
-        return f"swizzle={config.swizzle} must be 1, 2, 4 or 8."
-    if config.stages != 0 and not 2 <= config.stages <= 8:
-        return f"stages={config.stages} must be 0 (as many as fit) or between 2 and 8."
-    if config.epi_n not in (16, 32, 64) or config.tile_n % config.epi_n:
-        return (f"epi_n={config.epi_n} must be 16, 32 or 64 and divide tile_n={config.tile_n}.")
-    for name in ("pingpong", "stream_k"):
-        if not isinstance(getattr(config, name), bool):
-            return f"{name}={getattr(config, name)!r} must be True or False."
     if config.tile_m * config.tile_n > _ACC_PER_THREAD * _WG * mma_warpgroups(config):
         if config.pingpong:
             return (f"pingpong=True with a {config.tile_m}x{config.tile_n} tile: one ping-pong "
