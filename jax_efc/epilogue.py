@@ -420,11 +420,15 @@ def trace_epilogue(
         raise EpilogueError(f"tracing the epilogue failed: {type(e).__name__}: {e}") from e
 
     names, leaves, structure = _output_items(out_shape)
+    if not leaves:
+        raise EpilogueError(f"the epilogue returns no outputs (an empty {structure[0]}); return an array "
+                            f"shaped like the accumulator, {tuple(acc_shape)}, or a tuple or dict of them.")
     for name, leaf in zip(names, leaves):
-        if tuple(getattr(leaf, "shape", ())) != tuple(acc_shape):
+        if leaf is None or tuple(getattr(leaf, "shape", ())) != tuple(acc_shape):
+            got = "is None" if leaf is None else f"has shape {tuple(getattr(leaf, 'shape', ()))}"
             raise EpilogueError(
-                f"epilogue output {name!r} has shape {tuple(getattr(leaf, 'shape', ()))}; every output "
-                f"must be elementwise over the accumulator, shape {tuple(acc_shape)}."
+                f"epilogue output {name!r} {got}; every output must be an array elementwise over the "
+                f"accumulator, shape {tuple(acc_shape)}."
             )
     builder = _Builder(inputs, tuple(acc_shape))
     flat_out = builder.run(closed.jaxpr, closed.consts, list(range(len(inputs))))

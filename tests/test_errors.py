@@ -52,6 +52,12 @@ def test_output_shape(ab):
     a, b = ab
     with pytest.raises(EpilogueError, match=r"output '1' has shape \(12,\)"):
         efc.gemm(a, b, lambda acc, bias: (acc + bias, bias * 2), jnp.ones(12))
+    with pytest.raises(EpilogueError, match=r"returns no outputs \(an empty dict\).*\(16, 12\)"):
+        efc.gemm(a, b, lambda acc: {})
+    with pytest.raises(EpilogueError, match=r"output '0' is None"):
+        efc.gemm(a, b, lambda acc: None)
+    with pytest.raises(EpilogueError, match=r"output 'Y' is None"):
+        efc.gemm(a, b, lambda acc: {"D": acc, "Y": None})
 
 
 @pytest.mark.parametrize(
