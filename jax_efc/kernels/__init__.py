@@ -64,8 +64,8 @@ _BITS = {"bfloat16": 16, "float16": 16, "float32": 32}
 _ONE_WAVE = 0.9
 # fills of two tile shapes closer than this count as equal
 _FILL_TIE = 1e-6
-# K from which plain GEMMs take cooperative 128x256 tiles when those fill the SMs as well
-# as ping-pong ones (192 k-tiles)
+# K from which plain GEMMs and light epilogues take cooperative 128x256 tiles when those
+# fill the SMs as well as ping-pong ones (192 k-tiles)
 _LONG_K = 12288
 
 
@@ -271,8 +271,9 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     Large problems (at least two 128x128 tiles per SM) run ping-pong tiles in 1x2 clusters:
     one consumer's epilogue hides under the other's mainloop, and each A tile is multicast to
     the two CTAs along N. The tiles are 192x128 where those fill the SMs about as well as
-    128x128, else 128x128; plain GEMMs with a long K (>= 12288) run cooperative 128x256
-    tiles in 2x1 clusters instead where those fill the SMs as well. When the epilogue's smem
+    128x128, else 128x128; with a long K (>= 12288), plain GEMMs and epilogues with one
+    output and no TILE operand run cooperative 128x256 tiles in 2x1 clusters instead where
+    those fill the SMs as well. When the epilogue's smem
     buffers would leave the ping-pong ring fewer than 5 stages (two fp32 outputs next to two
     TILE operands), or the problem is smaller, the cooperative schedule runs: 128x256 tiles
     (two warpgroups, 128 fp32 accumulators per thread) when they (nearly) fill the SMs, else
@@ -341,12 +342,17 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # runs, ms, against 128x128 ping-pong: 1.410 / 1.528 and 1.415 / 1.451 at
         # 8192x4096x14336, 0.702 / 0.731 and 0.717 / 0.723 at 4096x4096x14336. At K = 8192
         # one run split (4096x28672: 2.831 / 2.896; 8192x28672: 5.729 / 5.618; 8192^3:
-        # 1.630 / 1.601 against 192x128). With an epilogue, ping-pong (which hides it) was as
-        # fast or faster: bias+gelu_tanh 1.435 / 1.455 and 0.721 / 0.721, alpha-beta 1.505 /
-        # 1.464 and 0.751 / 0.732 at those two shapes.
-        if (not has_work and k >= _LONG_K and n >= 256
+        # 1.630 / 1.601 against 192x128). An epilogue that reads only vectors and writes one
+        # output costs little more exposed (ms, 64-wide subtiles, against 128x128 ping-pong,
+        # at the same two shapes: bias+gelu_tanh 1.435 / 1.455 and 0.721 / 0.721 in one run,
+        # 1.445 / 1.482 and 0.723 / 0.741 in another; bias+gelu(erf) 1.477 / 1.501 and
+        # 0.736 / 0.752; bias+silu 1.469 / 1.468 and 0.731 / 0.741). Alpha-beta's two TILE
+        # operands and two outputs do not (1.505 / 1.464 and 0.751 / 0.732): it keeps
+        # ping-pong, which hides them.
+        light = len(problem.ir.outputs) == 1 and not tile_operand_indices(problem.ir)
+        if (light and k >= _LONG_K and n >= 256
                 and fill(128, 256) >= fill(tm, 128) - _FILL_TIE):
-            return GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, swizzle=8)
+            return widened(GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, swizzle=8), 4)
         cfg = GemmConfig(tile_m=tm, tile_n=128, cluster_m=1, cluster_n=2, swizzle=8, pingpong=True)
         # The ring's depth is what the mainloop feeds on: a k-tile takes a 128x128 consumer
         # about 520 SM cycles of WGMMA, and a k-tile's TMA load (L2 to smem, multicast) takes

@@ -323,9 +323,10 @@ class Sm90FusedGemm:
             cute.arch.sync_threads()
 
         # ================================================================ producer
-        # (TMA prefetches to L2 of the k-tiles 8 to 16 ahead of the ring made the H200 run
-        # 10-30% slower, so the ring is the only look-ahead; L2 eviction hints on these and
-        # the epilogue's TMA copies were no faster, README "Speed")
+        # (TMA prefetches to L2 made the H200 run slower: of the k-tiles 8 to 16 ahead of the
+        # ring by 10-30%, of a tile's TILE operands before its mainloop by 3-14% (alpha-beta,
+        # seven shapes, ping-pong and cooperative). So the ring is the only look-ahead. L2
+        # eviction hints on these and the epilogue's TMA copies were no faster, README "Speed")
         if wg_idx == 0:
             cute.arch.warpgroup_reg_dealloc(_PRODUCER_REGS)
             if warp_idx == 0:
