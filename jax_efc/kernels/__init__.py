@@ -273,12 +273,12 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     the two CTAs along N. The tiles are 192x128 where those fill the SMs about as well as
     128x128, else 128x128; with a long K (>= 12288), plain GEMMs and epilogues with one
     output and no TILE operand run cooperative 128x256 tiles in 2x1 clusters instead where
-    those fill the SMs as well. When the epilogue's smem
-    buffers would leave the ping-pong ring fewer than 5 stages (two fp32 outputs next to two
-    TILE operands), or the problem is smaller, the cooperative schedule runs: 128x256 tiles
-    (two warpgroups, 128 fp32 accumulators per thread) when they (nearly) fill the SMs, else
-    128x128 (or 64x128 when even those leave most SMs idle), with a 2x1 cluster multicasting B
-    when M spans several tiles.
+    those fill the SMs as well. When the epilogue's smem buffers would leave the ping-pong
+    ring fewer than 5 stages (two fp32 outputs next to two TILE operands), or the problem is
+    smaller, the cooperative schedule runs: 128x256 tiles (two warpgroups, 128 fp32
+    accumulators per thread) when they (nearly) fill the SMs, else 128x128 (or 64x128 when
+    even those leave most SMs idle), with a 2x1 cluster multicasting B when M spans several
+    tiles.
     Large problems walk the tiles in bands of 8 clusters for L2 reuse. Epilogues that do work
     get 16-wide subtiles on ping-pong tiles where that buys the ring a stage, else 64-wide
     ones where the ring keeps enough stages (128x128 ping-pong, 128x256).
@@ -352,7 +352,8 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         light = len(problem.ir.outputs) == 1 and not tile_operand_indices(problem.ir)
         if (light and k >= _LONG_K and n >= 256
                 and fill(128, 256) >= fill(tm, 128) - _FILL_TIE):
-            return widened(GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, swizzle=8), 4)
+            long_k = GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, swizzle=8)
+            return widened(long_k, stages_of(long_k))
         cfg = GemmConfig(tile_m=tm, tile_n=128, cluster_m=1, cluster_n=2, swizzle=8, pingpong=True)
         # The ring's depth is what the mainloop feeds on: a k-tile takes a 128x128 consumer
         # about 520 SM cycles of WGMMA, and a k-tile's TMA load (L2 to smem, multicast) takes
