@@ -323,9 +323,10 @@ class Sm90FusedGemm:
             cute.arch.sync_threads()
 
         # ================================================================ producer
-        # (TMA prefetches to L2 made the H200 run slower: of the k-tiles 8 to 16 ahead of the
-        # ring by 10-30%, of a tile's TILE operands before its mainloop by 3-14% (alpha-beta,
-        # seven shapes, ping-pong and cooperative). So the ring is the only look-ahead. L2
+        # (Prefetches to L2 made the H200 run slower: TMA ones of the k-tiles 8 to 16 ahead
+        # of the ring by 10-30%; of a tile's TILE operands before its mainloop, TMA ones by
+        # 3-14% and per-thread `prefetch.global.L2` of their lines by 3-8% (alpha-beta, six
+        # ping-pong shapes; even on a cooperative one). So the ring is the only look-ahead. L2
         # eviction hints on these and the epilogue's TMA copies were no faster, README "Speed")
         if wg_idx == 0:
             cute.arch.warpgroup_reg_dealloc(_PRODUCER_REGS)
