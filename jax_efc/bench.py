@@ -53,7 +53,8 @@ from .config import GemmConfig
 from .ops import fused_dense, gemm
 from .primitive import backends
 
-__all__ = ["Problem", "Result", "ROUNDS", "STANDARD_SHAPES", "QUICK_SHAPES", "EPILOGUES", "epilogue_problem",
+__all__ = ["Problem", "Result", "ROUNDS", "STANDARD_SHAPES", "QUICK_SHAPES", "EPILOGUES", "TRAIN_EPILOGUES",
+           "epilogue_problem",
            "bench_problem", "random_inputs", "measure", "measure_together", "run", "format_table",
            "fixed_width", "ClockSampler",
            "add_arguments", "run_from_args", "text_progress", "main"]
@@ -73,6 +74,9 @@ STANDARD_SHAPES: list[Shape] = (
 )
 QUICK_SHAPES: list[Shape] = [(8192, 8192, 8192, 1), (8192, 14336, 4096, 1), (1000, 4096, 4096, 1)]
 EPILOGUES = ("gemm", "bias+gelu_tanh", "bias+gelu", "bias+silu", "alpha-beta")
+# a dense layer's training step: its output and the gradients of x, kernel and bias for a given
+# output cotangent (three GEMMs); measured only when asked for
+TRAIN_EPILOGUES = tuple(f"train:{e}" for e in EPILOGUES if e.startswith("bias+"))
 ALPHA_BETA_SCALARS = {"alpha": 2.0, "beta": 1.0, "x_factor": 3.0}
 
 
@@ -80,7 +84,8 @@ ALPHA_BETA_SCALARS = {"alpha": 2.0, "beta": 1.0, "x_factor": 3.0}
 class Problem:
     """One fused GEMM to measure. ``ours``, ``baseline`` and ``reference`` (float32 math on
     float32 copies of the inputs) are jitted functions of the inputs described by ``specs``
-    (``a``, ``b``, then the epilogue's operands)."""
+    (``a``, ``b``, then the epilogue's operands). ``gemms``: the M x N x K GEMMs a call runs
+    (what its TFLOP/s count)."""
 
     epilogue: str
     shape: Shape
@@ -90,6 +95,7 @@ class Problem:
     ours: Callable[..., Any]
     baseline: Callable[..., Any]
     reference: Callable[..., Any]
+    gemms: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,10 +198,42 @@ def epilogue_problem(
                    jax.jit(ours), jax.jit(baseline), jax.jit(reference))
 
 
+def train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
+                  config: GemmConfig | None = None) -> Problem:
+    """``epilogue`` = "train:bias+<activation>": a dense layer's training step, the output of
+    ``activation(x @ kernel + bias)`` and, for a random output cotangent, the gradients of x,
+    kernel and bias (``jax.vjp``). Ours is ``fused_dense`` (forward kernel, then two
+    backward GEMMs), the baseline the same layer in plain JAX."""
+    act = epilogue.removeprefix("train:bias+")
+    m, n, k, l = shape
+    if l > 1:
+        raise ValueError(f"{epilogue} is a dense layer: give M,N,K without a batch")
+    fn = _bias_activation(act)
+    specs = tuple(jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (n,), (m, n)))
+
+    def step(layer: Callable[..., Any]) -> Callable[..., Any]:
+        def f(x, kernel, bias, dy):
+            y, pullback = jax.vjp(layer, x, kernel, bias)
+            return (y, *pullback(dy))
+        return f
+
+    def exact(x, kernel, bias):
+        return fn(jnp.matmul(x, kernel, precision=jax.lax.Precision.HIGHEST), bias)
+
+    reference = step(exact)
+    return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
+                   jax.jit(step(lambda x, kernel, bias: fused_dense(x, kernel, bias, activation=act,
+                                                                    config=config))),
+                   jax.jit(step(lambda x, kernel, bias: fn(x @ kernel, bias))),
+                   jax.jit(lambda *xs: reference(*(v.astype(jnp.float32) for v in xs))), gemms=3)
+
+
 def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
                   config: GemmConfig | None = None) -> Problem:
-    """One of the standard benchmark epilogues (``EPILOGUES``) at one shape; ``config`` pins
-    the kernel's configuration (None: the heuristic's)."""
+    """One of the benchmark epilogues (``EPILOGUES``, ``TRAIN_EPILOGUES``) at one shape;
+    ``config`` pins the kernel's configuration (None: the heuristic's)."""
+    if epilogue.startswith("train:"):
+        return train_problem(epilogue, shape, dtype, config)
     if epilogue == "gemm":
         return epilogue_problem(epilogue, _identity, shape, dtype, config=config,
                                 ours=lambda a, b: gemm(a, b, config=config))
@@ -209,7 +247,7 @@ def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
         return epilogue_problem(epilogue, seed_epilogues.alpha_beta, shape, dtype,
                                 [("tile", dtype), ("tile", dtype)], scalars=ALPHA_BETA_SCALARS,
                                 config=config)
-    raise ValueError(f"unknown epilogue {epilogue!r}; choose from {', '.join(EPILOGUES)}.")
+    raise ValueError(f"unknown epilogue {epilogue!r}; choose from {', '.join(EPILOGUES + TRAIN_EPILOGUES)}.")
 
 
 def random_inputs(specs: Sequence[jax.ShapeDtypeStruct], key: Any) -> tuple[Any, ...]:
@@ -344,7 +382,7 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
     GPU's clock between rounds hits them all alike and their times compare directly. With an
     entered ``clocks`` sampler, each result also holds the clock and power of its rounds; with
     ``bound``, the time of our plain GEMM (``jax_efc.gemm(a, b)``, no epilogue) in the same
-    rounds."""
+    rounds (not for training steps, whose three GEMMs it does not match)."""
     first = problems[0]
     if any((p.epilogue, p.shape, p.dtype) != (first.epilogue, first.shape, first.dtype) for p in problems):
         raise ValueError("measure_together takes configurations of one epilogue, shape and dtype")
@@ -360,6 +398,7 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
         errs = [_rel_err(p.ours(*input_sets[0]), ref) for p in problems]
         base_err = _rel_err(first.baseline(*input_sets[0]), ref)
         del ref
+    bound = bound and first.gemms == 1
     plain = [jax.jit(lambda a, b, *_: gemm(a, b))] if bound else []
     times, windows = _time([p.ours for p in problems] + [first.baseline] + plain, input_sets, rounds,
                            calls, min_round_s, warmup)
@@ -370,7 +409,7 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
     m, n, k, l = first.shape
     results = []
     for p, t, err, (mhz, watts) in zip(problems, ours_s, errs, power):
-        tflops = 2 * m * n * k * l / t / 1e12
+        tflops = 2 * p.gemms * m * n * k * l / t / 1e12
         backend = "; ".join(dict.fromkeys(backends(p.ours, *p.specs))) or "none"
         results.append(Result(p.epilogue, p.shape, p.dtype, p.config, backend, t, base_s, tflops,
                               base_s / t, tflops / PEAK_TFLOPS, moved / 1e9, err, base_err,
@@ -514,9 +553,10 @@ def config_label(config: GemmConfig | None) -> str:
 
 def _epilogue_list(text: str) -> list[str]:
     names = [e for e in text.split(",") if e]
-    bad = [e for e in names if e not in EPILOGUES]
+    bad = [e for e in names if e not in EPILOGUES + TRAIN_EPILOGUES]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown epilogue(s) {bad}; choose from {','.join(EPILOGUES)}")
+        raise argparse.ArgumentTypeError(f"unknown epilogue(s) {bad}; choose from "
+                                         f"{','.join(EPILOGUES + TRAIN_EPILOGUES)}")
     return names
 
 
@@ -526,7 +566,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="problem shapes (default: the standard set of BENCHMARKING.md)")
     p.add_argument("--quick", action="store_true", help=f"a quick subset: {QUICK_SHAPES}")
     p.add_argument("--epilogues", type=_epilogue_list, default=list(EPILOGUES),
-                   help=f"comma-separated, from {','.join(EPILOGUES)} (default: all)")
+                   help=f"comma-separated, from {','.join(EPILOGUES + TRAIN_EPILOGUES)} (default: "
+                        f"{','.join(EPILOGUES)})")
     p.add_argument("--configs", nargs="+", type=parse_config, default=[None], metavar="CONFIG",
                    help="kernel configs to compare, timed in the same rounds: 'auto' (the "
                         "heuristic, default) or tile_m,tile_n[,cluster_m,cluster_n][,field=value...]")

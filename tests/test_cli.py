@@ -1,5 +1,6 @@
 """The jax-efc command, run in-process on tiny shapes."""
 
+import argparse
 import json
 import re
 import subprocess
@@ -184,6 +185,29 @@ def test_bench_also_no_triton_runs_a_second_process(capfd, tmp_path):
     assert all(r["err"] is None and r["ours_s"] > 0 for r in report["no_triton"])
     # the child prints its own table, titled with the flag its XLA runs with
     assert "baseline: XLA with --xla_gpu_enable_triton_gemm=false" in capfd.readouterr().out
+
+
+def test_bench_training_step(capsys):
+    # a dense layer's output and its three gradients, ours and plain JAX's, each checked
+    # against float32 math; the TFLOP/s count its three GEMMs and no bound is claimed for it
+    import numpy as np
+
+    problem = bench.bench_problem("train:bias+gelu_tanh", (256, 384, 128, 1))
+    assert problem.gemms == 3 and [s.shape for s in problem.specs] == [(256, 128), (128, 384), (384,), (256, 384)]
+    inputs = bench.random_inputs(problem.specs, jax.random.key(1))
+    ours, ref = problem.ours(*inputs), problem.reference(*inputs)
+    assert [o.shape for o in ours] == [(256, 384), (256, 128), (128, 384), (384,)]
+    for o, r in zip(ours, ref):
+        o, r = np.asarray(o, np.float32), np.asarray(r)
+        assert np.linalg.norm(o - r) / np.linalg.norm(r) < 2e-2
+    (r,) = bench.run([problem], rounds=2, calls=1, bound=True)
+    assert r.plain_s is None and r.err < 2e-2 and r.baseline_err < 2e-2
+    assert r.tflops == pytest.approx(6 * 256 * 384 * 128 / r.ours_s / 1e12)
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    assert p.parse_args(["--epilogues", "gemm,train:bias+silu"]).epilogues == ["gemm", "train:bias+silu"]
+    with pytest.raises(ValueError, match="without a batch"):
+        bench.bench_problem("train:bias+silu", (64, 64, 64, 2))
 
 
 def test_measure_together_refuses_mixed_problems():
