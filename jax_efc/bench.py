@@ -54,8 +54,7 @@ from .ops import fused_dense, gemm
 from .primitive import backends
 
 __all__ = ["Problem", "Result", "ROUNDS", "STANDARD_SHAPES", "QUICK_SHAPES", "EPILOGUES", "TRAIN_EPILOGUES",
-           "epilogue_problem",
-           "bench_problem", "random_inputs", "measure", "measure_together", "run", "format_table",
+           "epilogue_problem", "train_problem", "bench_problem", "random_inputs", "measure", "measure_together", "run", "format_table",
            "fixed_width", "ClockSampler",
            "add_arguments", "run_from_args", "text_progress", "main"]
 
@@ -217,15 +216,20 @@ def train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
             return (y, *pullback(dy))
         return f
 
+    def ours(x, kernel, bias):
+        return fused_dense(x, kernel, bias, activation=act, config=config)
+
+    def plain(x, kernel, bias):
+        return fn(x @ kernel, bias)
+
     def exact(x, kernel, bias):
         return fn(jnp.matmul(x, kernel, precision=jax.lax.Precision.HIGHEST), bias)
 
-    reference = step(exact)
+    def reference(*inputs):
+        return step(exact)(*(v.astype(jnp.float32) for v in inputs))
+
     return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
-                   jax.jit(step(lambda x, kernel, bias: fused_dense(x, kernel, bias, activation=act,
-                                                                    config=config))),
-                   jax.jit(step(lambda x, kernel, bias: fn(x @ kernel, bias))),
-                   jax.jit(lambda *xs: reference(*(v.astype(jnp.float32) for v in xs))), gemms=3)
+                   jax.jit(step(ours)), jax.jit(step(plain)), jax.jit(reference), gemms=3)
 
 
 def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
