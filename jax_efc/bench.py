@@ -76,6 +76,7 @@ EPILOGUES = ("gemm", "bias+gelu_tanh", "bias+gelu", "bias+silu", "alpha-beta")
 # a dense layer's training step: its output and the gradients of x, kernel and bias for a given
 # output cotangent (three GEMMs); measured only when asked for
 TRAIN_EPILOGUES = tuple(f"train:{e}" for e in EPILOGUES if e.startswith("bias+"))
+_NAMED = EPILOGUES + TRAIN_EPILOGUES  # every name --epilogues takes
 ALPHA_BETA_SCALARS = {"alpha": 2.0, "beta": 1.0, "x_factor": 3.0}
 
 
@@ -251,7 +252,7 @@ def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
         return epilogue_problem(epilogue, seed_epilogues.alpha_beta, shape, dtype,
                                 [("tile", dtype), ("tile", dtype)], scalars=ALPHA_BETA_SCALARS,
                                 config=config)
-    raise ValueError(f"unknown epilogue {epilogue!r}; choose from {', '.join(EPILOGUES + TRAIN_EPILOGUES)}.")
+    raise ValueError(f"unknown epilogue {epilogue!r}; choose from {', '.join(_NAMED)}.")
 
 
 def random_inputs(specs: Sequence[jax.ShapeDtypeStruct], key: Any) -> tuple[Any, ...]:
@@ -557,10 +558,10 @@ def config_label(config: GemmConfig | None) -> str:
 
 def _epilogue_list(text: str) -> list[str]:
     names = [e for e in text.split(",") if e]
-    bad = [e for e in names if e not in EPILOGUES + TRAIN_EPILOGUES]
+    bad = [e for e in names if e not in _NAMED]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"unknown epilogue(s) {bad}; choose from "
-                                         f"{','.join(EPILOGUES + TRAIN_EPILOGUES)}")
+                                         f"{','.join(_NAMED)}")
     return names
 
 
@@ -570,7 +571,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="problem shapes (default: the standard set of BENCHMARKING.md)")
     p.add_argument("--quick", action="store_true", help=f"a quick subset: {QUICK_SHAPES}")
     p.add_argument("--epilogues", type=_epilogue_list, default=list(EPILOGUES),
-                   help=f"comma-separated, from {','.join(EPILOGUES + TRAIN_EPILOGUES)} (default: "
+                   help=f"comma-separated, from {','.join(_NAMED)} (default: "
                         f"{','.join(EPILOGUES)})")
     p.add_argument("--configs", nargs="+", type=parse_config, default=[None], metavar="CONFIG",
                    help="kernel configs to compare, timed in the same rounds: 'auto' (the "
