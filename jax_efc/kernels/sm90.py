@@ -327,7 +327,8 @@ class Sm90FusedGemm:
         # of the ring by 10-30%; of a tile's TILE operands before its mainloop, TMA ones by
         # 3-14% and per-thread `prefetch.global.L2` of their lines by 3-8% (alpha-beta, six
         # ping-pong shapes; even on a cooperative one). So the ring is the only look-ahead. L2
-        # eviction hints on these and the epilogue's TMA copies were no faster, README "Speed")
+        # eviction hints on these and the epilogue's TMA copies were no faster:
+        # benchmarks/FINDINGS.md)
         if wg_idx == 0:
             cute.arch.warpgroup_reg_dealloc(_PRODUCER_REGS)
             if warp_idx == 0:
