@@ -362,9 +362,16 @@ def test_supported_and_heuristic():
                               jnp.bfloat16, jnp.bfloat16)
     p_bias = dataclasses.replace(problem, ir=bias, operand_batched=(False,))
     assert choose_config(p_bias, 8192, 8192, 8192, 1).pingpong
-    # a long K: one output and no TILE operand cost little exposed, so 128x256 as for plain
+    # a long K: one output and no TILE operand cost little exposed, so 128x256 as for plain;
+    # a second output or a TILE operand keeps ping-pong, which hides them
     cfg = choose_config(p_bias, 8192, 4096, 14336, 1)
     assert (cfg.tile_n, cfg.cluster_m, cfg.epi_n, cfg.pingpong) == (256, 2, 64, False)
+    two_out, *_ = trace_epilogue(lambda acc, b: {"D": jnp.maximum(acc + b, 0), "Y": acc + b}, (8192, 4096),
+                                 [(1, 4096)], [jnp.bfloat16], {}, {}, jnp.bfloat16, jnp.bfloat16)
+    assert choose_config(dataclasses.replace(p_bias, ir=two_out), 8192, 4096, 14336, 1).pingpong
+    with_c, *_ = trace_epilogue(lambda acc, c: acc + c, (8192, 4096), [(8192, 4096)], [jnp.bfloat16], {}, {},
+                                jnp.bfloat16, jnp.bfloat16)
+    assert choose_config(dataclasses.replace(p_bias, ir=with_c), 8192, 4096, 14336, 1).pingpong
     # ping-pong 128x128 with one 16-bit output: 64-wide subtiles, which keep its 6 stages
     cfg = choose_config(p_bias, 8192, 4096, 4096, 1)
     assert (cfg.tile_m, cfg.epi_n, cfg.pingpong) == (128, 64, True)
