@@ -626,12 +626,8 @@ class Sm90FusedGemm:
                     preloaded[self.tile_ops[j]] = epi.frag_c[j].load().to(cutlass.Float32)
             outs = self.visitor(frag.load(), coords, epi.operands, epi.mn_extent, l_idx, preloaded)
             # (Stores from registers straight to global memory, 32 bits a pair of values with
-            # no smem buffers and no barriers, were measured and not kept. Alpha-beta on H200,
-            # one run, ms, 128x128 ping-pong at 8192x4096x4096 / 4096^3 / 2048x14336x4096 /
-            # 8192x14336x4096: 16-wide subtiles 0.447 / 0.229 / 0.392 / 1.580 against 0.445 /
-            # 0.225 / 0.394 / 1.536 through smem; 32-wide 0.496 / 0.250 / 0.448 / 1.702; the
-            # smem they free bought nothing (192x128 tiles, 32-wide: 0.521 / 0.286 / 0.498 /
-            # 1.698). Their epilogue took 24k SM cycles a tile against 13.5k.)
+            # no smem buffers and no barriers, were slower for alpha-beta on H200, and the smem
+            # they free bought nothing: benchmarks/FINDINGS.md)
             for i in cutlass.range_constexpr(n_out):
                 epi.frag_out[i].store(outs[i])
                 cute.copy(epi.r2s[i], epi.frag_out[i], epi.tRS_sD[i][(None, None, None, buf)])
