@@ -22,7 +22,7 @@ from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR
 from jax_efc.kernels import DEFAULT_SM_COUNT, TIMELINE_EVENTS, TIMELINE_UNITS, assumed_max_clusters
 
-__all__ = ["device_arch", "unsupported_reason", "fused_gemm"]
+__all__ = ["device_arch", "unsupported_reason", "xla_faster_reason", "fused_gemm"]
 
 _KERNELS: dict[tuple, Any] = {}  # compile key -> kernel object (re-lowering reuses it)
 
@@ -140,6 +140,16 @@ def unsupported_reason(ir: EpilogueIR, a, b, operands: Sequence[Any], *, transpo
     primitive's canonical shapes, which its abstract evaluation has already checked.
     """
     return _checked_problem(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch)[0]
+
+
+def xla_faster_reason(ir: EpilogueIR, a, b, operands: Sequence[Any], *, transpose_a: bool,
+                      transpose_b: bool, acc_dtype: Any, arch: str) -> str | None:
+    """Why XLA's GEMM is the faster choice for a call the kernel can run (``None``: the
+    kernel is); arguments as :func:`unsupported_reason`'s."""
+    from jax_efc.kernels import xla_faster_reason as reason
+
+    problem, mnkl = _problem(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, None, arch)
+    return reason(problem, *mnkl, sm_count=_sm_count())
 
 
 def _checked_problem(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch):

@@ -60,6 +60,8 @@ __all__ = ["Problem", "Result", "ROUNDS", "STANDARD_SHAPES", "QUICK_SHAPES", "EP
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense peak of the reference H200
 L2_BYTES = 60 * 2**20
+# inputs and outputs that ``calls_per_jit`` may hold on the device at once
+_CHAIN_BYTES = 16 * 2**30
 NO_TRITON_FLAG = "--xla_gpu_enable_triton_gemm=false"
 ROUNDS = 6  # timed rounds by default: even, so both orders of the functions count alike
 
@@ -124,6 +126,7 @@ class Result:
     # with ``bound``: our plain GEMM of the same A and B, timed in the same rounds; baseline_s /
     # plain_s bounds the ratio any fusion of this epilogue can reach
     plain_s: float | None = None
+    calls_per_jit: int = 1
 
     @property
     def bound(self) -> float | None:
@@ -381,32 +384,50 @@ def measure(problem: Problem, **kw: Any) -> Result:
 
 def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls: int | None = None,
                      warmup: int = 1, min_round_s: float = 0.1, check: bool = True,
-                     seed: int = 0, clocks: ClockSampler | None = None, bound: bool = False) -> list[Result]:
+                     seed: int = 0, clocks: ClockSampler | None = None, bound: bool = False,
+                     calls_per_jit: int = 1) -> list[Result]:
     """Time several configurations of one epilogue at one shape (problems that differ only in
     ``config``) in the same interleaved rounds as their shared baseline, so the drift of the
     GPU's clock between rounds hits them all alike and their times compare directly. With an
     entered ``clocks`` sampler, each result also holds the clock and power of its rounds; with
     ``bound``, the time of our plain GEMM (``jax_efc.gemm(a, b)``, no epilogue) in the same
-    rounds (not for training steps, whose three GEMMs it does not match)."""
+    rounds (not for training steps, whose three GEMMs it does not match).
+
+    ``calls_per_jit`` > 1 times that many calls inside one jitted function, each on inputs of
+    its own (nothing for XLA to share between them, nothing left in L2 by the previous one),
+    as a model's step runs its layers: the time per call is then the GPU's, without the host's
+    cost of dispatching a jitted function, which exceeds a small GEMM's."""
     first = problems[0]
     if any((p.epilogue, p.shape, p.dtype) != (first.epilogue, first.shape, first.dtype) for p in problems):
         raise ValueError("measure_together takes configurations of one epilogue, shape and dtype")
     out_shapes = jax.eval_shape(first.ours, *first.specs)
     moved = _nbytes(first.specs) + _nbytes(out_shapes)
-    n_sets = 1 if moved >= L2_BYTES else min(16, math.ceil(2 * L2_BYTES / moved))
-    input_sets = [random_inputs(first.specs, k) for k in jax.random.split(jax.random.key(seed), n_sets)]
+    if calls_per_jit > 1:
+        if calls_per_jit * moved > _CHAIN_BYTES:
+            raise ValueError(f"{calls_per_jit} calls per jit of {_shape_str(first.shape)} would hold "
+                             f"{calls_per_jit * moved / 2**30:.1f} GiB of inputs and outputs (at most "
+                             f"{_CHAIN_BYTES / 2**30:.0f}); give fewer calls or a smaller shape.")
+        chained = [random_inputs(first.specs, k) for k in jax.random.split(jax.random.key(seed), calls_per_jit)]
+        input_sets, first_inputs = [(chained,)], chained[0]
+    else:
+        n_sets = 1 if moved >= L2_BYTES else min(16, math.ceil(2 * L2_BYTES / moved))
+        input_sets = [random_inputs(first.specs, k) for k in jax.random.split(jax.random.key(seed), n_sets)]
+        first_inputs = input_sets[0]
 
     errs: list[float | None] = [None] * len(problems)
     base_err = None
     if check:
-        ref = first.reference(*input_sets[0])
-        errs = [_rel_err(p.ours(*input_sets[0]), ref) for p in problems]
-        base_err = _rel_err(first.baseline(*input_sets[0]), ref)
+        ref = first.reference(*first_inputs)
+        errs = [_rel_err(p.ours(*first_inputs), ref) for p in problems]
+        base_err = _rel_err(first.baseline(*first_inputs), ref)
         del ref
     bound = bound and first.gemms == 1
     plain = [jax.jit(lambda a, b, *_: gemm(a, b))] if bound else []
-    times, windows = _time([p.ours for p in problems] + [first.baseline] + plain, input_sets, rounds,
-                           calls, min_round_s, warmup)
+    fns = [p.ours for p in problems] + [first.baseline] + plain
+    if calls_per_jit > 1:
+        fns = [jax.jit(lambda sets, fn=fn: [fn(*inputs) for inputs in sets]) for fn in fns]
+    times, windows = _time(fns, input_sets, rounds, calls, min_round_s, warmup)
+    times = [t / calls_per_jit for t in times]
     count = len(problems)
     ours_s, base_s, plain_s = times[:count], times[count], times[count + 1] if bound else None
     *power, (base_mhz, base_watts) = [clocks.median(w) if clocks else (None, None)
@@ -418,7 +439,7 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
         backend = "; ".join(dict.fromkeys(backends(p.ours, *p.specs))) or "none"
         results.append(Result(p.epilogue, p.shape, p.dtype, p.config, backend, t, base_s, tflops,
                               base_s / t, tflops / PEAK_TFLOPS, moved / 1e9, err, base_err,
-                              mhz, base_mhz, watts, base_watts, plain_s))
+                              mhz, base_mhz, watts, base_watts, plain_s, calls_per_jit))
     return results
 
 
@@ -565,6 +586,16 @@ def _epilogue_list(text: str) -> list[str]:
     return names
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's options, for ``python -m jax_efc.bench`` and ``jax-efc bench``."""
     p.add_argument("--shapes", nargs="+", type=parse_shape, metavar="M,N,K[,L]",
@@ -590,6 +621,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bound", action="store_true",
                    help="also time our plain GEMM of each problem's A and B in the same rounds: the "
                         "baseline's time over it bounds the ratio fusing the epilogue can reach")
+    p.add_argument("--calls-per-jit", type=_positive, default=1, metavar="R",
+                   help="time R calls inside one jitted function, each on its own inputs, as a "
+                        "model's step runs them: the GPU's time per call, without the host's cost "
+                        "of a jitted call (which exceeds a small GEMM's)")
     p.add_argument("--clocks", action=_ClocksFlag,
                    help="sample the SM clock and board power (nvidia-smi, every 20 ms) during the "
                         "timed rounds and add their medians to the table")
@@ -636,9 +671,10 @@ def run_from_args(args: argparse.Namespace,
     with ClockSampler() if args.clocks else contextlib.nullcontext() as clocks:
         results = done + run(problems, progress=progress, rounds=args.rounds,
                              min_round_s=args.min_round_time, check=not args.skip_check, clocks=clocks,
-                             bound=args.bound,
+                             bound=args.bound, calls_per_jit=args.calls_per_jit,
                              checkpoint=lambda rs: save(results=[dataclasses.asdict(r) for r in done + rs]))
-    print(format_table(results, baseline_title()), flush=True)
+    title = baseline_title() + (f", {args.calls_per_jit} calls per jit" if args.calls_per_jit > 1 else "")
+    print(format_table(results, title), flush=True)
     if args.also_no_triton:
         save(no_triton=_run_without_triton(args, shapes))
     save(complete=True)
@@ -675,7 +711,8 @@ def _run_without_triton(args: argparse.Namespace, shapes: Sequence[Shape]) -> li
         argv = [sys.executable, "-m", "jax_efc.bench", "--shapes", *(",".join(map(str, s)) for s in shapes),
                 "--epilogues", ",".join(args.epilogues), "--dtype", args.dtype, "--rounds", str(args.rounds),
                 "--configs", *(config_label(c) for c in args.configs),
-                "--min-round-time", str(args.min_round_time), "--json", out]
+                "--min-round-time", str(args.min_round_time), "--calls-per-jit", str(args.calls_per_jit),
+                "--json", out]
         argv += [flag for flag, on in (("--skip-check", args.skip_check), ("--clocks", args.clocks),
                                        ("--bound", args.bound),
                                        ("--resume", args.resume and args.json)) if on]

@@ -80,5 +80,6 @@ def disabled() -> bool:
 
 
 def strict() -> bool:
-    """``JAX_EFC_STRICT=1``: a fallback to the reference is an error naming the reason."""
+    """``JAX_EFC_STRICT=1``: the kernel runs wherever it can (short GEMMs the heuristic would
+    hand to XLA included), and a fallback to the reference is an error naming the reason."""
     return os.environ.get("JAX_EFC_STRICT", "0") not in ("", "0")

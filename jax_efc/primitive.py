@@ -4,7 +4,9 @@
 epilogue output. Its operands arrive in canonical shapes (see ``epilogue.canonical_shape``):
 ``a`` is (M, K) or (L, M, K) (transposed: (K, M) / (L, K, M)), ``b`` likewise (K, N) / (N, K),
 outputs are (M, N) or (L, M, N). Every platform lowers to the XLA reference; CUDA lowers to
-the kernel when one fits, and otherwise falls back with its reason logged once.
+the kernel when one fits, and otherwise falls back with its reason logged once (a warning),
+or, for the short GEMMs where XLA's GEMM is faster, hands the call to XLA (logged once at
+INFO).
 """
 
 from __future__ import annotations
@@ -140,12 +142,16 @@ _reference_lowering = mlir.lower_fun(fused_gemm_reference, multiple_results=True
 _logged: set[str] = set()
 
 
+def _log_once(level: int, reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.log(level, "jax_efc: using the XLA reference: %s", reason)
+
+
 def _fall_back(reason: str) -> None:
     if _config.strict():
         raise FallbackError(f"jax_efc: no kernel for this GEMM (JAX_EFC_STRICT=1): {reason}")
-    if reason not in _logged:
-        _logged.add(reason)
-        logger.warning("jax_efc: using the XLA reference: %s", reason)
+    _log_once(logging.WARNING, reason)
 
 
 def kernel_unsupported_reason(avals_in: Sequence[Any], params: dict[str, Any]) -> str | None:
@@ -177,6 +183,20 @@ def kernel_unsupported_reason(avals_in: Sequence[Any], params: dict[str, Any]) -
     return why
 
 
+def xla_faster_reason(avals_in: Sequence[Any], params: dict[str, Any]) -> str | None:
+    """Why a call the CUDA kernel can run goes to XLA's GEMM instead (None: it runs the
+    kernel). Only the heuristic hands calls over: never with a pinned config or under
+    ``JAX_EFC_STRICT=1``."""
+    if params["config"] is not None or _config.strict():
+        return None
+    from jax_efc import ffi
+
+    a, b, *operands = avals_in
+    return ffi.xla_faster_reason(params["ir"], a, b, operands, transpose_a=params["transpose_a"],
+                                 transpose_b=params["transpose_b"], acc_dtype=params["acc_dtype"],
+                                 arch=ffi.device_arch())
+
+
 def fused_gemm_eqns(closed_jaxpr: Any) -> list[Any]:
     """Every fused-GEMM equation in a jaxpr, nested jaxprs included."""
     found = []
@@ -206,7 +226,8 @@ def backends(fn: Any, *args: Any, **kwargs: Any) -> list[str]:
 
     out = []
     for eqn in eqns:
-        reason = kernel_unsupported_reason([v.aval for v in eqn.invars], eqn.params)
+        avals = [v.aval for v in eqn.invars]
+        reason = kernel_unsupported_reason(avals, eqn.params) or xla_faster_reason(avals, eqn.params)
         out.append(f"kernel ({ffi.device_arch()})" if reason is None else f"reference: {reason}")
     return out
 
@@ -215,6 +236,10 @@ def _cuda_lowering(ctx, *args, **params):
     reason = kernel_unsupported_reason(ctx.avals_in, params)
     if reason is not None:
         _fall_back(reason)
+        return _reference_lowering(ctx, *args, **params)
+    reason = xla_faster_reason(ctx.avals_in, params)
+    if reason is not None:
+        _log_once(logging.INFO, reason)
         return _reference_lowering(ctx, *args, **params)
     from jax_efc import ffi
 

@@ -43,6 +43,7 @@ def test_run_skip_ref_check(capsys):
     (["run", *TINY, "--expr", "undefined_name(acc)"], "undefined_name"),
     (["bench", "--shapes", "1,2"], "M,N,K"),
     (["bench", "--epilogues", "gemm,bias+relu6"], "bias+relu6"),
+    (["bench", "--calls-per-jit", "0"], "positive integer"),
     (["frobnicate"], "invalid choice"),
     ([], "required"),
 ])
@@ -152,6 +153,34 @@ def test_bench_bound_times_our_plain_gemm_in_the_same_rounds(capsys, tmp_path):
         assert bench.Result.from_json(r).bound == r["baseline_s"] / r["plain_s"]
     # one plain GEMM per epilogue and shape, shared by its configurations
     assert all(a["plain_s"] == b["plain_s"] for a, b in zip(results[::2], results[1::2]))
+
+
+def test_bench_calls_per_jit(capsys, monkeypatch, tmp_path):
+    # R calls inside one jitted function, each on inputs of its own; times are per call
+    timed = []
+    real_time = bench._time
+
+    def spy(fns, input_sets, *rest):
+        timed.append((fns, input_sets))
+        return real_time(fns, input_sets, *rest)
+
+    monkeypatch.setattr(bench, "_time", spy)
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "--shapes", "32,64,48", "--epilogues", "bias+silu,train:bias+gelu_tanh",
+            "--calls-per-jit", "3", "--bound", "--rounds", "2", "--min-round-time", "0.001",
+            "--json", str(out_json)]
+    assert main(argv) == 0
+    assert "3 calls per jit" in capsys.readouterr().out.splitlines()[0]
+    assert len(timed) == 2 and len(timed[0][0]) == 3  # ours, baseline, plain; train: no plain
+    for fns, input_sets in timed:
+        ((chained,),) = input_sets
+        assert len(chained) == 3 and not (chained[0][0] == chained[1][0]).all()
+        outs = fns[0](chained)
+        assert len(outs) == 3 and not (jax.tree.leaves(outs[0])[0] == jax.tree.leaves(outs[1])[0]).all()
+    for r in json.loads(out_json.read_text())["results"]:
+        assert r["calls_per_jit"] == 3 and r["err"] < 2e-2 and r["ours_s"] > 0
+    with pytest.raises(ValueError, match="GiB"):
+        bench.measure(bench.bench_problem("gemm", (8192, 8192, 8192, 1)), calls_per_jit=100)
 
 
 def test_bench_configs_share_their_rounds(capsys, tmp_path):

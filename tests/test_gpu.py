@@ -91,6 +91,24 @@ def test_odd_and_large_shapes(rng, mnk, monkeypatch, caplog):
     assert rel_err(y, ref) < 1e-2
 
 
+def test_short_gemms_go_to_xla_unless_strict(rng, monkeypatch, caplog):
+    x, w, bias = rand(rng, (64, 512)), rand(rng, (512, 1024), scale=0.05), rand(rng, (1024,))
+    ref = jax.nn.silu(jnp.asarray(f64(x) @ f64(w) + f64(bias), jnp.float32))
+
+    def layer(x, w, b):
+        return efc.fused_dense(x, w, b, activation="silu")
+
+    assert efc.backends(layer, x, w, bias) == ["kernel (sm_90a)"]  # JAX_EFC_STRICT=1
+    assert rel_err(jax.jit(layer)(x, w, bias), ref) < 1e-2
+    monkeypatch.delenv("JAX_EFC_STRICT")
+    (backend,) = efc.backends(layer, x, w, bias)
+    assert backend.startswith("reference: 64 rows share each B")
+    with caplog.at_level(logging.INFO, logger="jax_efc"):
+        y = jax.jit(lambda x, w, b: layer(x, w, b))(x, w, bias)
+    assert "64 rows share each B" in caplog.text
+    assert rel_err(y, ref) < 1e-2
+
+
 def test_dynamic_scalars_change_without_recompiling(rng):
     a, b, c = rand(rng, (256, 256)), rand(rng, (256, 256)), rand(rng, (256, 256))
     traces = []

@@ -402,6 +402,43 @@ def test_supported_and_heuristic():
     assert (cfg.tile_n, cfg.pingpong) == (128, False)
 
 
+def test_short_gemms_go_to_xla(monkeypatch):
+    """At most XLA_MAX_ROWS rows per B: the heuristic hands the call to XLA's GEMM, saying why;
+    a pinned config or JAX_EFC_STRICT=1 keeps the kernel."""
+    import jax.numpy as jnp
+
+    from jax_efc import primitive
+    from jax_efc.config import GemmConfig
+    from jax_efc.epilogue import trace_epilogue
+    from jax_efc.kernels import XLA_MAX_ROWS, KernelProblem, xla_faster_reason
+
+    ir, *_ = trace_epilogue(lambda acc: acc, (8, 8), [], [], {}, {}, jnp.bfloat16, jnp.bfloat16)
+    problem = KernelProblem(ir, "bfloat16", "float32", "k", "n", False, False, False, (), "sm_90a",
+                            GemmConfig())
+    def goes_to_xla(m, n, l=1, p=problem):
+        return xla_faster_reason(p, m, n, 4096, l, sm_count=132) is not None
+
+    assert goes_to_xla(64, 14336) and goes_to_xla(1, 65536)  # any tile count
+    # 65 to 256 rows: only where 128x128 tiles fill less than 3/4 of the SMs
+    assert goes_to_xla(256, 4096) and goes_to_xla(128, 12288)  # 64 and 96 tiles
+    assert not goes_to_xla(128, 14336) and not goes_to_xla(XLA_MAX_ROWS, 14336)  # 112, 224
+    assert not goes_to_xla(XLA_MAX_ROWS + 1, 128)
+    # a B shared across a batch is read once for all its rows; a batched B once per batch
+    assert not goes_to_xla(64, 4096, l=8)
+    per_batch = dataclasses.replace(problem, batched=True, a_batched=True, b_batched=True)
+    assert goes_to_xla(64, 4096, l=8, p=per_batch) and not goes_to_xla(128, 4096, l=8, p=per_batch)
+    assert "256 rows share each B, in 64 tiles of 128x128 for 132 SMs" in xla_faster_reason(
+        problem, 256, 4096, 4096, 1, sm_count=132)
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    avals = [_aval((64, 512), jnp.bfloat16), _aval((512, 512), jnp.bfloat16)]
+    params = dict(ir=ir, transpose_a=False, transpose_b=False, acc_dtype=jnp.float32, config=None)
+    assert "64 rows share each B" in primitive.xla_faster_reason(avals, params)
+    assert primitive.xla_faster_reason(avals, dict(params, config=GemmConfig(64, 128))) is None
+    monkeypatch.setenv("JAX_EFC_STRICT", "1")
+    assert primitive.xla_faster_reason(avals, params) is None
+
+
 def test_device_arch_from_env(monkeypatch):
     import jax_efc.ffi as F
 
@@ -410,24 +447,33 @@ def test_device_arch_from_env(monkeypatch):
 
 
 _EXPORT_PUBLIC = """
+import os
 import jax, jax.numpy as jnp
 import jax_efc as efc
 from cutlass.jax import get_export_disabled_safety_checks
-specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(256, 128), (128, 256), (256,)]]
-def layer(x, w, b):
-    return efc.fused_dense(x, w, b, activation="gelu")
+def specs(m):
+    return [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(m, 512), (512, 512), (512,)]]
+def layer(x, w, b, config=None):
+    return efc.fused_dense(x, w, b, activation="gelu", config=config)
 def loss(x, w, b):
     return layer(x, w, b).astype(jnp.float32).sum()
-for fn in (layer, jax.grad(loss, argnums=(0, 1, 2))):
+def kernels(fn, m):
     exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
-                                 disabled_checks=get_export_disabled_safety_checks())(*specs)
+                                 disabled_checks=get_export_disabled_safety_checks())(*specs(m))
     print(exported.mlir_module().count("NvJaxCutlassCall"))
+kernels(layer, 1024)
+kernels(jax.grad(loss, argnums=(0, 1, 2)), 1024)
+kernels(layer, 64)
+kernels(lambda x, w, b: layer(x, w, b, efc.GemmConfig(64, 128)), 64)
+os.environ["JAX_EFC_STRICT"] = "1"  # read when a call is lowered: a new function, not a cached one
+kernels(lambda x, w, b: layer(x, w, b), 64)
 """
 
 
 def test_export_of_the_public_op_holds_the_kernels():
     """``jax.export`` for CUDA of a jitted ``fused_dense``, and of its gradient, on a machine
-    without a GPU: one kernel forward, three with the two backward GEMMs."""
+    without a GPU: one kernel forward, three with the two backward GEMMs. A 64-row layer goes
+    to XLA's GEMM, unless a config is pinned or ``JAX_EFC_STRICT=1``."""
     pytest.importorskip("cutlass.jax")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", JAX_PLATFORMS="cpu",
@@ -435,7 +481,7 @@ def test_export_of_the_public_op_holds_the_kernels():
     proc = subprocess.run([sys.executable, "-c", _EXPORT_PUBLIC], env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.split() == ["1", "3"]
+    assert proc.stdout.split() == ["1", "3", "0", "1", "1"]
 
 
 _EXPORT_TIMELINE = """
