@@ -376,6 +376,21 @@ def _time(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tuple], rounds
     return [statistics.median(t) for t in per_call], windows
 
 
+def _moved_bytes(problem: Problem) -> int:
+    """The least bytes a call moves: its inputs read and its outputs written."""
+    return _nbytes(problem.specs) + _nbytes(jax.eval_shape(problem.ours, *problem.specs))
+
+
+def _chain_refusal(problem: Problem, calls_per_jit: int) -> str | None:
+    """Why ``calls_per_jit`` calls of ``problem`` cannot be held at once (None: they can)."""
+    held = calls_per_jit * _moved_bytes(problem)
+    if held <= _CHAIN_BYTES:
+        return None
+    return (f"{calls_per_jit} calls per jit of {_shape_str(problem.shape)} would hold "
+            f"{held / 2**30:.1f} GiB of inputs and outputs (at most {_CHAIN_BYTES / 2**30:.0f}); "
+            "give fewer calls or a smaller shape.")
+
+
 def measure(problem: Problem, **kw: Any) -> Result:
     """Time ``problem``'s op and baseline side by side, after checking both against the
     reference (unless ``check=False``); the options are :func:`measure_together`'s."""
@@ -400,13 +415,11 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
     first = problems[0]
     if any((p.epilogue, p.shape, p.dtype) != (first.epilogue, first.shape, first.dtype) for p in problems):
         raise ValueError("measure_together takes configurations of one epilogue, shape and dtype")
-    out_shapes = jax.eval_shape(first.ours, *first.specs)
-    moved = _nbytes(first.specs) + _nbytes(out_shapes)
+    moved = _moved_bytes(first)
     if calls_per_jit > 1:
-        if calls_per_jit * moved > _CHAIN_BYTES:
-            raise ValueError(f"{calls_per_jit} calls per jit of {_shape_str(first.shape)} would hold "
-                             f"{calls_per_jit * moved / 2**30:.1f} GiB of inputs and outputs (at most "
-                             f"{_CHAIN_BYTES / 2**30:.0f}); give fewer calls or a smaller shape.")
+        refusal = _chain_refusal(first, calls_per_jit)
+        if refusal:
+            raise ValueError(refusal)
         chained = [random_inputs(first.specs, k) for k in jax.random.split(jax.random.key(seed), calls_per_jit)]
         input_sets, first_inputs = [(chained,)], chained[0]
     else:
@@ -655,6 +668,10 @@ def run_from_args(args: argparse.Namespace,
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "results": [], "no_triton": None,
               "complete": False}
+    if args.calls_per_jit > 1:
+        refusal = next(filter(None, (_chain_refusal(p, args.calls_per_jit) for p in problems)), None)
+        if refusal:
+            raise SystemExit(f"--calls-per-jit: {refusal}")
     done = _resumed(args.json, report) if args.resume else []
     report["results"] = [dataclasses.asdict(r) for r in done]
     measured = {_key(r) for r in done}

@@ -181,6 +181,11 @@ def test_bench_calls_per_jit(capsys, monkeypatch, tmp_path):
         assert r["calls_per_jit"] == 3 and r["err"] < 2e-2 and r["ours_s"] > 0
     with pytest.raises(ValueError, match="GiB"):
         bench.measure(bench.bench_problem("gemm", (8192, 8192, 8192, 1)), calls_per_jit=100)
+    # the command refuses it before measuring anything
+    with pytest.raises(SystemExit, match="--calls-per-jit: 100 calls per jit of 8192x8192x8192"):
+        main(["bench", "--shapes", "32,64,48", "8192,8192,8192", "--epilogues", "gemm",
+              "--calls-per-jit", "100", "--json", str(out_json)])
+    assert all(r["calls_per_jit"] == 3 for r in json.loads(out_json.read_text())["results"])
 
 
 def test_bench_configs_share_their_rounds(capsys, tmp_path):
