@@ -148,8 +148,9 @@ def xla_faster_reason(ir: EpilogueIR, a, b, operands: Sequence[Any], *, transpos
     kernel is); arguments as :func:`unsupported_reason`'s."""
     from jax_efc.kernels import xla_faster_reason as reason
 
-    problem, mnkl = _problem(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, None, arch)
-    return reason(problem, *mnkl, sm_count=_sm_count())
+    problem, (m, n, _, l) = _problem(ir, a, b, operands, transpose_a, transpose_b, acc_dtype,
+                                     None, arch)
+    return reason(problem, m, n, l, sm_count=_sm_count())
 
 
 def _checked_problem(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch):

@@ -381,9 +381,10 @@ def _moved_bytes(problem: Problem) -> int:
     return _nbytes(problem.specs) + _nbytes(jax.eval_shape(problem.ours, *problem.specs))
 
 
-def _chain_refusal(problem: Problem, calls_per_jit: int) -> str | None:
-    """Why ``calls_per_jit`` calls of ``problem`` cannot be held at once (None: they can)."""
-    held = calls_per_jit * _moved_bytes(problem)
+def _chain_refusal(problem: Problem, moved: int, calls_per_jit: int) -> str | None:
+    """Why ``calls_per_jit`` calls of ``problem``, each moving ``moved`` bytes, cannot be held
+    at once (None: they can)."""
+    held = calls_per_jit * moved
     if held <= _CHAIN_BYTES:
         return None
     return (f"{calls_per_jit} calls per jit of {_shape_str(problem.shape)} would hold "
@@ -417,7 +418,7 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
         raise ValueError("measure_together takes configurations of one epilogue, shape and dtype")
     moved = _moved_bytes(first)
     if calls_per_jit > 1:
-        refusal = _chain_refusal(first, calls_per_jit)
+        refusal = _chain_refusal(first, moved, calls_per_jit)
         if refusal:
             raise ValueError(refusal)
         chained = [random_inputs(first.specs, k) for k in jax.random.split(jax.random.key(seed), calls_per_jit)]
@@ -669,7 +670,8 @@ def run_from_args(args: argparse.Namespace,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "results": [], "no_triton": None,
               "complete": False}
     if args.calls_per_jit > 1:
-        refusal = next(filter(None, (_chain_refusal(p, args.calls_per_jit) for p in problems)), None)
+        refusals = (_chain_refusal(p, _moved_bytes(p), args.calls_per_jit) for p in problems)
+        refusal = next(filter(None, refusals), None)
         if refusal:
             raise SystemExit(f"--calls-per-jit: {refusal}")
     done = _resumed(args.json, report) if args.resume else []

@@ -416,7 +416,7 @@ def test_short_gemms_go_to_xla(monkeypatch):
     problem = KernelProblem(ir, "bfloat16", "float32", "k", "n", False, False, False, (), "sm_90a",
                             GemmConfig())
     def goes_to_xla(m, n, l=1, p=problem):
-        return xla_faster_reason(p, m, n, 4096, l, sm_count=132) is not None
+        return xla_faster_reason(p, m, n, l, sm_count=132) is not None
 
     assert goes_to_xla(64, 14336) and goes_to_xla(1, 65536)  # any tile count
     # 65 to 256 rows: only where 128x128 tiles fill less than 3/4 of the SMs
@@ -428,7 +428,7 @@ def test_short_gemms_go_to_xla(monkeypatch):
     per_batch = dataclasses.replace(problem, batched=True, a_batched=True, b_batched=True)
     assert goes_to_xla(64, 4096, l=8, p=per_batch) and not goes_to_xla(128, 4096, l=8, p=per_batch)
     assert "256 rows share each B, in 64 tiles of 128x128 for 132 SMs" in xla_faster_reason(
-        problem, 256, 4096, 4096, 1, sm_count=132)
+        problem, 256, 4096, 1, sm_count=132)
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     avals = [_aval((64, 512), jnp.bfloat16), _aval((512, 512), jnp.bfloat16)]

@@ -243,12 +243,17 @@ def unsupported_reason(problem: KernelProblem, mnkl: tuple[int, int, int, int] |
     return None
 
 
-def xla_faster_reason(problem: KernelProblem, m: int, n: int, k: int, l: int,
+def _tiles(m: int, n: int, l: int, tm: int, tn: int) -> int:
+    """Output tiles of tm x tn in an M x N x L result."""
+    return -(-m // tm) * -(-n // tn) * l
+
+
+def xla_faster_reason(problem: KernelProblem, m: int, n: int, l: int,
                       sm_count: int = DEFAULT_SM_COUNT) -> str | None:
-    """Why XLA's GEMM outruns the kernel on an M x N x K x L GEMM it can run (``None``: it
+    """Why XLA's GEMM outruns the kernel on an M x N (x K) x L GEMM it can run (``None``: it
     does not): too few rows share each B. The heuristic hands such calls to the reference."""
     rows = m if problem.b_batched else m * l
-    tiles = -(-m // 128) * -(-n // 128) * l
+    tiles = _tiles(m, n, l, 128, 128)
     if rows > XLA_MAX_ROWS or (rows > _XLA_ALWAYS_ROWS and tiles >= _XLA_FILL * sm_count):
         return None
     return (f"{rows} rows share each B, in {tiles} tiles of 128x128 for {sm_count} SMs: the GEMM "
@@ -318,7 +323,7 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     has_work = bool(problem.ir.instrs) or bool(problem.ir.operands)
 
     def tiles(tm: int, tn: int) -> int:
-        return -(-m // tm) * -(-n // tn) * l
+        return _tiles(m, n, l, tm, tn)
 
     def stages(tm: int, tn: int) -> int:
         return stages_of(GemmConfig(tile_m=tm, tile_n=tn))
