@@ -250,7 +250,7 @@ def _tiles(m: int, n: int, l: int, tm: int, tn: int) -> int:
 
 def xla_faster_reason(problem: KernelProblem, m: int, n: int, l: int,
                       sm_count: int = DEFAULT_SM_COUNT) -> str | None:
-    """Why XLA's GEMM outruns the kernel on an M x N (x K) x L GEMM it can run (``None``: it
+    """Why XLA's GEMM outruns the kernel on an M x N x L GEMM it can run, of any K (``None``: it
     does not): too few rows share each B. The heuristic hands such calls to the reference."""
     rows = m if problem.b_batched else m * l
     tiles = _tiles(m, n, l, 128, 128)
