@@ -4,7 +4,7 @@ Runs ``jax_efc.fused_dense`` with built-in activations (by name) and a callable,
 against the same math in plain JAX, and says which backend ran (the CuTe DSL kernel on
 Hopper, the XLA reference elsewhere).
 
-    python examples/activation.py [--mnk 1024,1024,512] [--dtype bfloat16]
+    python examples/activation.py [--mnk 2048,2048,1024] [--dtype bfloat16]
 """
 
 import argparse
@@ -27,7 +27,7 @@ ACTIVATIONS = {"relu": "relu", "gelu (erf)": "gelu", "gelu_tanh": "gelu_tanh", "
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mnk", default="1024,1024,512", help="M,N,K")
+    p.add_argument("--mnk", default="2048,2048,1024", help="M,N,K")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = p.parse_args()
     m, n, k = (int(v) for v in args.mnk.split(","))

@@ -3,7 +3,7 @@
 Runs it through jax_efc, checks it against the same math in plain JAX, and says which backend
 ran (the CuTe DSL kernel on Hopper, the XLA reference elsewhere).
 
-    python examples/alpha_beta.py [--mnkl 1024,1024,512,1] [--dtype bfloat16]
+    python examples/alpha_beta.py [--mnkl 2048,2048,1024,1] [--dtype bfloat16]
 """
 
 import argparse
@@ -17,7 +17,7 @@ from jax_efc.seed_epilogues import alpha_beta
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mnkl", default="1024,1024,512,1", help="M,N,K,L")
+    p.add_argument("--mnkl", default="2048,2048,1024,1", help="M,N,K,L")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--alpha", type=float, default=2.0)
     p.add_argument("--beta", type=float, default=1.0)

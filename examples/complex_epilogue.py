@@ -5,7 +5,7 @@ passed once as a Python number (baked into the kernel) and once as a JAX array (
 time: changing it does not recompile). Checks against the same math in plain JAX and says which
 backend ran (the CuTe DSL kernel on Hopper, the XLA reference elsewhere).
 
-    python examples/complex_epilogue.py [--mnk 1024,1024,512] [--dtype bfloat16]
+    python examples/complex_epilogue.py [--mnk 2048,2048,1024] [--dtype bfloat16]
 """
 
 import argparse
@@ -20,7 +20,7 @@ from jax_efc.seed_epilogues import complex_epilogue
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mnk", default="1024,1024,512", help="M,N,K")
+    p.add_argument("--mnk", default="2048,2048,1024", help="M,N,K")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--scale", type=float, default=0.125)
     args = p.parse_args()

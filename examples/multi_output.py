@@ -4,7 +4,7 @@ A layer that also keeps its pre-activation (for a backward pass) stores both fro
 each in its own dtype. Checks both against the same math in plain JAX and says which backend
 ran (the CuTe DSL kernel on Hopper, the XLA reference elsewhere).
 
-    python examples/multi_output.py [--mnkl 1024,1024,512,1] [--dtype bfloat16]
+    python examples/multi_output.py [--mnkl 2048,2048,1024,1] [--dtype bfloat16]
 """
 
 import argparse
@@ -19,7 +19,7 @@ from jax_efc.seed_epilogues import multi_output
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mnkl", default="1024,1024,512,1", help="M,N,K,L")
+    p.add_argument("--mnkl", default="2048,2048,1024,1", help="M,N,K,L")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--beta", type=float, default=1.0)

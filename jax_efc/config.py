@@ -38,8 +38,9 @@ class GemmConfig:
     # warpgroups share each tile, up to 256x128 or 128x256).
     pingpong: bool = False
     # stream-K: when the last round of whole tiles would leave many SMs idle, the last two
-    # rounds' k-iterations are shared evenly by all of them (partial sums meet through an
-    # fp32 workspace in global memory). False: every tile is computed whole by one CTA.
+    # rounds' k-iterations are shared evenly by all of them, and all k-iterations when the
+    # tiles would fill at most half of one round (partial sums meet through an fp32 workspace
+    # in global memory). False: every tile is computed whole by one CTA.
     stream_k: bool = True
 
     def __post_init__(self) -> None:
@@ -80,6 +81,6 @@ def disabled() -> bool:
 
 
 def strict() -> bool:
-    """``JAX_EFC_STRICT=1``: the kernel runs wherever it can (short GEMMs the heuristic would
-    hand to XLA included), and a fallback to the reference is an error naming the reason."""
+    """``JAX_EFC_STRICT=1``: the kernel runs wherever it can (GEMMs the heuristic would hand
+    to XLA included), and a fallback to the reference is an error naming the reason."""
     return os.environ.get("JAX_EFC_STRICT", "0") not in ("", "0")

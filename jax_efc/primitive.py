@@ -5,8 +5,8 @@ epilogue output. Its operands arrive in canonical shapes (see ``epilogue.canonic
 ``a`` is (M, K) or (L, M, K) (transposed: (K, M) / (L, K, M)), ``b`` likewise (K, N) / (N, K),
 outputs are (M, N) or (L, M, N). Every platform lowers to the XLA reference; CUDA lowers to
 the kernel when one fits, and otherwise falls back with its reason logged once (a warning),
-or, for the short GEMMs where XLA's GEMM is faster, hands the call to XLA (logged once at
-INFO).
+or, for the GEMMs where XLA's GEMM is faster (few rows, or too few tiles to fill the SMs),
+hands the call to XLA (logged once at INFO).
 """
 
 from __future__ import annotations

@@ -99,7 +99,8 @@ def test_configs(config):
 
 
 # shapes whose last round of whole tiles on an H200 (66 clusters of 2, or 132 CTAs) is at
-# most 1/5 full, so the last tiles' k-iterations are split across all clusters
+# most 1/5 full, so the last tiles' k-iterations are split across all clusters, or whose
+# tiles fill at most half of one round, so all of them are
 @pytest.mark.parametrize("config,m,n,k,batch,epilogue,transpose", [
     ((128, 128, 1, 2, {"pingpong": True, "swizzle": 8}), 2176, 4096, 1288, None, "bias_gelu", False),
     ((128, 128, 1, 2, {"pingpong": True, "swizzle": 8, "epi_n": 64}), 2176, 4096, 1288, None, "bias_gelu",
@@ -110,9 +111,12 @@ def test_configs(config):
     ((128, 128, 1, 1, {"pingpong": True}), 1152, 2048, 1024, 2, "alpha_beta", True),
     ((192, 128, 1, 2, {"pingpong": True, "swizzle": 8}), 2300, 1536, 1288, None, "bias_gelu", False),
     ((256, 128, 1, 2, {"swizzle": 8}), 2048, 2304, 1288, None, "bias_gelu", True),
+    ((128, 128, 1, 1, {}), 1024, 512, 8192, None, "bias_gelu", False),
+    ((128, 128, 1, 2, {"pingpong": True}), 256, 2048, 4104, None, "alpha_beta", True),
 ], ids=["pingpong_bias_gelu", "pingpong_epi64_bias_gelu", "cooperative_alpha_beta",
         "pingpong_epi16_alpha_beta", "pingpong_alpha_beta_batched_transposed", "pingpong_192x128_bias_gelu",
-        "cooperative_256x128_bias_gelu_transposed"])
+        "cooperative_256x128_bias_gelu_transposed", "split_all_bias_gelu",
+        "split_all_pingpong_alpha_beta_transposed"])
 def test_stream_k(config, m, n, k, batch, epilogue, transpose):
     import jax
 

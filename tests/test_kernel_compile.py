@@ -82,6 +82,9 @@ VARIANTS = {
     "bf16_alpha_beta_128x256_c2x1_stream_k": ("bfloat16", False, True, None,
                                               (128, 256, 2, 1, {"swizzle": 8}), "alpha_beta",
                                               (8192, 7936, 8192)),
+    # at most half as many tiles as SMs: every tile's k-iterations split over all of them
+    "bf16_bias_gelu_128x128_split_all": ("bfloat16", False, False, None, (128, 128, 1, 1), "bias_gelu",
+                                         (1024, 512, 8192)),
 }
 
 
@@ -402,15 +405,16 @@ def test_supported_and_heuristic():
     assert (cfg.tile_n, cfg.pingpong) == (128, False)
 
 
-def test_short_gemms_go_to_xla(monkeypatch):
-    """At most XLA_MAX_ROWS rows per B: the heuristic hands the call to XLA's GEMM, saying why;
-    a pinned config or JAX_EFC_STRICT=1 keeps the kernel."""
+def test_short_or_few_tile_gemms_go_to_xla(monkeypatch):
+    """At most 64 rows per B, or 128x128 tiles that fill less than 3/4 of the SMs: the
+    heuristic hands the call to XLA's GEMM, saying why; a pinned config or JAX_EFC_STRICT=1
+    keeps the kernel."""
     import jax.numpy as jnp
 
     from jax_efc import primitive
     from jax_efc.config import GemmConfig
     from jax_efc.epilogue import trace_epilogue
-    from jax_efc.kernels import XLA_MAX_ROWS, KernelProblem, xla_faster_reason
+    from jax_efc.kernels import KernelProblem, xla_faster_reason
 
     ir, *_ = trace_epilogue(lambda acc: acc, (8, 8), [], [], {}, {}, jnp.bfloat16, jnp.bfloat16)
     problem = KernelProblem(ir, "bfloat16", "float32", "k", "n", False, False, False, (), "sm_90a",
@@ -419,16 +423,19 @@ def test_short_gemms_go_to_xla(monkeypatch):
         return xla_faster_reason(p, m, n, l, sm_count=132) is not None
 
     assert goes_to_xla(64, 14336) and goes_to_xla(1, 65536)  # any tile count
-    # 65 to 256 rows: only where 128x128 tiles fill less than 3/4 of the SMs
+    # more rows: only where 128x128 tiles fill less than 3/4 of the SMs (99 of 132)
     assert goes_to_xla(256, 4096) and goes_to_xla(128, 12288)  # 64 and 96 tiles
-    assert not goes_to_xla(128, 14336) and not goes_to_xla(XLA_MAX_ROWS, 14336)  # 112, 224
-    assert not goes_to_xla(XLA_MAX_ROWS + 1, 128)
+    assert goes_to_xla(1024, 1024) and goes_to_xla(8192, 128) and goes_to_xla(257, 128)
+    assert not goes_to_xla(128, 14336) and not goes_to_xla(256, 14336)  # 112, 224
+    assert goes_to_xla(896, 1792) and not goes_to_xla(1152, 1408)  # 98 and 99 tiles
+    assert not goes_to_xla(8192, 8192)
     # a B shared across a batch is read once for all its rows; a batched B once per batch
     assert not goes_to_xla(64, 4096, l=8)
     per_batch = dataclasses.replace(problem, batched=True, a_batched=True, b_batched=True)
     assert goes_to_xla(64, 4096, l=8, p=per_batch) and not goes_to_xla(128, 4096, l=8, p=per_batch)
-    assert "256 rows share each B, in 64 tiles of 128x128 for 132 SMs" in xla_faster_reason(
+    assert "its 64 tiles of 128x128 would leave 68 of 132 SMs idle" in xla_faster_reason(
         problem, 256, 4096, 1, sm_count=132)
+    assert "64 rows share each B" in xla_faster_reason(problem, 64, 4096, 1, sm_count=132)
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     avals = [_aval((64, 512), jnp.bfloat16), _aval((512, 512), jnp.bfloat16)]
@@ -452,7 +459,7 @@ import jax, jax.numpy as jnp
 import jax_efc as efc
 from cutlass.jax import get_export_disabled_safety_checks
 def specs(m):
-    return [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(m, 512), (512, 512), (512,)]]
+    return [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(m, 1536), (1536, 1536), (1536,)]]
 def layer(x, w, b, config=None):
     return efc.fused_dense(x, w, b, activation="gelu", config=config)
 def loss(x, w, b):
@@ -461,8 +468,8 @@ def kernels(fn, m):
     exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
                                  disabled_checks=get_export_disabled_safety_checks())(*specs(m))
     print(exported.mlir_module().count("NvJaxCutlassCall"))
-kernels(layer, 1024)
-kernels(jax.grad(loss, argnums=(0, 1, 2)), 1024)
+kernels(layer, 2048)
+kernels(jax.grad(loss, argnums=(0, 1, 2)), 2048)
 kernels(layer, 64)
 kernels(lambda x, w, b: layer(x, w, b, efc.GemmConfig(64, 128)), 64)
 os.environ["JAX_EFC_STRICT"] = "1"  # read when a call is lowered: a new function, not a cached one

@@ -43,7 +43,11 @@ CASES = [
     (PINGPONG_192, 2300, 1536, 1288, 1, 66),  # 72 cluster tiles (a partial M edge): all split
     (GemmConfig(128, 128, 2, 2, swizzle=4, raster="n"), 3000, 1200, 1280, 2, 29),
     (GemmConfig(128, 128, swizzle=8), 1200, 1200, 2000, 3, 59),  # last swizzle band narrower
-    (GemmConfig(64, 128), 100, 300, 64, 1, 132),  # fewer tiles than SMs
+    (GemmConfig(64, 128), 100, 300, 64, 1, 132),  # fewer tiles than SMs, one k-tile each
+    # at most half as many tiles as clusters: all of them split
+    (GemmConfig(128, 128), 1024, 512, 8192, 1, 132),  # 32 tiles of 128 k-tiles
+    (PINGPONG, 128, 4096, 14336, 1, 66),  # 16 cluster tiles of 224 k-tiles
+    (GemmConfig(64, 128), 8, 4096, 1000, 2, 132),  # 64 tiles of 16 k-tiles, the last partial
 ]
 
 
@@ -106,7 +110,10 @@ def test_stream_k_only_when_the_last_round_leaves_clusters_idle():
     assert split(4096, 4096, 4096) is None  # 512 = 7 x 66 + 50: the last round is 76% full
     assert split(8192, 4096, 4096) is None  # 1024 = 15 x 66 + 34: 52% full
     assert split(128 * 66, 256, 4096) is None  # exactly one round
-    assert split(128 * 60, 256, 4096) is None  # less than one round
+    assert split(128 * 60, 256, 4096) is None  # less than one round, but more than half
+    sk = split(1024, 1024, 8192)  # 32 cluster tiles for 66 clusters: all split
+    assert (sk.whole_rounds, sk.split_tiles, sk.k_tiles) == (0, 32, 128)
+    assert split(1024, 1024, 512) is None  # 32 x 8 k-tiles: under 8 for each cluster
     assert split(8192, 8192, 64) is None  # one k-tile: nothing to split
     assert plan_schedule(PINGPONG, 8192, 8192, 8192, 1, 66).slots == 132
     assert split(8192, 8192, 8192, cfg=dataclasses.replace(PINGPONG, stream_k=False)) is None

@@ -14,7 +14,7 @@ from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR, Role
 
 __all__ = ["KernelProblem", "unsupported_reason", "xla_faster_reason", "choose_config",
-           "assumed_max_clusters", "SUPPORTED_ARCHS", "DEFAULT_SM_COUNT", "XLA_MAX_ROWS"]
+           "assumed_max_clusters", "SUPPORTED_ARCHS", "DEFAULT_SM_COUNT"]
 
 SUPPORTED_ARCHS = ("sm_90a",)
 # SMs of an H100/H200 SXM: what the heuristic and the persistent grid assume when compiling
@@ -64,24 +64,27 @@ _BITS = {"bfloat16": 16, "float16": 16, "float32": 32}
 _ONE_WAVE = 0.9
 # fills of two tile shapes closer than this count as equal
 _FILL_TIE = 1e-6
-# Short GEMMs (decode steps, small batches) that XLA's GEMM runs faster than the kernel. With
-# M rows per B a GEMM does about M flops per byte of B it reads, under the H200's ridge of
-# about 200 (989 TFLOP/s over 4.8 TB/s) when M is small: its time is the time to stream B.
-# XLA's GEMMs for it split K over the SMs. The kernel streams B only through the SMs its tiles
-# occupy, and spends 64-row WGMMAs on fewer rows. Measured on H200 (16 calls inside one jit,
-# each on its own x and weights, so B streams from HBM: `bench --calls-per-jit 16`; ratio to
-# XLA's time at N x K = 4096x4096, 14336x4096 and 4096x14336, bias+gelu_tanh / alpha-beta),
-# the kernel's 128x128 tiles against the reference lowering (one dot with fp32 output, then
-# the epilogue in XLA):
+# GEMMs that XLA's GEMM runs faster than the kernel: short ones (decode steps, small batches)
+# and those with too few tiles to fill the SMs. With M rows per B a GEMM does about M flops per
+# byte of B it reads, under the H200's ridge of about 200 (989 TFLOP/s over 4.8 TB/s) when M is
+# small: its time is the time to stream B. XLA's GEMMs for it split K over the SMs. The kernel
+# streams B only through the SMs its tiles occupy, and spends 64-row WGMMAs on fewer rows.
+# Measured on H200 (16 calls inside one jit, each on its own x and weights, so B streams from
+# HBM: `bench --calls-per-jit 16`; ratio to XLA's time, bias+gelu_tanh / alpha-beta at N x K =
+# 4096x4096, 14336x4096 and 4096x14336), the kernel's 128x128 tiles against the reference
+# lowering (one dot with fp32 output, then the epilogue in XLA):
 # - M = 8 and 64: the kernel 0.36-0.88 at all six shapes, the reference 0.95-1.04;
 # - M = 128 and 256, where 128x128 tiles fill at most half the SMs (N = 4096): the kernel
 #   0.47-0.86, the reference 0.84-1.03;
 # - M = 128 and 256 at N = 14336 (112 and 224 tiles on 132 SMs): the kernel 1.00-1.04, the
 #   reference 0.85-0.96;
 # - M = 512: the kernel 0.97-1.08.
-XLA_MAX_ROWS = 256  # more rows per B: the kernel
-_XLA_ALWAYS_ROWS = 64  # at most this many: XLA's GEMM, however many tiles
-_XLA_FILL = 0.75  # between: XLA's GEMM when 128x128 tiles fill less of the SMs than this
+# More rows in fewer tiles lose too (plain GEMM / bias+gelu_tanh, the kernel's 128x128 tiles
+# with the k-iterations split over all SMs where that is faster): 0.69 / 0.67 at
+# 1024x512x8192 (32 tiles), 0.63 / 0.62 at 768x1024x14336 (48), 0.78 / 0.74 at 1024x1024x8192
+# (64), 0.75 / 0.72 at 512x2048x4096 (64), 0.96 / 0.95 at 1024x1536x4096 (96, whole tiles).
+_XLA_ALWAYS_ROWS = 64  # at most this many rows per B: XLA's GEMM, however many tiles
+_XLA_FILL = 0.75  # more: XLA's GEMM when 128x128 tiles fill less of the SMs than this
 # K from which plain GEMMs and light epilogues take cooperative 128x256 tiles when those
 # fill the SMs as well as ping-pong ones (192 k-tiles)
 _LONG_K = 12288
@@ -251,14 +254,18 @@ def _tiles(m: int, n: int, l: int, tm: int, tn: int) -> int:
 def xla_faster_reason(problem: KernelProblem, m: int, n: int, l: int,
                       sm_count: int = DEFAULT_SM_COUNT) -> str | None:
     """Why XLA's GEMM outruns the kernel on an M x N x L GEMM it can run, of any K (``None``: it
-    does not): too few rows share each B. The heuristic hands such calls to the reference."""
+    does not): too few rows share each B, or too few tiles to fill the SMs. The heuristic hands
+    such calls to the reference."""
     rows = m if problem.b_batched else m * l
     tiles = _tiles(m, n, l, 128, 128)
-    if rows > XLA_MAX_ROWS or (rows > _XLA_ALWAYS_ROWS and tiles >= _XLA_FILL * sm_count):
+    if rows <= _XLA_ALWAYS_ROWS:
+        why = f"{rows} rows share each B, so the GEMM is bound by reading B"
+    elif tiles < _XLA_FILL * sm_count:
+        why = f"its {tiles} tiles of 128x128 would leave {sm_count - tiles} of {sm_count} SMs idle"
+    else:
         return None
-    return (f"{rows} rows share each B, in {tiles} tiles of 128x128 for {sm_count} SMs: the GEMM "
-            "is bound by reading B, which XLA's GEMM does faster than the kernel. Pin a config "
-            "(or set JAX_EFC_STRICT=1) to run the kernel anyway.")
+    return (f"{why}: XLA's GEMM runs it faster than the kernel. Pin a config (or set "
+            "JAX_EFC_STRICT=1) to run the kernel anyway.")
 
 
 def tile_operand_indices(ir: EpilogueIR) -> tuple[int, ...]:

@@ -10,7 +10,8 @@ Cluster ``c`` of ``P`` takes tiles ``c, c + P, c + 2P, ...``.
 Stream-K. When the tile count is just past a multiple of ``P``, the last round of whole
 tiles leaves most clusters idle (8192^3 in 128x256 cluster tiles: 31 rounds and 2 tiles).
 Then the last two rounds' worth of tiles are not handed out whole: their k-iterations are
-split evenly, in one run per cluster, over all ``P`` clusters. A run covers the tail of one
+split evenly, in one run per cluster, over all ``P`` clusters. A problem with at most half as
+many tiles as clusters is split whole the same way. A run covers the tail of one
 tile, perhaps whole tiles, and the head of another. A piece that does not start at k = 0
 (a cluster's first) writes its fp32 partial sums to the cluster's workspace slot and raises
 the slot's flag; a piece that starts at k = 0 but stops short of the end (a cluster's last)
@@ -41,9 +42,18 @@ __all__ = ["StreamK", "TileSchedule", "TileWalk", "Unit", "cluster_tiles", "plan
 # (4096x14336x4096) ran 2-5% faster; idle 70% (8192x14336x4096) the same; idle 48%
 # (8192x4096x14336) 2% slower. The clusters' runs then start at scattered k offsets, so
 # clusters that share an A row or a B column no longer meet in L2 at the same k-tile.
-# Fewer tiles than clusters are not split: splitting all 32 tiles of 128 x 4096 x 4096 over
-# 132 SMs ran slower per call on an H200 (0.045 against 0.040 ms for the plain GEMM).
 _STREAM_K_MIN_IDLE = 0.8
+# Fewer tiles than clusters: all their k-iterations are shared by all clusters when the tiles
+# would keep at most this share of the clusters busy and each cluster gets at least
+# _SPLIT_ALL_MIN_K_TILES k-tiles. Measured on H200 (bf16, 128x128 tiles, 16 calls inside one
+# jit, ms, split against whole tiles): 0.026 / 0.043 at 1024x512x8192 (32 tiles on 132 SMs),
+# 0.060 / 0.077 at 768x1024x14336 (48), 0.039 / 0.048 at 1024x1024x8192 (64), 0.046 / 0.079 at
+# 128x4096x14336 (32), 0.022 / 0.025 at 128x4096x4096 (32), 0.024 / 0.024 at 512x2048x4096
+# (64); but 0.030 / 0.027 at 1024x1536x4096 (96) and 0.043 / 0.036 at 128x14336x4096 (112).
+# (The heuristic hands such GEMMs to XLA, which runs them faster still: a pinned config or
+# JAX_EFC_STRICT=1 runs them here.)
+_SPLIT_ALL_MAX_FILL = 0.5
+_SPLIT_ALL_MIN_K_TILES = 8
 # A partial's round trip through L2 (write 4 bytes per output, read them back) costs about
 # what loading a few k-tiles of A and B does: below this many k-tiles per tile it does not pay
 _STREAM_K_MIN_K_TILES = 16
@@ -95,12 +105,16 @@ def plan_schedule(config: GemmConfig, m: int, n: int, k: int, l: int, clusters: 
     tiles = mc * nc * l
     k_tiles = -(-k // TILE_K)
     rounds, last = divmod(tiles, clusters)
-    split = last + clusters
-    worth_it = (rounds > 0 and 0 < last <= (1 - _STREAM_K_MIN_IDLE) * clusters
-                and k_tiles >= _STREAM_K_MIN_K_TILES)
+    if rounds == 0:  # one partial round: split all of it, if each cluster gets enough k-tiles
+        whole, split = 0, last
+        worth_it = (last <= _SPLIT_ALL_MAX_FILL * clusters
+                    and last * k_tiles >= _SPLIT_ALL_MIN_K_TILES * clusters)
+    else:
+        whole, split = rounds - 1, last + clusters
+        worth_it = 0 < last <= (1 - _STREAM_K_MIN_IDLE) * clusters and k_tiles >= _STREAM_K_MIN_K_TILES
     if not (config.stream_k and worth_it) or 2 * split * k_tiles * clusters > _INT32_MAX:
         return base
-    return dataclasses.replace(base, stream_k=StreamK(rounds - 1, split, k_tiles))
+    return dataclasses.replace(base, stream_k=StreamK(whole, split, k_tiles))
 
 
 class Unit(NamedTuple):
