@@ -471,6 +471,7 @@ def kernels(fn, m):
 kernels(layer, 2048)
 kernels(jax.grad(loss, argnums=(0, 1, 2)), 2048)
 kernels(layer, 64)
+kernels(layer, 512)
 kernels(lambda x, w, b: layer(x, w, b, efc.GemmConfig(64, 128)), 64)
 os.environ["JAX_EFC_STRICT"] = "1"  # read when a call is lowered: a new function, not a cached one
 kernels(lambda x, w, b: layer(x, w, b), 64)
@@ -479,8 +480,9 @@ kernels(lambda x, w, b: layer(x, w, b), 64)
 
 def test_export_of_the_public_op_holds_the_kernels():
     """``jax.export`` for CUDA of a jitted ``fused_dense``, and of its gradient, on a machine
-    without a GPU: one kernel forward, three with the two backward GEMMs. A 64-row layer goes
-    to XLA's GEMM, unless a config is pinned or ``JAX_EFC_STRICT=1``."""
+    without a GPU: one kernel forward, three with the two backward GEMMs. A 64-row layer, and a
+    512-row one (48 tiles of 128x128), go to XLA's GEMM, unless a config is pinned or
+    ``JAX_EFC_STRICT=1``."""
     pytest.importorskip("cutlass.jax")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", JAX_PLATFORMS="cpu",
@@ -488,7 +490,7 @@ def test_export_of_the_public_op_holds_the_kernels():
     proc = subprocess.run([sys.executable, "-c", _EXPORT_PUBLIC], env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.split() == ["1", "3", "0", "1", "1"]
+    assert proc.stdout.split() == ["1", "3", "0", "0", "1", "1"]
 
 
 _EXPORT_TIMELINE = """
