@@ -46,10 +46,11 @@ _STREAM_K_MIN_IDLE = 0.8
 # Fewer tiles than clusters: all their k-iterations are shared by all clusters when the tiles
 # would keep at most this share of the clusters busy and each cluster gets at least
 # _SPLIT_ALL_MIN_K_TILES k-tiles. Measured on H200 (bf16, 128x128 tiles, 16 calls inside one
-# jit, ms, split against whole tiles): 0.026 / 0.043 at 1024x512x8192 (32 tiles on 132 SMs),
-# 0.060 / 0.077 at 768x1024x14336 (48), 0.039 / 0.048 at 1024x1024x8192 (64), 0.046 / 0.079 at
-# 128x4096x14336 (32), 0.022 / 0.025 at 128x4096x4096 (32), 0.024 / 0.024 at 512x2048x4096
-# (64); but 0.030 / 0.027 at 1024x1536x4096 (96) and 0.043 / 0.036 at 128x14336x4096 (112).
+# jit, ms, split against whole tiles), plain GEMMs: 0.026 / 0.043 at 1024x512x8192 (32 tiles on
+# 132 SMs), 0.060 / 0.077 at 768x1024x14336 (48), 0.039 / 0.048 at 1024x1024x8192 (64), 0.024
+# / 0.024 at 512x2048x4096 (64), but 0.030 / 0.027 at 1024x1536x4096 (96); bias+gelu_tanh:
+# 0.046 / 0.079 at 128x4096x14336 (32), 0.022 / 0.025 at 128x4096x4096 (32), but 0.043 /
+# 0.036 at 128x14336x4096 (112).
 # (The heuristic hands such GEMMs to XLA, which runs them faster still: a pinned config or
 # JAX_EFC_STRICT=1 runs them here.)
 _SPLIT_ALL_MAX_FILL = 0.5
