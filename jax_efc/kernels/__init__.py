@@ -83,6 +83,8 @@ _FILL_TIE = 1e-6
 # with the k-iterations split over all SMs where that is faster): 0.69 / 0.67 at
 # 1024x512x8192 (32 tiles), 0.63 / 0.62 at 768x1024x14336 (48), 0.78 / 0.74 at 1024x1024x8192
 # (64), 0.75 / 0.72 at 512x2048x4096 (64), 0.96 / 0.95 at 1024x1536x4096 (96, whole tiles).
+# Split in clusters that multicast A or B (2x1, 1x2, 2x2) or in 128x256 tiles, bias+gelu_tanh
+# reached at best 0.88 (1x2 at 1024x1024x8192), 0.84 at 128x4096x14336 and 0.73 at 1024x512x8192.
 _XLA_ALWAYS_ROWS = 64  # at most this many rows per B: XLA's GEMM, however many tiles
 _XLA_FILL = 0.75  # more: XLA's GEMM when 128x128 tiles fill less of the SMs than this
 # K from which plain GEMMs and light epilogues take cooperative 128x256 tiles when those

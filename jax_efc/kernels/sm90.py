@@ -326,7 +326,8 @@ class Sm90FusedGemm:
         # (Prefetches to L2 made the H200 run slower: TMA ones of the k-tiles 8 to 16 ahead
         # of the ring by 10-30%; of a tile's TILE operands before its mainloop, TMA ones by
         # 3-14% and per-thread `prefetch.global.L2` of their lines by 3-8% (alpha-beta, six
-        # ping-pong shapes; even on a cooperative one). So the ring is the only look-ahead. L2
+        # ping-pong shapes; even on a cooperative one); of only a consumer's last tile's, the
+        # exposed last epilogue was no shorter. So the ring is the only look-ahead. L2
         # eviction hints on these and the epilogue's TMA copies were no faster:
         # benchmarks/FINDINGS.md)
         if wg_idx == 0:
