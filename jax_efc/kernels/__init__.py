@@ -118,7 +118,7 @@ class KernelProblem:
     def compile_key(self) -> tuple:
         """Everything that changes the generated code, as a hashable, process-stable key."""
         return (
-            "jax_efc.sm90.v4",
+            "jax_efc.sm90.v5",
             self.ir.fingerprint,
             self.ab_dtype,
             self.acc_dtype,

@@ -18,7 +18,9 @@ consumer has its own epilogue named barrier and TMA-store warp.
   registers; cooperative: two warpgroups share a 128-row tile, 64 rows each) and run the
   epilogue: per ``tile_m x epi_n`` subtile, the :class:`EpilogueVisitor` evaluates the user's program on
   the accumulator fragment, each output is converted to its dtype, written to its own smem
-  buffer and stored with TMA (the TMA store clips the M/N edges);
+  buffer and stored with TMA (the TMA store clips the M/N edges); TILE operands come in
+  through two smem buffers, except on the CTA's last tile, which loads them all into the
+  then idle A/B ring;
 - the schedule (:mod:`jax_efc.kernels.schedule`) hands each CTA a list of units, a tile and
   a range of its k-tiles: whole tiles, then with stream-K pieces of the last ones. A piece
   that starts past k = 0 stores its accumulators to a workspace slot instead of running the
@@ -92,6 +94,11 @@ class _ConsumerEpilogue:
     tSR_rC: list
     frag_c: list
     c_bar: object
+    # the CTA's last tile: per TILE operand and subtile, its slot in the idle A/B ring and
+    # the ldmatrix partition of it; one "full" mbarrier per subtile (empty without the slots)
+    ring_sC: list
+    ring_tSR_sC: list
+    ring_bar: object
     frag: cute.Tensor  # fp32 accumulator values of one subtile
     tCcT: cute.Tensor  # (m, n) within the tile of each accumulator register
     acc_index: list  # per subtile, the accumulator registers behind `frag`
@@ -156,6 +163,38 @@ class Sm90FusedGemm:
         if self.stages < 2:
             raise ValueError(f"{cfg} with {len(self.out_dtypes)} outputs leaves room for "
                              f"{self.stages} pipeline stages; use a smaller tile.")
+        self.ring_slots = self._place_ring_subtiles(cfg)
+
+    def _place_ring_subtiles(self, cfg) -> tuple | None:
+        """Where the CTA's last tile puts its TILE-operand subtiles: one 1 KiB-aligned slot
+        per operand and subtile, as (ring, byte offset) with ring 0 for A's smem and 1 for
+        B's. ``None`` where there are none, they do not all fit, or under stream-K (its last
+        units end in the split epilogue, which keeps the shared buffers).
+
+        Nothing hides the CTA's last epilogue, and through the two shared buffers its TILE
+        loads run only two subtiles ahead. By then the A/B ring is idle (every k-tile
+        consumed, none left to load), so the last tile loads all its subtiles into it at
+        once. Measured on H200 (alpha-beta, SM cycles, `benchmarks/timeline.py`): the last
+        epilogue of 128x128 ping-pong tiles with 16-wide subtiles took 5.7k and 5.5k against
+        7.5k at 2048x4096x4096 and 4096^3; at 1000x4096x4096 (128x256 tiles, one per CTA)
+        the kernel's span went from 83.0k to 80.6k."""
+        if not self.tile_ops or self.schedule.stream_k is not None:
+            return None
+        ab = self.ab_dtype.width // 8
+        room = [self.stages * cfg.tile_m * TILE_K * ab, self.stages * cfg.tile_n * TILE_K * ab]
+        slots, ring, used = [], 0, 0
+        for dt in self.tile_op_dtypes:
+            size = -(-cfg.tile_m * self.epi_n * dt.width // 8 // SMEM_ALIGN) * SMEM_ALIGN
+            per_subtile = []
+            for _ in range(cfg.tile_n // self.epi_n):
+                if used + size > room[ring]:
+                    ring, used = ring + 1, 0
+                    if ring == len(room):
+                        return None
+                per_subtile.append((ring, used))
+                used += size
+            slots.append(tuple(per_subtile))
+        return tuple(slots)
 
     # ---------------------------------------------------------------- host side (traced)
     @cute.jit
@@ -281,6 +320,16 @@ class Sm90FusedGemm:
                     for b in cutlass.range_constexpr(EPI_STAGES):
                         cute.arch.mbarrier_init(c_bar + b, 1)
             cute.arch.mbarrier_init_fence()
+        n_sub = self.tile_mnk[1] // self.epi_n
+        ring_sC, ring_bar = [], None
+        if cutlass.const_expr(self.ring_slots is not None):
+            ring_bar = smem.allocate_array(cutlass.Int64, n_sub, byte_alignment=8)
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    for b in cutlass.range_constexpr(n_sub):
+                        cute.arch.mbarrier_init(ring_bar + b, 1)
+            cute.arch.mbarrier_init_fence()
+            ring_sC = self._ring_views(sA, sB)
 
         stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + \
             cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))
@@ -366,11 +415,10 @@ class Sm90FusedGemm:
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             epi = self._consumer_epilogue(tiled_mma, ctid, group, warp_idx, mD, sD, tma_d,
-                                          operands, mC, sC, tma_c, c_bar)
+                                          operands, mC, sC, tma_c, c_bar, ring_sC, ring_bar)
             acc = cute.make_rmem_tensor(cute.shape(epi.tCcT), cutlass.Float32)
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            n_sub = self.tile_mnk[1] // self.epi_n
             # subtiles through the shared epilogue buffers so far (both consumers' with
             # ping-pong): it picks the buffer and the TILE-operand mbarrier phase
             subtile_count = cutlass.Int32(0)
@@ -391,9 +439,11 @@ class Sm90FusedGemm:
                 self._stamp(stamps, ctid, slot, group, j, "reached")
                 # TMA partitions of this tile's TILE-operand subtiles
                 bSC = self._tile_op_partitions(epi, u.m, u.n, u.l)
+                # the CTA's last tile takes its TILE operands through the idle ring
+                in_ring = j == n_units - 1 if self.ring_slots is not None else False
                 if cutlass.const_expr(not self.pingpong):
                     # the buffers are free: the first subtiles arrive while the mainloop runs
-                    if u.k_begin == 0:
+                    if u.k_begin == 0 and not in_ring:
                         self._prefetch_tile_ops(epi, bSC, subtile_count)
                 # ---- mainloop (ping-pong: in turn with the other consumer)
                 if cutlass.const_expr(self.pingpong):
@@ -418,12 +468,25 @@ class Sm90FusedGemm:
                     # our turn with the epilogue buffers (the other consumer's stores have
                     # read them); the first subtiles load while the acc is converted
                     self._order_barrier(_EPI_ORDER_ID, group).arrive_and_wait()
-                    if u.k_begin == 0:
+                    if u.k_begin == 0 and not in_ring:
                         self._prefetch_tile_ops(epi, bSC, subtile_count)
+                if cutlass.const_expr(self.ring_slots is not None):
+                    if in_ring:
+                        # every consumer's WGMMAs have read the ring (ping-pong: the other's
+                        # ended before its epilogue, which ended before the order barrier)
+                        if cutlass.const_expr(not self.pingpong):
+                            epi.barrier.arrive_and_wait()
+                        self._load_ring(epi, u.m, u.n, u.l)
 
                 # ---- epilogue
                 self._stamp(stamps, ctid, slot, group, j, "epilogue")
-                if cutlass.const_expr(self.schedule.stream_k is None):
+                if cutlass.const_expr(self.ring_slots is not None):
+                    if in_ring:
+                        subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count,
+                                                       from_ring=True)
+                    else:
+                        subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count)
+                elif cutlass.const_expr(self.schedule.stream_k is None):
                     subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count)
                 else:
                     subtile_count = self._split_epilogue(epi, acc, bSC, u, subtile_count, sk_buffers,
@@ -547,7 +610,8 @@ class Sm90FusedGemm:
         return read, release, tiled_mma
 
     def _consumer_epilogue(self, tiled_mma: cute.TiledMma, ctid, group, warp_idx, mD, sD,
-                           tma_d, operands, mC, sC, tma_c, c_bar) -> _ConsumerEpilogue:
+                           tma_d, operands, mC, sC, tma_c, c_bar, ring_sC,
+                           ring_bar) -> _ConsumerEpilogue:
         """Build consumer ``group``'s epilogue machinery for thread ``ctid`` of the group."""
         tile_2d = cute.slice_(self.tile_mnk, (None, None, 0))
         # register <-> smem copies share one thread/value partition for all outputs and TILE
@@ -578,6 +642,10 @@ class Sm90FusedGemm:
             tSR_rC=[c.retile(f) for c, f in zip(s2r, frag_c)],
             frag_c=frag_c,
             c_bar=c_bar,
+            ring_sC=ring_sC,
+            ring_tSR_sC=[[c.get_slice(ctid).partition_S(v) for v in views]
+                         for c, views in zip(s2r, ring_sC)],
+            ring_bar=ring_bar,
             frag=cute.make_rmem_tensor(frag_shape, cutlass.Float32),
             tCcT=tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor(self.tile_mnk[:2])),
             acc_index=self._subtile_acc_indices(tiled_mma, r2s[0]),
@@ -600,9 +668,10 @@ class Sm90FusedGemm:
 
     @cute.jit
     def _epilogue(self, epi: _ConsumerEpilogue, acc: cute.Tensor, bSC, m_idx, n_idx, l_idx,
-                  subtile_count):
+                  subtile_count, from_ring: cutlass.Constexpr = False):
         """The fused epilogue of one tile, one (tile_m x epi_n) subtile at a time, through
-        the ``EPI_STAGES`` epilogue smem buffers. Returns the running subtile count."""
+        the ``EPI_STAGES`` epilogue smem buffers (``from_ring``: TILE operands already on
+        their way into the ring, by :meth:`_load_ring`). Returns the running subtile count."""
         n_out = len(self.out_dtypes)
         n_tc = len(self.tile_ops)
         n_sub = self.tile_mnk[1] // self.epi_n
@@ -619,7 +688,13 @@ class Sm90FusedGemm:
                                   m_idx * self.tile_mnk[0], n_idx * self.tile_mnk[1])
             buf = subtile_count % EPI_STAGES
             preloaded = {}
-            if cutlass.const_expr(n_tc > 0):
+            if cutlass.const_expr(from_ring):
+                # each ring slot is loaded once per kernel: phase 0
+                cute.arch.mbarrier_wait(epi.ring_bar + s, 0)
+                for j in cutlass.range_constexpr(n_tc):
+                    cute.copy(epi.s2r[j], epi.ring_tSR_sC[j][s][(None, None, None, 0)], epi.tSR_rC[j])
+                    preloaded[self.tile_ops[j]] = epi.frag_c[j].load().to(cutlass.Float32)
+            elif cutlass.const_expr(n_tc > 0):
                 # subtile_count-th load into this buffer: its parity is the phase
                 cute.arch.mbarrier_wait(epi.c_bar + buf, (subtile_count // EPI_STAGES) % 2)
                 for j in cutlass.range_constexpr(n_tc):
@@ -641,7 +716,7 @@ class Sm90FusedGemm:
                     cute.copy(epi.tma_d[i], s_part[(None, buf)], g_part[(None, s)])
                 epi.store_pipe.producer_commit()
                 # every thread has read operand buffer `buf` (barrier above): refill it
-                if cutlass.const_expr(n_tc > 0 and s + EPI_STAGES < n_sub):
+                if cutlass.const_expr(n_tc > 0 and not from_ring and s + EPI_STAGES < n_sub):
                     self._load_tile_ops(epi, bSC, s + EPI_STAGES, buf)
                 epi.store_pipe.producer_acquire()
             epi.barrier.arrive_and_wait()
@@ -655,6 +730,35 @@ class Sm90FusedGemm:
         for j in range(len(bSC)):  # plain Python: helpers are not preprocessed
             s_part, g_part = bSC[j]
             cute.copy(epi.tma_c[j], g_part[(None, s)], s_part[(None, buf)], tma_bar_ptr=epi.c_bar + buf)
+
+    def _ring_views(self, sA: cute.Tensor, sB: cute.Tensor) -> list:
+        """Per TILE operand, one single-stage epilogue smem tensor per subtile, at its
+        ``ring_slots`` place in A's or B's ring."""
+        rings = (sA.iterator, sB.iterator)
+        views = []
+        for dt, slots in zip(self.tile_op_dtypes, self.ring_slots):
+            layout = sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, self.epi_tile, 1)
+            views.append([cute.make_tensor(
+                cute.recast_ptr(rings[r] + offset // (self.ab_dtype.width // 8), layout.inner, dtype=dt),
+                layout.outer) for r, offset in slots])
+        return views
+
+    @cute.jit
+    def _load_ring(self, epi: _ConsumerEpilogue, m_idx, n_idx, l_idx):
+        """TMA-load every subtile of every TILE operand of tile (m_idx, n_idx, l_idx), the
+        CTA's last, into its ring slot (one warp); subtile ``s`` completes ``ring_bar + s``."""
+        if epi.is_store_warp:
+            for s in cutlass.range_constexpr(self.tile_mnk[1] // self.epi_n):
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(epi.ring_bar + s, self.tile_op_bytes)
+                for j in cutlass.range_constexpr(len(self.tile_ops)):
+                    s_part, g_part = cpasync.tma_partition(
+                        epi.tma_c[j], 0, cute.make_layout(1), cute.group_modes(epi.ring_sC[j][s], 0, 2),
+                        cute.zipped_divide(
+                            epi.gC[j][(None, None, m_idx, n_idx, l_idx if self.tile_op_batched[j] else 0)],
+                            self.epi_tile))
+                    cute.copy(epi.tma_c[j], g_part[(None, s)], s_part[(None, 0)],
+                              tma_bar_ptr=epi.ring_bar + s)
 
     def _subtile_acc_indices(self, tiled_mma: cute.TiledMma, r2s: cute.TiledCopy) -> list[list[int]]:
         """For each epilogue subtile, the accumulator element behind each value of the
