@@ -313,22 +313,13 @@ class Sm90FusedGemm:
               for j in range(n_tc)]
         c_bar = None
         if cutlass.const_expr(n_tc > 0):
-            # one "full" mbarrier per operand buffer, completed by the TMA transaction bytes
-            c_bar = smem.allocate_array(cutlass.Int64, EPI_STAGES, byte_alignment=8)
-            if warp_idx == 0:
-                with cute.arch.elect_one():
-                    for b in cutlass.range_constexpr(EPI_STAGES):
-                        cute.arch.mbarrier_init(c_bar + b, 1)
-            cute.arch.mbarrier_init_fence()
+            # one "full" mbarrier per operand buffer
+            c_bar = self._full_barriers(smem, EPI_STAGES, warp_idx)
         n_sub = self.tile_mnk[1] // self.epi_n
         ring_sC, ring_bar = [], None
         if cutlass.const_expr(self.ring_slots is not None):
-            ring_bar = smem.allocate_array(cutlass.Int64, n_sub, byte_alignment=8)
-            if warp_idx == 0:
-                with cute.arch.elect_one():
-                    for b in cutlass.range_constexpr(n_sub):
-                        cute.arch.mbarrier_init(ring_bar + b, 1)
-            cute.arch.mbarrier_init_fence()
+            # and per subtile of the last tile's, in the ring
+            ring_bar = self._full_barriers(smem, n_sub, warp_idx)
             ring_sC = self._ring_views(sA, sB)
 
         stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + \
@@ -730,6 +721,18 @@ class Sm90FusedGemm:
         for j in range(len(bSC)):  # plain Python: helpers are not preprocessed
             s_part, g_part = bSC[j]
             cute.copy(epi.tma_c[j], g_part[(None, s)], s_part[(None, buf)], tma_bar_ptr=epi.c_bar + buf)
+
+    @cute.jit
+    def _full_barriers(self, smem: SmemAllocator, count: int, warp_idx):
+        """``count`` mbarriers that one TMA transaction count each completes, initialized by
+        warp 0."""
+        bars = smem.allocate_array(cutlass.Int64, count, byte_alignment=8)
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                for b in cutlass.range_constexpr(count):
+                    cute.arch.mbarrier_init(bars + b, 1)
+        cute.arch.mbarrier_init_fence()
+        return bars
 
     def _ring_views(self, sA: cute.Tensor, sB: cute.Tensor) -> list:
         """Per TILE operand, one single-stage epilogue smem tensor per subtile, at its
