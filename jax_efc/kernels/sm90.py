@@ -184,7 +184,7 @@ class Sm90FusedGemm:
         room = [self.stages * cfg.tile_m * TILE_K * ab, self.stages * cfg.tile_n * TILE_K * ab]
         slots, ring, used = [], 0, 0
         for dt in self.tile_op_dtypes:
-            size = -(-cfg.tile_m * self.epi_n * dt.width // 8 // SMEM_ALIGN) * SMEM_ALIGN
+            size = -(-(cfg.tile_m * self.epi_n * dt.width // 8) // SMEM_ALIGN) * SMEM_ALIGN
             per_subtile = []
             for _ in range(cfg.tile_n // self.epi_n):
                 if used + size > room[ring]:
