@@ -148,8 +148,9 @@ def xla_faster_reason(ir: EpilogueIR, a, b, operands: Sequence[Any], *, transpos
     kernel is); arguments as :func:`unsupported_reason`'s."""
     from jax_efc.kernels import xla_faster_reason as reason
 
+    # the rule reads the shape and the batching, not the tile: no heuristic to run
     problem, (m, n, _, l) = _problem(ir, a, b, operands, transpose_a, transpose_b, acc_dtype,
-                                     None, arch)
+                                     GemmConfig(), arch)
     return reason(problem, m, n, l, sm_count=_sm_count())
 
 
