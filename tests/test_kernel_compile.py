@@ -388,8 +388,13 @@ def test_supported_and_heuristic():
     assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (192, 128, 1, 2, True)
     cfg = choose_config(problem, 8192, 4096, 4096, 1)  # 1376 tiles of 192x128: 10.4 per SM
     assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (128, 128, 1, 2, True)
-    cfg = choose_config(problem, 1000, 4096, 4096, 1)  # 128 tiles of 128x256: one wave
+    # 256 tiles of 128x128 on 132 SMs: ping-pong with K = 4096; a long K keeps one wave of
+    # 128 cooperative 128x256 tiles
+    cfg = choose_config(problem, 1000, 4096, 4096, 1)
+    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_n, cfg.pingpong) == (128, 128, 2, True)
+    cfg = choose_config(problem, 1000, 4096, 14336, 1)
     assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 256, False)
+    assert not choose_config(problem, 1000, 3584, 4096, 1).pingpong  # 224 tiles: 1.7 per SM
     cfg = choose_config(problem, 1000, 2048, 4096, 1)
     assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 128, False)
     # on a 78-SM part the same 1000x4096 problem has enough 128x128 tiles for ping-pong

@@ -313,7 +313,8 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
                   sm_count: int = DEFAULT_SM_COUNT) -> GemmConfig:
     """A tile and cluster shape for an M x N x K x L GEMM on a GPU with ``sm_count`` SMs.
 
-    Large problems (at least two 128x128 tiles per SM) run ping-pong tiles in 1x2 clusters:
+    Large problems (two 128x128 tiles per SM, or 1.8 with K under 12288) run ping-pong
+    tiles in 1x2 clusters:
     one consumer's epilogue hides under the other's mainloop, and each A tile is multicast to
     the two CTAs along N. The tiles are 192x128 where those fill the SMs about as well as
     128x128, else 128x128; with a long K (>= 12288), plain GEMMs and epilogues with one
@@ -357,7 +358,17 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     # 1.08/1.02/1.05, bias+silu 1.13/1.07/1.07 vs 1.02/0.95/1.01. Alpha-beta (two TILE
     # operands, two outputs: 5 stages) at 8192x4096x4096 / 4096x14336x4096: 0.435 / 0.766 ms,
     # against 0.462 / 0.812 with 4 stages and 0.449 / 0.775 cooperative.
-    if (-(-m // 128) >= 8 and -(-n // 128) >= 2 and tiles(128, 128) >= 2 * sms
+    # Ping-pong from two full waves of 128x128 tiles, or, with a K under _LONG_K, two waves of
+    # _ONE_WAVE: there a CTA's first epilogue hides under its second mainloop and only half
+    # a 128x256 tile's epilogue is left exposed. Measured on H200, two runs, 128x128 ping-pong
+    # 1x2 against cooperative 128x256 at 1000x4096x4096 and 2048x2048x4096 (256 tiles of
+    # 128x128 on 132 SMs): faster in 13 of 16 pairs (plain, bias+gelu_tanh, bias+gelu,
+    # bias+silu, alpha-beta), 1.1% in the geometric mean; the longest CTA span, SM cycles,
+    # 80.6k against 82.8k for alpha-beta and 73.4k against 75.1k for bias+gelu_tanh at
+    # 1000x4096x4096. At 1000x4096x14336 the mainloop outweighs the epilogue: 4 of 8 pairs
+    # either way, 0.3% in the mean.
+    two_waves = 2 * sms if k >= _LONG_K else 2 * _ONE_WAVE * sms
+    if (-(-m // 128) >= 8 and -(-n // 128) >= 2 and tiles(128, 128) >= two_waves
             and stages(128, 128) >= 5):
         # 192x128 loads about a fifth less A/B per multiply-add from L2 than 128x128 (smem
         # reads per WGMMA stay the same), and these kernels run at the H200's 700 W cap,
@@ -424,8 +435,8 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     # 128x256 once its tiles fill nearly one wave (a wave of 128x256 tiles beats two of
     # 128x128: the same work per SM at a higher MMA efficiency), and only while its
     # epilogue buffers (outputs and TILE operands) leave >= 3 stages. Measured on H200, bf16
-    # 1000x4096x4096 (128 such tiles on 132 SMs), one run: 0.049 ms against 0.063 ms for
-    # 128x128 (0.99x vs 0.84x XLA).
+    # 1000x4096x4096 (128 such tiles on 132 SMs; with K = 4096 it now runs ping-pong), one
+    # run: 0.049 ms against 0.063 ms for cooperative 128x128 (0.99x vs 0.84x XLA).
     if n >= 256 and tiles(128, 256) >= _ONE_WAVE * sms and stages(128, 256) >= 3:
         tm, tn = 128, 256
     elif tiles(128, 128) >= sms // 2 or m > 64:
