@@ -397,8 +397,9 @@ def test_supported_and_heuristic():
     assert not choose_config(problem, 1000, 3584, 4096, 1).pingpong  # 224 tiles: 1.7 per SM
     cfg = choose_config(problem, 1000, 2048, 4096, 1)
     assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 128, False)
-    # on a 78-SM part the same 1000x4096 problem has enough 128x128 tiles for ping-pong
-    assert choose_config(problem, 1000, 4096, 4096, 1, sm_count=78).pingpong
+    # 192 tiles of 128x128: under two waves of 132 SMs, over two of 78
+    assert not choose_config(problem, 1000, 3072, 4096, 1).pingpong
+    assert choose_config(problem, 1000, 3072, 4096, 1, sm_count=78).pingpong
     cfg = choose_config(problem, 512, 16384, 4096, 1)
     assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 256, False)
     assert not choose_config(problem, 8192, 128, 8192, 1).pingpong  # one N tile: no 1x2 cluster
