@@ -313,17 +313,16 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
                   sm_count: int = DEFAULT_SM_COUNT) -> GemmConfig:
     """A tile and cluster shape for an M x N x K x L GEMM on a GPU with ``sm_count`` SMs.
 
-    Large problems (two 128x128 tiles per SM, or 1.8 with K under 12288) run ping-pong
-    tiles in 1x2 clusters: one consumer's epilogue hides under the other's mainloop, and
-    each A tile is multicast to the two CTAs along N. The tiles are 192x128 where those fill the SMs about as well as
-    128x128, else 128x128; with a long K (>= 12288), plain GEMMs and epilogues with one
-    output and no TILE operand run cooperative 128x256 tiles in 2x1 clusters instead where
-    those fill the SMs as well. When the epilogue's smem buffers would leave the ping-pong
-    ring fewer than 5 stages (two fp32 outputs next to two TILE operands), or the problem is
-    smaller, the cooperative schedule runs: 128x256 tiles (two warpgroups, 128 fp32
-    accumulators per thread) when they (nearly) fill the SMs, else 128x128 (or 64x128 when
-    even those leave most SMs idle), with a 2x1 cluster multicasting B when M spans several
-    tiles.
+    Large problems (two 128x128 tiles per SM, or 1.8 with K under 12288) run ping-pong tiles in
+    1x2 clusters: one consumer's epilogue hides under the other's mainloop, and each A tile is
+    multicast to the two CTAs along N. The tiles are 192x128 where those fill the SMs about as
+    well as 128x128, else 128x128; with a long K (>= 12288), plain GEMMs and epilogues with one
+    output and no TILE operand run cooperative 128x256 tiles in 2x1 clusters instead where those
+    fill the SMs as well. When the epilogue's smem buffers would leave the ping-pong ring fewer
+    than 5 stages (two fp32 outputs next to two TILE operands), or the problem is smaller, the
+    cooperative schedule runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per thread)
+    when they (nearly) fill the SMs, else 128x128 (or 64x128 when even those leave most SMs
+    idle), with a 2x1 cluster multicasting B when M spans several tiles.
     Large problems walk the tiles in bands of 8 clusters for L2 reuse. Epilogues that do work
     get 16-wide subtiles on ping-pong tiles where that buys the ring a stage, else 64-wide
     ones where the ring keeps enough stages (128x128 ping-pong, 128x256).
