@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from jax import lax
 
 from .epilogue import EpilogueIR, evaluate
@@ -33,8 +34,18 @@ def fused_gemm_reference(
     """``epilogue(op(a) @ op(b), *operands)``: one dot in ``acc_dtype``, then the epilogue
     program in its epilogue dtype; outputs are (M, N) or (L, M, N)."""
     del config  # a kernel setting; the reference has none
+    m_axis = a.ndim - 1 if transpose_a else a.ndim - 2
+    one_row = a.shape[m_axis] == 1
+    if one_row:
+        # XLA's GPU dot of one row takes a matrix-vector path slower than its GEMM of two;
+        # a zero second row, sliced off, keeps the GEMM (and its fp32 accumulation)
+        pad = [(0, 0, 0)] * a.ndim
+        pad[m_axis] = (0, 1, 0)
+        a = lax.pad(a, np.zeros((), a.dtype), pad)
     acc = lax.dot_general(
         a, b, contraction(a.ndim, transpose_a, transpose_b), precision=precision,
         preferred_element_type=acc_dtype,
     )
+    if one_row:
+        acc = lax.slice_in_dim(acc, 0, 1, axis=acc.ndim - 2)
     return evaluate(ir, acc, operands)

@@ -1,5 +1,8 @@
 """Forward numerics of gemm and fused_dense on the reference path (any machine)."""
 
+import re
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,6 +115,43 @@ def test_odd_shapes(rng, shape):
     a, b, bias = arrays(rng, (m, k), (k, n), (n,))
     y = efc.fused_dense(a, b, bias, activation="silu")
     assert rel_err(y, jax.nn.silu(f32(a) @ f32(b) + f32(bias))) < 1e-5
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+def test_one_row_runs_as_two_row_gemm(rng, batched, ta, tb):
+    """A one-row A is padded to two rows (XLA's GPU GEMM beats its one-row path), and only
+    the real row comes back, forward and backward."""
+    lead = (3,) if batched else ()
+    M, N, K = 1, 44, 28
+    a, b = arrays(rng, lead + ((K, M) if ta else (M, K)), lead + ((N, K) if tb else (K, N)))
+    bias, tile = arrays(rng, (N,), lead + (M, N))
+
+    def f(a, b, bias, tile):
+        return efc.gemm(a, b, lambda acc, r, t: jax.nn.gelu(acc + r) * t, bias, tile,
+                        transpose_a=ta, transpose_b=tb)
+
+    opa = np.swapaxes(f32(a), -1, -2) if ta else f32(a)
+    opb = np.swapaxes(f32(b), -1, -2) if tb else f32(b)
+    want = jax.nn.gelu(opa @ opb + f32(bias)) * f32(tile)
+    out = jax.jit(f)(a, b, bias, tile)
+    assert out.shape == lead + (M, N) and rel_err(out, want) < 1e-5
+    hlo = jax.jit(f).lower(a, b, bias, tile).as_text()
+    assert re.search(r"dot_general.*-> tensor<%s2x44xf32>" % "".join(f"{d}x" for d in lead), hlo)
+
+    def loss(f, *args):
+        return jnp.sum(jnp.sin(f(*args)))
+
+    def plain(a, b, bias, tile):
+        opa = jnp.swapaxes(a, -1, -2) if ta else a
+        opb = jnp.swapaxes(b, -1, -2) if tb else b
+        return jax.nn.gelu(opa @ opb + bias) * tile
+
+    got = jax.grad(partial(loss, f), argnums=(0, 1, 2, 3))(a, b, bias, tile)
+    ref = jax.grad(partial(loss, plain), argnums=(0, 1, 2, 3))(a, b, bias, tile)
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape and rel_err(g, f32(r)) < 1e-5
 
 
 def test_dynamic_scalars_do_not_retrace(rng):
