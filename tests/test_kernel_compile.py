@@ -293,22 +293,25 @@ def test_unsupported_reasons(change, needle):
     assert reason is not None and needle in reason, reason
 
 
-@pytest.mark.parametrize("epilogue, dtype, cfg, mnk, fits", [
-    # 2 operands x 8 subtiles of 4 KiB in A's ring of 6 x 16 KiB
-    ("alpha_beta", "bfloat16", (128, 128, 1, 2, {"pingpong": True, "epi_n": 16}), (2048, 4096, 4096), True),
-    # 16 subtiles of 8 KiB: 6 in A's ring (3 x 16 KiB), the rest in B's (3 x 32 KiB)
-    ("alpha_beta", "bfloat16", (128, 256, 1, 1), (1000, 4096, 4096), True),
-    # fp32: 4 subtiles of 16 KiB in A's ring of 5 x 16 KiB
-    ("f32_tile", "float16", (128, 128, 1, 1), (1024, 1024, 512), True),
+@pytest.mark.parametrize("epilogue, dtype, cfg, mnk, fits, outputs_fit", [
+    # 2 operands x 8 subtiles of 4 KiB in A's ring of 6 x 16 KiB, the 2 outputs' in B's
+    ("alpha_beta", "bfloat16", (128, 128, 1, 2, {"pingpong": True, "epi_n": 16}), (2048, 4096, 4096),
+     True, True),
+    # 16 subtiles of 8 KiB: 6 in A's ring (3 x 16 KiB), the rest in B's (3 x 32 KiB); no room
+    # for the outputs' 16 more
+    ("alpha_beta", "bfloat16", (128, 256, 1, 1), (1000, 4096, 4096), True, False),
+    # fp32: 4 subtiles of 16 KiB in A's ring of 5 x 16 KiB, the fp32 output's 4 after them
+    ("f32_tile", "float16", (128, 128, 1, 1), (1024, 1024, 512), True, True),
     # fp32: 3 subtiles of 32 KiB against 2 x 16 KiB and 2 x 24 KiB of ring
-    ("f32_tile", "float16", (128, 192, 1, 1, {"epi_n": 64}), (1024, 1536, 512), False),
-    ("bias_gelu", "bfloat16", (128, 128, 1, 2, {"pingpong": True}), (2048, 4096, 4096), False),
+    ("f32_tile", "float16", (128, 192, 1, 1, {"epi_n": 64}), (1024, 1536, 512), False, False),
+    ("bias_gelu", "bfloat16", (128, 128, 1, 2, {"pingpong": True}), (2048, 4096, 4096), False, False),
     # stream-K: the last units take the split epilogue
-    ("alpha_beta", "bfloat16", (128, 256, 2, 1, {"swizzle": 8}), (8192, 7936, 8192), False),
+    ("alpha_beta", "bfloat16", (128, 256, 2, 1, {"swizzle": 8}), (8192, 7936, 8192), False, False),
 ])
-def test_last_tile_ring_slots(epilogue, dtype, cfg, mnk, fits):
-    """The CTA's last tile loads all its TILE-operand subtiles into the idle A/B ring: one
-    1 KiB-aligned slot each, inside A's or B's ring, none overlapping."""
+def test_last_tile_ring_slots(epilogue, dtype, cfg, mnk, fits, outputs_fit):
+    """The CTA's last tile loads all its TILE-operand subtiles into the idle A/B ring, and
+    stages its output subtiles there where they fit too: one 1 KiB-aligned slot each, inside
+    A's or B's ring, none overlapping."""
     pytest.importorskip("cutlass.jax")
     import jax.numpy as jnp
 
@@ -321,16 +324,23 @@ def test_last_tile_ring_slots(epilogue, dtype, cfg, mnk, fits):
     problem = KernelProblem(ir, dtype, "float32", "k", "n", False, False, False, (False,) * len(ops),
                             "sm_90a", _config(cfg))
     clusters = 132 // (problem.config.cluster_m * problem.config.cluster_n)
-    slots = Sm90FusedGemm(problem, plan_schedule(problem.config, m, n, k, 1, clusters)).ring_slots
+    kernel = Sm90FusedGemm(problem, plan_schedule(problem.config, m, n, k, 1, clusters))
     if not fits:
-        assert slots is None
+        assert kernel.ring_slots is None and kernel.ring_out_slots is None
         return
+    assert (kernel.ring_out_slots is not None) == outputs_fit
     config, stages = problem.config, pipeline_stages(problem)
     room = [stages * config.tile_m * 64 * 2, stages * config.tile_n * 64 * 2]
+    tensors = [o.dtype for o in ops if len(o.shape) == 2]
+    slots = kernel.ring_slots
+    if outputs_fit:
+        tensors += [o.dtype for o in ir.outputs]
+        slots += kernel.ring_out_slots
+    assert len(slots) == len(tensors)
     spans = []
-    for op, per_subtile in zip((o for o in ops if len(o.shape) == 2), slots):
+    for dtype, per_subtile in zip(tensors, slots):
         assert len(per_subtile) == config.tile_n // config.epi_n
-        size = config.tile_m * config.epi_n * jnp.dtype(op.dtype).itemsize
+        size = config.tile_m * config.epi_n * jnp.dtype(dtype).itemsize
         for ring, offset in per_subtile:
             assert offset % 1024 == 0 and offset + size <= room[ring]
             spans.append((ring, offset, offset + size))

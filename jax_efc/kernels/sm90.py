@@ -20,7 +20,7 @@ consumer has its own epilogue named barrier and TMA-store warp.
   the accumulator fragment, each output is converted to its dtype, written to its own smem
   buffer and stored with TMA (the TMA store clips the M/N edges); TILE operands come in
   through two smem buffers, except on the CTA's last tile, which loads them all into the
-  then idle A/B ring;
+  then idle A/B ring and, where they fit, stages its outputs there too;
 - the schedule (:mod:`jax_efc.kernels.schedule`) hands each CTA a list of units, a tile and
   a range of its k-tiles: whole tiles, then with stream-K pieces of the last ones. A piece
   that starts past k = 0 stores its accumulators to a workspace slot instead of running the
@@ -95,10 +95,13 @@ class _ConsumerEpilogue:
     frag_c: list
     c_bar: object
     # the CTA's last tile: per TILE operand and subtile, its slot in the idle A/B ring and
-    # the ldmatrix partition of it; one "full" mbarrier per subtile (empty without the slots)
+    # the ldmatrix partition of it; one "full" mbarrier per subtile (empty without the slots);
     ring_sC: list
     ring_tSR_sC: list
     ring_bar: object
+    # and, where they fit, per output and subtile its slot and the stmatrix partition of it
+    ring_sD: list
+    ring_tRS_sD: list
     frag: cute.Tensor  # fp32 accumulator values of one subtile
     tCcT: cute.Tensor  # (m, n) within the tile of each accumulator register
     acc_index: list  # per subtile, the accumulator registers behind `frag`
@@ -163,13 +166,15 @@ class Sm90FusedGemm:
         if self.stages < 2:
             raise ValueError(f"{cfg} with {len(self.out_dtypes)} outputs leaves room for "
                              f"{self.stages} pipeline stages; use a smaller tile.")
-        self.ring_slots = self._place_ring_subtiles(cfg)
+        self.ring_slots, self.ring_out_slots = self._place_ring_subtiles(cfg)
 
-    def _place_ring_subtiles(self, cfg) -> tuple | None:
-        """Where the CTA's last tile puts its TILE-operand subtiles: one 1 KiB-aligned slot
-        per operand and subtile, as (ring, byte offset) with ring 0 for A's smem and 1 for
-        B's. ``None`` where there are none, they do not all fit, or under stream-K (its last
-        units end in the split epilogue, which keeps the shared buffers).
+    def _place_ring_subtiles(self, cfg) -> tuple:
+        """Where the CTA's last tile puts its TILE-operand subtiles and, where they fit too,
+        its output subtiles: one 1 KiB-aligned slot per tensor and subtile, as (ring, byte
+        offset) with ring 0 for A's smem and 1 for B's. ``(None, None)`` where there are no
+        TILE operands, they do not all fit, or under stream-K (its last units end in the split
+        epilogue, which keeps the shared buffers); the output slots are ``None`` where only
+        the operands fit.
 
         Nothing hides the CTA's last epilogue, and through the two shared buffers its TILE
         loads run only two subtiles ahead. By then the A/B ring is idle (every k-tile
@@ -177,24 +182,34 @@ class Sm90FusedGemm:
         once. Measured on H200 (alpha-beta, SM cycles, `benchmarks/timeline.py`): the last
         epilogue of 128x128 ping-pong tiles with 16-wide subtiles took 5.7k and 5.5k against
         7.5k at 2048x4096x4096 and 4096^3; at 1000x4096x4096 (128x256 tiles, one per CTA)
-        the kernel's span went from 83.0k to 80.6k."""
+        the kernel's span went from 83.0k to 80.6k.
+
+        Outputs staged in the ring too each have a slot per subtile, so no subtile waits for
+        the TMA store of the one before to have read its buffer."""
         if not self.tile_ops or self.schedule.stream_k is not None:
-            return None
+            return None, None
         ab = self.ab_dtype.width // 8
         room = [self.stages * cfg.tile_m * TILE_K * ab, self.stages * cfg.tile_n * TILE_K * ab]
-        slots, ring, used = [], 0, 0
-        for dt in self.tile_op_dtypes:
-            size = -(-(cfg.tile_m * self.epi_n * dt.width // 8) // SMEM_ALIGN) * SMEM_ALIGN
-            per_subtile = []
-            for _ in range(cfg.tile_n // self.epi_n):
-                if used + size > room[ring]:
-                    ring, used = ring + 1, 0
-                    if ring == len(room):
-                        return None
-                per_subtile.append((ring, used))
-                used += size
-            slots.append(tuple(per_subtile))
-        return tuple(slots)
+
+        def pack(dtypes):
+            slots, ring, used = [], 0, 0
+            for dt in dtypes:
+                size = -(-(cfg.tile_m * self.epi_n * dt.width // 8) // SMEM_ALIGN) * SMEM_ALIGN
+                per_subtile = []
+                for _ in range(cfg.tile_n // self.epi_n):
+                    if used + size > room[ring]:
+                        ring, used = ring + 1, 0
+                        if ring == len(room):
+                            return None
+                    per_subtile.append((ring, used))
+                    used += size
+                slots.append(tuple(per_subtile))
+            return tuple(slots)
+
+        both = pack(self.tile_op_dtypes + tuple(self.out_dtypes))
+        if both is not None:
+            return both[:len(self.tile_ops)], both[len(self.tile_ops):]
+        return pack(self.tile_op_dtypes), None
 
     # ---------------------------------------------------------------- host side (traced)
     @cute.jit
@@ -316,11 +331,13 @@ class Sm90FusedGemm:
             # one "full" mbarrier per operand buffer
             c_bar = self._full_barriers(smem, EPI_STAGES, warp_idx)
         n_sub = self.tile_mnk[1] // self.epi_n
-        ring_sC, ring_bar = [], None
+        ring_sC, ring_sD, ring_bar = [], [], None
         if cutlass.const_expr(self.ring_slots is not None):
             # and per subtile of the last tile's, in the ring
             ring_bar = self._full_barriers(smem, n_sub, warp_idx)
-            ring_sC = self._ring_views(sA, sB)
+            ring_sC = self._ring_views(sA, sB, self.tile_op_dtypes, self.ring_slots)
+        if cutlass.const_expr(self.ring_out_slots is not None):
+            ring_sD = self._ring_views(sA, sB, self.out_dtypes, self.ring_out_slots)
 
         stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + \
             cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))
@@ -406,7 +423,7 @@ class Sm90FusedGemm:
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             epi = self._consumer_epilogue(tiled_mma, ctid, group, warp_idx, mD, sD, tma_d,
-                                          operands, mC, sC, tma_c, c_bar, ring_sC, ring_bar)
+                                          operands, mC, sC, tma_c, c_bar, ring_sC, ring_sD, ring_bar)
             acc = cute.make_rmem_tensor(cute.shape(epi.tCcT), cutlass.Float32)
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -601,7 +618,7 @@ class Sm90FusedGemm:
         return read, release, tiled_mma
 
     def _consumer_epilogue(self, tiled_mma: cute.TiledMma, ctid, group, warp_idx, mD, sD,
-                           tma_d, operands, mC, sC, tma_c, c_bar, ring_sC,
+                           tma_d, operands, mC, sC, tma_c, c_bar, ring_sC, ring_sD,
                            ring_bar) -> _ConsumerEpilogue:
         """Build consumer ``group``'s epilogue machinery for thread ``ctid`` of the group."""
         tile_2d = cute.slice_(self.tile_mnk, (None, None, 0))
@@ -636,6 +653,9 @@ class Sm90FusedGemm:
             ring_sC=ring_sC,
             ring_tSR_sC=[[c.get_slice(ctid).partition_S(v) for v in views]
                          for c, views in zip(s2r, ring_sC)],
+            ring_sD=ring_sD,
+            ring_tRS_sD=[[c.get_slice(ctid).partition_D(v) for v in views]
+                         for c, views in zip(r2s, ring_sD)],
             ring_bar=ring_bar,
             frag=cute.make_rmem_tensor(frag_shape, cutlass.Float32),
             tCcT=tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor(self.tile_mnk[:2])),
@@ -648,30 +668,36 @@ class Sm90FusedGemm:
             is_store_warp=warp_idx == 4 + 4 * self.n_mma_wg * group,
         )
 
+    def _subtile_tma(self, atom: cute.CopyAtom, smem: cute.Tensor, tile: cute.Tensor) -> tuple:
+        """(smem, gmem) TMA partitions for copies between the staged epilogue ``smem``
+        (indexed ``(None, stage)``) and the (tile_m x epi_n) subtiles of the global ``tile``
+        (indexed ``(None, subtile)``)."""
+        return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+                                     cute.zipped_divide(tile, self.epi_tile))
+
+    def _tile_op_tile(self, epi: _ConsumerEpilogue, j, m_idx, n_idx, l_idx) -> cute.Tensor:
+        """TILE operand ``j``'s part of tile (m_idx, n_idx, l_idx) (batch 0 if it has none)."""
+        return epi.gC[j][(None, None, m_idx, n_idx, l_idx if self.tile_op_batched[j] else 0)]
+
     def _tile_op_partitions(self, epi: _ConsumerEpilogue, m_idx, n_idx, l_idx) -> list:
         """(smem, gmem) TMA partitions of tile (m_idx, n_idx, l_idx)'s TILE-operand subtiles."""
-        return [cpasync.tma_partition(
-            epi.tma_c[j], 0, cute.make_layout(1), cute.group_modes(epi.sC[j], 0, 2),
-            cute.zipped_divide(
-                epi.gC[j][(None, None, m_idx, n_idx, l_idx if self.tile_op_batched[j] else 0)],
-                self.epi_tile),
-        ) for j in range(len(self.tile_ops))]
+        return [self._subtile_tma(epi.tma_c[j], epi.sC[j], self._tile_op_tile(epi, j, m_idx, n_idx, l_idx))
+                for j in range(len(self.tile_ops))]
 
     @cute.jit
     def _epilogue(self, epi: _ConsumerEpilogue, acc: cute.Tensor, bSC, m_idx, n_idx, l_idx,
                   subtile_count, from_ring: cutlass.Constexpr = False):
         """The fused epilogue of one tile, one (tile_m x epi_n) subtile at a time, through
         the ``EPI_STAGES`` epilogue smem buffers (``from_ring``: TILE operands already on
-        their way into the ring, by :meth:`_load_ring`). Returns the running subtile count."""
+        their way into the ring, by :meth:`_load_ring`, and outputs staged there where they
+        have slots). Returns the running subtile count."""
         n_out = len(self.out_dtypes)
+        out_in_ring = from_ring and self.ring_out_slots is not None
         n_tc = len(self.tile_ops)
         n_sub = self.tile_mnk[1] // self.epi_n
         frag = epi.frag
-        # (epi_m, epi_n, 1, subtiles) coordinates of this tile's outputs
-        bSG = [cpasync.tma_partition(
-            epi.tma_d[i], 0, cute.make_layout(1), cute.group_modes(epi.sD[i], 0, 2),
-            cute.zipped_divide(epi.gD[i][(None, None, m_idx, n_idx, l_idx)], self.epi_tile),
-        ) for i in range(n_out)]
+        gD = [epi.gD[i][(None, None, m_idx, n_idx, l_idx)] for i in range(n_out)]
+        bSG = [self._subtile_tma(epi.tma_d[i], epi.sD[i], gD[i]) for i in range(n_out)]
         for s in cutlass.range_constexpr(n_sub):
             sub_index = epi.acc_index[s]
             _gather_registers(frag, acc, sub_index)
@@ -697,20 +723,30 @@ class Sm90FusedGemm:
             # they free bought nothing: benchmarks/FINDINGS.md)
             for i in cutlass.range_constexpr(n_out):
                 epi.frag_out[i].store(outs[i])
-                cute.copy(epi.r2s[i], epi.frag_out[i], epi.tRS_sD[i][(None, None, None, buf)])
+                if cutlass.const_expr(out_in_ring):
+                    cute.copy(epi.r2s[i], epi.frag_out[i], epi.ring_tRS_sD[i][s][(None, None, None, 0)])
+                else:
+                    cute.copy(epi.r2s[i], epi.frag_out[i], epi.tRS_sD[i][(None, None, None, buf)])
             # make the generic-proxy smem writes visible to the TMA (async proxy)
             cute.arch.fence_proxy("async.shared", space="cta")
             epi.barrier.arrive_and_wait()
             if epi.is_store_warp:
                 for i in cutlass.range_constexpr(n_out):
-                    s_part, g_part = bSG[i]
-                    cute.copy(epi.tma_d[i], s_part[(None, buf)], g_part[(None, s)])
+                    if cutlass.const_expr(out_in_ring):
+                        s_part, g_part = self._subtile_tma(epi.tma_d[i], epi.ring_sD[i][s], gD[i])
+                        cute.copy(epi.tma_d[i], s_part[(None, 0)], g_part[(None, s)])
+                    else:
+                        s_part, g_part = bSG[i]
+                        cute.copy(epi.tma_d[i], s_part[(None, buf)], g_part[(None, s)])
                 epi.store_pipe.producer_commit()
                 # every thread has read operand buffer `buf` (barrier above): refill it
                 if cutlass.const_expr(n_tc > 0 and not from_ring and s + EPI_STAGES < n_sub):
                     self._load_tile_ops(epi, bSC, s + EPI_STAGES, buf)
-                epi.store_pipe.producer_acquire()
-            epi.barrier.arrive_and_wait()
+                if cutlass.const_expr(not out_in_ring):
+                    epi.store_pipe.producer_acquire()
+            # (a subtile staged in its own ring slot waits for no earlier store to read it)
+            if cutlass.const_expr(not out_in_ring):
+                epi.barrier.arrive_and_wait()
             subtile_count += 1
         return subtile_count
 
@@ -734,12 +770,12 @@ class Sm90FusedGemm:
         cute.arch.mbarrier_init_fence()
         return bars
 
-    def _ring_views(self, sA: cute.Tensor, sB: cute.Tensor) -> list:
-        """Per TILE operand, one single-stage epilogue smem tensor per subtile, at its
+    def _ring_views(self, sA: cute.Tensor, sB: cute.Tensor, dtypes, ring_slots) -> list:
+        """Per tensor of ``dtypes``, one single-stage epilogue smem tensor per subtile, at its
         ``ring_slots`` place in A's or B's ring."""
         rings = (sA.iterator, sB.iterator)
         views = []
-        for dt, slots in zip(self.tile_op_dtypes, self.ring_slots):
+        for dt, slots in zip(dtypes, ring_slots):
             layout = sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, self.epi_tile, 1)
             views.append([cute.make_tensor(
                 cute.recast_ptr(rings[r] + offset // (self.ab_dtype.width // 8), layout.inner, dtype=dt),
@@ -755,11 +791,8 @@ class Sm90FusedGemm:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(epi.ring_bar + s, self.tile_op_bytes)
                 for j in cutlass.range_constexpr(len(self.tile_ops)):
-                    s_part, g_part = cpasync.tma_partition(
-                        epi.tma_c[j], 0, cute.make_layout(1), cute.group_modes(epi.ring_sC[j][s], 0, 2),
-                        cute.zipped_divide(
-                            epi.gC[j][(None, None, m_idx, n_idx, l_idx if self.tile_op_batched[j] else 0)],
-                            self.epi_tile))
+                    s_part, g_part = self._subtile_tma(epi.tma_c[j], epi.ring_sC[j][s],
+                                                       self._tile_op_tile(epi, j, m_idx, n_idx, l_idx))
                     cute.copy(epi.tma_c[j], g_part[(None, s)], s_part[(None, 0)],
                               tma_bar_ptr=epi.ring_bar + s)
 
