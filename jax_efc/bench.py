@@ -63,7 +63,7 @@ L2_BYTES = 60 * 2**20
 # inputs and outputs that ``calls_per_jit`` may hold on the device at once
 _CHAIN_BYTES = 16 * 2**30
 NO_TRITON_FLAG = "--xla_gpu_enable_triton_gemm=false"
-ROUNDS = 6  # timed rounds by default: even, so both orders of the functions count alike
+ROUNDS = 6  # timed rounds by default: one balanced cycle of a config, its baseline and --bound's GEMM
 
 Shape = tuple[int, int, int, int]  # M, N, K, L
 
@@ -343,16 +343,37 @@ def _smi_knows(gpu: str, field: str) -> bool:
     return out.returncode == 0
 
 
+def round_orders(n: int, rounds: int) -> list[list[int]]:
+    """The order of ``n`` functions in each round: a Williams design, in which each function
+    is timed right after every other one equally often within the rounds (a cycle of ``n``
+    rounds for an even ``n``, ``2n`` for an odd one); ``rounds`` is rounded up to whole cycles.
+
+    On an H200, of three identical kernels timed in the same rounds, the one timed right after
+    the baseline came out 2-4% faster than the other two at three of four problems. Merely
+    reversing every other round leaves that with three functions or more: of configs A and B
+    timed with their baseline, B would follow the baseline in every reversed round and A
+    never."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    cycle = [[(f + r) % n for f in first] for r in range(n)]
+    if n % 2:
+        cycle += [order[::-1] for order in cycle]
+    return cycle * -(-rounds // len(cycle))
+
+
 def _time(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tuple], rounds: int,
           calls: int | None, min_round_s: float, warmup: int
           ) -> tuple[list[float], list[list[tuple[float, float]]]]:
-    """For each function, the median over ``rounds`` of the mean time per call, and the
+    """For each function, the median over the rounds of the mean time per call, and the
     (start, end) ``perf_counter`` window of each of its rounds. Rounds of the functions
-    alternate, so a drift in clocks hits them alike, and every other round runs them in
-    reverse order: on an H200, of three identical kernels timed in the same rounds, the one
-    timed right after the baseline came out 2-4% faster than the other two at three of four
-    problems, and reversing the order removed that. ``calls=None`` picks enough calls for a
-    round to last ``min_round_s``; ``warmup`` (>= 1) calls exclude compilation."""
+    interleave, so a drift in clocks hits them alike, in the orders of :func:`round_orders`
+    (at least ``rounds`` of them). ``calls=None`` picks enough calls for a round to last
+    ``min_round_s``; ``warmup`` (>= 1) calls exclude compilation."""
     counts = []
     for fn in fns:
         for i in range(max(1, warmup)):
@@ -362,8 +383,7 @@ def _time(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tuple], rounds
         counts.append(calls or max(1, min(1000, math.ceil(min_round_s / max(time.perf_counter() - t0, 1e-7)))))
     per_call: list[list[float]] = [[] for _ in fns]
     windows: list[list[tuple[float, float]]] = [[] for _ in fns]
-    for r in range(rounds):
-        order = range(len(fns)) if r % 2 == 0 else range(len(fns) - 1, -1, -1)
+    for order in round_orders(len(fns), rounds):
         for i in order:
             fn, n, times, spans = fns[i], counts[i], per_call[i], windows[i]
             t0 = time.perf_counter()
@@ -623,7 +643,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "heuristic, default) or tile_m,tile_n[,cluster_m,cluster_n][,field=value...]")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--rounds", type=int, default=ROUNDS,
-                   help="timed rounds, every other one in reverse order; the median counts")
+                   help="timed rounds (at least; rounded up so that each function is timed right "
+                        "after every other one equally often); the median counts")
     p.add_argument("--min-round-time", type=float, default=0.1, help="seconds per round (sets the calls)")
     p.add_argument("--skip-check", action="store_true", help="skip the correctness check")
     p.add_argument("--also-no-triton", action="store_true",

@@ -87,8 +87,8 @@ def _add_run(sub: Any) -> None:
     p.add_argument("--scale", type=float, default=0.5, help="the complex epilogue's scale")
     p.add_argument("--warmup_iterations", type=int, default=2)
     p.add_argument("--iterations", type=int, default=50,
-                   help=f"timed calls, in {bench.ROUNDS} rounds, every other one in reverse order "
-                        "(median round)")
+                   help=f"timed calls, in {bench.ROUNDS} rounds that alternate which of ours and the "
+                        "baseline runs first (median round)")
     p.add_argument("--skip_ref_check", action="store_true")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--epilogue", choices=sorted(seed_epilogues.SEEDS), default="alpha-beta")

@@ -1,6 +1,7 @@
 """The jax-efc command, run in-process on tiny shapes."""
 
 import argparse
+import collections
 import json
 import re
 import subprocess
@@ -250,9 +251,20 @@ def test_measure_together_refuses_mixed_problems():
         bench.measure_together(problems)
 
 
-def test_rounds_alternate_their_order():
-    # every other round runs the functions in reverse, so none is always timed right after
-    # the same neighbour (the one timed right after the baseline ran faster on an H200)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_round_orders_balance_the_neighbours(n):
+    # within the rounds, every function is timed right after every other one equally often
+    # (the one timed right after the baseline ran faster on an H200), and takes every place
+    orders = bench.round_orders(n, 6)
+    assert len(orders) >= 6 and len(orders) % (n if n % 2 == 0 else 2 * n) == 0
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    follows = collections.Counter((o[k], o[k + 1]) for o in orders for k in range(n - 1))
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1
+    for place in range(n):
+        assert collections.Counter(o[place] for o in orders) == {f: len(orders) // n for f in range(n)}
+
+
+def test_rounds_follow_the_balanced_orders():
     log = []
 
     def named(name):
@@ -264,10 +276,11 @@ def test_rounds_alternate_their_order():
     x = jax.numpy.ones(4)
     times, windows = bench._time([named("a"), named("b"), named("base")], [(x,)], rounds=3,
                                  calls=1, min_round_s=0.0, warmup=1)
-    assert log[6:] == ["a", "b", "base", "base", "b", "a", "a", "b", "base"]  # after 2 warm-up calls each
-    assert len(times) == 3 and all(len(w) == 3 for w in windows)
-    # each window is the function's own round: a's second round comes after base's
-    assert windows[0][1][0] >= windows[2][1][1]
+    names = ("a", "b", "base")
+    assert log[6:] == [names[i] for o in bench.round_orders(3, 3) for i in o]  # after 2 warm-up calls each
+    assert len(times) == 3 and all(len(w) == 6 for w in windows)  # 3 rounds made a whole cycle of 6
+    # each window is the function's own round: rounds follow one another
+    assert windows[0][1][0] >= windows[0][0][1]
 
 
 _FAKE_SMI = """
