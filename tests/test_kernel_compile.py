@@ -294,7 +294,8 @@ def test_unsupported_reasons(change, needle):
 
 
 @pytest.mark.parametrize("epilogue, dtype, cfg, mnk, fits, outputs_fit", [
-    # 2 operands x 8 subtiles of 4 KiB in A's ring of 6 x 16 KiB, the 2 outputs' in B's
+    # 2 operands x 8 subtiles of 4 KiB in A's ring of 6 x 16 KiB, then D's 8 fill it and Y's go
+    # to B's
     ("alpha_beta", "bfloat16", (128, 128, 1, 2, {"pingpong": True, "epi_n": 16}), (2048, 4096, 4096),
      True, True),
     # 16 subtiles of 8 KiB: 6 in A's ring (3 x 16 KiB), the rest in B's (3 x 32 KiB); no room
