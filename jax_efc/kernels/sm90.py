@@ -185,7 +185,8 @@ class Sm90FusedGemm:
         the kernel's span went from 83.0k to 80.6k.
 
         Outputs staged in the ring too each have a slot per subtile, so no subtile waits for
-        the TMA store of the one before to have read its buffer."""
+        the TMA store of the one before to have read its buffer: alpha-beta's last epilogue
+        (bf16 outputs, same tiles) took 5.2k and 5.3k cycles against 5.4k and 5.9k."""
         if not self.tile_ops or self.schedule.stream_k is not None:
             return None, None
         ab = self.ab_dtype.width // 8
