@@ -140,7 +140,8 @@ def _run(args: argparse.Namespace) -> int:
             compile(args.expr, "<--expr>", "eval")
         except SyntaxError as e:
             args.parser.error(f"--expr is not a Python expression: {e.msg}")
-    rounds = max(1, min(bench.ROUNDS, args.iterations))
+    # an even number of rounds: each of ours and the baseline runs first equally often
+    rounds = max(2, min(bench.ROUNDS, args.iterations) // 2 * 2)
     try:
         r = bench.measure(_run_problem(args), rounds=rounds, calls=max(1, args.iterations // rounds),
                           warmup=args.warmup_iterations, check=not args.skip_ref_check)
