@@ -706,40 +706,37 @@ class Sm90FusedGemm:
             coords = _tile_coords(epi.tCcT, sub_index,
                                   m_idx * self.tile_mnk[0], n_idx * self.tile_mnk[1])
             buf = subtile_count % EPI_STAGES
-            preloaded = {}
+            # this subtile's smem: its own ring slots (one stage each), or buffer `buf`
+            tile_op_smem = []
             if cutlass.const_expr(from_ring):
                 # each ring slot is loaded once per kernel: phase 0
                 cute.arch.mbarrier_wait(epi.ring_bar + s, 0)
-                for j in cutlass.range_constexpr(n_tc):
-                    cute.copy(epi.s2r[j], epi.ring_tSR_sC[j][s][(None, None, None, 0)], epi.tSR_rC[j])
-                    preloaded[self.tile_ops[j]] = epi.frag_c[j].load().to(cutlass.Float32)
+                tile_op_smem = [views[s][(None, None, None, 0)] for views in epi.ring_tSR_sC]
             elif cutlass.const_expr(n_tc > 0):
                 # subtile_count-th load into this buffer: its parity is the phase
                 cute.arch.mbarrier_wait(epi.c_bar + buf, (subtile_count // EPI_STAGES) % 2)
-                for j in cutlass.range_constexpr(n_tc):
-                    cute.copy(epi.s2r[j], epi.tSR_sC[j][(None, None, None, buf)], epi.tSR_rC[j])
-                    preloaded[self.tile_ops[j]] = epi.frag_c[j].load().to(cutlass.Float32)
+                tile_op_smem = [part[(None, None, None, buf)] for part in epi.tSR_sC]
+            preloaded = {}
+            for j in cutlass.range_constexpr(n_tc):
+                cute.copy(epi.s2r[j], tile_op_smem[j], epi.tSR_rC[j])
+                preloaded[self.tile_ops[j]] = epi.frag_c[j].load().to(cutlass.Float32)
             outs = self.visitor(frag.load(), coords, epi.operands, epi.mn_extent, l_idx, preloaded)
             # (Stores from registers straight to global memory, 32 bits a pair of values with
             # no smem buffers and no barriers, were slower for alpha-beta on H200, and the smem
             # they free bought nothing: benchmarks/FINDINGS.md)
+            out_stage = 0 if out_in_ring else buf
+            out_smem = [views[s] for views in epi.ring_tRS_sD] if out_in_ring else epi.tRS_sD
             for i in cutlass.range_constexpr(n_out):
                 epi.frag_out[i].store(outs[i])
-                if cutlass.const_expr(out_in_ring):
-                    cute.copy(epi.r2s[i], epi.frag_out[i], epi.ring_tRS_sD[i][s][(None, None, None, 0)])
-                else:
-                    cute.copy(epi.r2s[i], epi.frag_out[i], epi.tRS_sD[i][(None, None, None, buf)])
+                cute.copy(epi.r2s[i], epi.frag_out[i], out_smem[i][(None, None, None, out_stage)])
             # make the generic-proxy smem writes visible to the TMA (async proxy)
             cute.arch.fence_proxy("async.shared", space="cta")
             epi.barrier.arrive_and_wait()
             if epi.is_store_warp:
                 for i in cutlass.range_constexpr(n_out):
-                    if cutlass.const_expr(out_in_ring):
-                        s_part, g_part = self._subtile_tma(epi.tma_d[i], epi.ring_sD[i][s], gD[i])
-                        cute.copy(epi.tma_d[i], s_part[(None, 0)], g_part[(None, s)])
-                    else:
-                        s_part, g_part = bSG[i]
-                        cute.copy(epi.tma_d[i], s_part[(None, buf)], g_part[(None, s)])
+                    s_part, g_part = (self._subtile_tma(epi.tma_d[i], epi.ring_sD[i][s], gD[i])
+                                      if out_in_ring else bSG[i])
+                    cute.copy(epi.tma_d[i], s_part[(None, out_stage)], g_part[(None, s)])
                 epi.store_pipe.producer_commit()
                 # every thread has read operand buffer `buf` (barrier above): refill it
                 if cutlass.const_expr(n_tc > 0 and not from_ring and s + EPI_STAGES < n_sub):
