@@ -1,7 +1,7 @@
 """Where a fused GEMM's SM cycles go, read from the kernel's timeline build.
 
     python benchmarks/timeline.py [--shape M,N,K[,L]] [--epilogues gemm bias+gelu_tanh ...]
-                                  [--configs auto 128,128,1,2,pingpong=1,epi_n=16 ...]
+                                  [--configs auto 128,128,1,2,pingpong=1,epi_n=16 ...] [--by-position]
 
 The timeline build (``jax_efc.ffi.fused_gemm(..., timeline=True)``) has the first thread of
 every consumer group stamp the SM clock at each unit's ``TIMELINE_EVENTS``
@@ -15,6 +15,9 @@ blur them):
 - ``epilogue``: one epilogue's length; ``last``: the CTA's last epilogue, which nothing hides.
 
 The table shows the mean over the CTAs (and the longest span, which sets the kernel's time).
+``--by-position`` adds the tile and epilogue cycles at each position of a CTA's walk (first
+unit, second, ...), over the CTAs that ran the most common number of units: costs that come
+and go with the phase of the kernel (all CTAs start together) show there and not in a mean.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from .bench import (EPILOGUES, Problem, bench_problem, config_label, fixed_width
 from .kernels import TIMELINE_EVENTS
 from .primitive import fused_gemm_eqns, kernel_params
 
-__all__ = ["Summary", "summarize", "timeline_call", "record", "main"]
+__all__ = ["Summary", "summarize", "Positions", "by_position", "timeline_call", "record", "main"]
 
 _REACHED, _MAINLOOP, _COMPLETE, _EPILOGUE, _END = (
     TIMELINE_EVENTS.index(e) for e in ("reached", "mainloop", "complete", "epilogue", "end"))
@@ -64,6 +67,13 @@ def _cta_units(cta: np.ndarray) -> np.ndarray:
     return (ran - ran[0, _REACHED] + 2**31) % 2**32 - 2**31
 
 
+def _tile_cycles(e: np.ndarray) -> np.ndarray:
+    """WGMMA cycles of each of a CTA's units (``_cta_units``'s rows): from the later of its
+    mainloop start and the previous unit's completion to its own completion."""
+    busy_from = np.maximum(e[:, _MAINLOOP], np.r_[0, e[:-1, _COMPLETE]])
+    return e[:, _COMPLETE] - busy_from
+
+
 def summarize(stamps: np.ndarray) -> Summary:
     """The summary of a timeline build's stamps, (CTAs, groups, units, events) int32."""
     rows = []
@@ -71,14 +81,37 @@ def summarize(stamps: np.ndarray) -> Summary:
         e = _cta_units(cta)
         if not len(e):
             continue
-        busy_from = np.maximum(e[:, _MAINLOOP], np.r_[0, e[:-1, _COMPLETE]])
-        tile = e[:, _COMPLETE] - busy_from
+        tile = _tile_cycles(e)
         rows.append((len(e), e[-1, _END] - e[0, _MAINLOOP], tile[1:-1].mean() if len(e) > 2 else tile.mean(),
                      np.maximum(0, e[1:, _MAINLOOP] - e[:-1, _COMPLETE]).sum(),
                      (e[:, _END] - e[:, _EPILOGUE]).mean(), e[-1, _END] - e[-1, _COMPLETE]))
     r = np.array(rows, dtype=np.float64)
     return Summary(units=r[:, 0].mean(), span=r[:, 1].mean(), span_max=r[:, 1].max(), tile=r[:, 2].mean(),
                    gaps=r[:, 3].mean(), epilogue=r[:, 4].mean(), last=r[:, 5].mean())
+
+
+@dataclasses.dataclass(frozen=True)
+class Positions:
+    """Means per position in the walk over the ``ctas`` CTAs that ran ``units`` units, the
+    most common count (the larger on a tie), in SM cycles."""
+
+    units: int
+    ctas: int
+    tile: np.ndarray  # WGMMA cycles of the tile at each position
+    epilogue: np.ndarray  # that tile's epilogue
+
+
+def by_position(stamps: np.ndarray) -> Positions:
+    """Tile and epilogue cycles by position in the CTAs' walks, from a timeline build's stamps
+    (CTAs, groups, units, events) int32."""
+    walks: dict[int, list[np.ndarray]] = {}
+    for cta in np.asarray(stamps):
+        e = _cta_units(cta)
+        if len(e):
+            walks.setdefault(len(e), []).append(np.stack([_tile_cycles(e), e[:, _END] - e[:, _EPILOGUE]]))
+    units = max(walks, key=lambda n: (len(walks[n]), n))
+    tile, epilogue = np.mean(walks[units], axis=0)
+    return Positions(units=units, ctas=len(walks[units]), tile=tile, epilogue=epilogue)
 
 
 def timeline_call(problem: Problem) -> tuple[Callable[..., Any], list[jax.ShapeDtypeStruct]]:
@@ -119,7 +152,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--configs", nargs="+", type=parse_config, default=[None], metavar="CONFIG",
                    help="'auto' (the heuristic's) or tile_m,tile_n[,cluster_m,cluster_n][,field=value...]")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--by-position", action="store_true",
+                   help="also print the tile and epilogue cycles at each position of the CTAs' walks")
     args = p.parse_args(argv)
-    rows = [(e, config_label(c), summarize(record(bench_problem(e, args.shape, args.dtype, c))))
+    runs = [(e, config_label(c), record(bench_problem(e, args.shape, args.dtype, c)))
             for e in args.epilogues for c in args.configs]
-    print(_table(rows), flush=True)
+    print(_table([(e, c, summarize(stamps)) for e, c, stamps in runs]), flush=True)
+    if args.by_position:
+        for e, c, stamps in runs:
+            pos = by_position(stamps)
+            print(f"\n{e} {c}: {pos.ctas} CTAs of {pos.units} units, k cycles by position")
+            print("  tile     " + " ".join(f"{v / 1e3:5.1f}" for v in pos.tile))
+            print("  epilogue " + " ".join(f"{v / 1e3:5.1f}" for v in pos.epilogue), flush=True)

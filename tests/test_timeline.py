@@ -4,22 +4,24 @@ import numpy as np
 import pytest
 
 from jax_efc.kernels import TIMELINE_EVENTS, TIMELINE_UNITS
-from jax_efc.timeline import summarize
+from jax_efc.timeline import by_position, summarize
 
 T, E = 1000, 300  # WGMMA cycles per tile, epilogue cycles
 
 
-def _stamps(n_units, start, late=()):
+def _stamps(n_units, start, late=(), slower=None):
     """(groups=2, units=4, events) int32 of one ping-pong CTA whose unit j's WGMMAs run
-    from j*T (200 cycles later, and later on, for each j in ``late``) to the next, each
-    epilogue 10 cycles after its tile completes; clocks start at ``start`` (may wrap)."""
+    from j*T (200 cycles later, and later on, for each j in ``late``) to the next, taking
+    ``slower[j]`` cycles more where given, each epilogue 10 cycles after its tile completes;
+    clocks start at ``start`` (may wrap)."""
     cta = np.zeros((2, 4, len(TIMELINE_EVENTS)), np.int64)
     t = 0
     for j in range(n_units):
         t += 200 if j in late else 0
-        events = (t - 50, t, t + T - 100, t + T, t + T + 10, t + T + 10 + E)
+        w = T + (slower or {}).get(j, 0)
+        events = (t - 50, t, t + w - 100, t + w, t + w + 10, t + w + 10 + E)
         cta[j % 2, j // 2] = [(start + v) % 2**32 for v in events]
-        t += T
+        t += w
     return cta.astype(np.uint32).view(np.int32)
 
 
@@ -34,6 +36,17 @@ def test_summary_of_two_ctas():
     assert s.gaps == 200 / 2
     assert s.epilogue == E
     assert s.last == 10 + E
+
+
+def test_by_position_over_the_most_common_walk():
+    # two CTAs of 3 units whose second tile is 300 and 100 cycles slower (one also starting
+    # its third 200 late, which is idle time, not WGMMA time), and one of 4 that is left out
+    stamps = np.stack([_stamps(3, 7, late=(2,), slower={1: 300}), _stamps(4, 2**32 - 1500, slower={0: 900}),
+                       _stamps(3, 40, slower={1: 100})])
+    pos = by_position(stamps)
+    assert (pos.units, pos.ctas) == (3, 2)
+    np.testing.assert_array_equal(pos.tile, [T, T + 200, T])
+    np.testing.assert_array_equal(pos.epilogue, [E, E, E])
 
 
 def test_ctas_without_units_are_left_out():
@@ -60,3 +73,6 @@ def test_timeline_of_a_pingpong_kernel():
     s = summarize(stamps)
     assert s.units == pytest.approx(256 / stamps.shape[0])
     assert 0 < s.tile < s.span and 0 < s.epilogue and 0 < s.last
+    pos = by_position(stamps)
+    assert pos.tile.shape == pos.epilogue.shape == (pos.units,) and pos.ctas > 0
+    assert (pos.tile > 0).all() and (pos.epilogue > 0).all()
