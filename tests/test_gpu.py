@@ -63,6 +63,30 @@ def test_activations(rng, name):
     assert rel_err(y, ref) < 1e-2
 
 
+@pytest.mark.parametrize("name", sorted(efc.ACTIVATIONS))
+def test_activations_elementwise_over_their_range(name):
+    """Each output element is as exact as XLA's fp32 evaluation of the activation rounded to
+    bf16, within one bf16 ulp and one fp32 rounding at the pre-activation's scale, for
+    pre-activations from -9 to 9: the kernel's hardware approximations must not lose a tail.
+    (Where an fp32 formula cancels, as ``1 + tanh`` deep in GELU's negative tail, no fp32
+    evaluation does better than that rounding: there the kernel and XLA differ by luck.)"""
+    m, n, k = 256, 128, 64
+    grid = np.linspace(-9.0, 9.0, m).astype(jnp.bfloat16).astype(np.float64)
+    x = np.zeros((m, k)); x[:, 0] = grid  # x @ w is the grid, exactly, whatever the rounding
+    w = np.zeros((k, n)); w[0] = 1.0
+    x, w, bias = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), jnp.zeros((n,), jnp.bfloat16)
+    y = jax.jit(lambda x, w, b: efc.fused_dense(x, w, b, activation=name, config=efc.GemmConfig()))(x, w, bias)
+    fn = efc.ACTIVATIONS[name]
+    pre = np.broadcast_to(grid[:, None], (m, n))
+    xla = f64(jax.jit(lambda v: fn(v).astype(jnp.bfloat16))(jnp.asarray(pre, jnp.float32)))
+    with jax.enable_x64(True):
+        exact = np.asarray(fn(jnp.asarray(pre, jnp.float64)))
+    err, xla_err = np.abs(f64(y) - exact), np.abs(xla - exact)
+    bad = err > xla_err + 2.0**-7 * np.abs(exact) + 2.0**-24 * (1.0 + np.abs(pre))
+    assert not bad.any(), (f"at pre-activation {pre[bad][0]}: {f64(y)[bad][0]} against {exact[bad][0]} "
+                           f"(XLA's fp32: {xla[bad][0]})")
+
+
 @pytest.mark.parametrize("ta", [False, True])
 @pytest.mark.parametrize("tb", [False, True])
 def test_majors_and_batch(rng, ta, tb):
