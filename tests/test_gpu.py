@@ -72,8 +72,11 @@ def test_activations_elementwise_over_their_range(name):
     evaluation does better than that rounding: there the kernel and XLA differ by luck.)"""
     m, n, k = 256, 128, 64
     grid = np.linspace(-9.0, 9.0, m).astype(jnp.bfloat16).astype(np.float64)
-    x = np.zeros((m, k)); x[:, 0] = grid  # x @ w is the grid, exactly, whatever the rounding
-    w = np.zeros((k, n)); w[0] = 1.0
+    # x @ w is the grid, exactly, whatever the rounding
+    x = np.zeros((m, k))
+    x[:, 0] = grid
+    w = np.zeros((k, n))
+    w[0] = 1.0
     x, w, bias = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), jnp.zeros((n,), jnp.bfloat16)
     y = jax.jit(lambda x, w, b: efc.fused_dense(x, w, b, activation=name, config=efc.GemmConfig()))(x, w, bias)
     fn = efc.ACTIVATIONS[name]
