@@ -37,6 +37,7 @@ from .primitive import fused_gemm_eqns, kernel_params
 
 __all__ = ["Summary", "summarize", "Positions", "by_position", "timeline_call", "record", "main"]
 
+_NO_UNITS = "no CTA stamped a unit: these are not the stamps of a timeline build that ran."
 _REACHED, _MAINLOOP, _COMPLETE, _EPILOGUE, _END = (
     TIMELINE_EVENTS.index(e) for e in ("reached", "mainloop", "complete", "epilogue", "end"))
 
@@ -85,6 +86,8 @@ def summarize(stamps: np.ndarray) -> Summary:
         rows.append((len(e), e[-1, _END] - e[0, _MAINLOOP], tile[1:-1].mean() if len(e) > 2 else tile.mean(),
                      np.maximum(0, e[1:, _MAINLOOP] - e[:-1, _COMPLETE]).sum(),
                      (e[:, _END] - e[:, _EPILOGUE]).mean(), e[-1, _END] - e[-1, _COMPLETE]))
+    if not rows:
+        raise ValueError(_NO_UNITS)
     r = np.array(rows, dtype=np.float64)
     return Summary(units=r[:, 0].mean(), span=r[:, 1].mean(), span_max=r[:, 1].max(), tile=r[:, 2].mean(),
                    gaps=r[:, 3].mean(), epilogue=r[:, 4].mean(), last=r[:, 5].mean())
@@ -109,6 +112,8 @@ def by_position(stamps: np.ndarray) -> Positions:
         e = _cta_units(cta)
         if len(e):
             walks.setdefault(len(e), []).append(np.stack([_tile_cycles(e), e[:, _END] - e[:, _EPILOGUE]]))
+    if not walks:
+        raise ValueError(_NO_UNITS)
     units = max(walks, key=lambda n: (len(walks[n]), n))
     tile, epilogue = np.mean(walks[units], axis=0)
     return Positions(units=units, ctas=len(walks[units]), tile=tile, epilogue=epilogue)

@@ -49,6 +49,13 @@ def test_by_position_over_the_most_common_walk():
     np.testing.assert_array_equal(pos.epilogue, [E, E, E])
 
 
+def test_stamps_without_units_are_refused():
+    empty = np.zeros((3, 2, 4, len(TIMELINE_EVENTS)), np.int32)
+    for fn in (summarize, by_position):
+        with pytest.raises(ValueError, match="no CTA stamped a unit"):
+            fn(empty)
+
+
 def test_ctas_without_units_are_left_out():
     stamps = np.stack([_stamps(2, 5), np.zeros((2, 4, len(TIMELINE_EVENTS)), np.int32)])
     s = summarize(stamps)
