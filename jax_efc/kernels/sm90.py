@@ -751,11 +751,17 @@ class Sm90FusedGemm:
 
     def _load_tile_ops(self, epi: _ConsumerEpilogue, bSC, s, buf):
         """TMA-load subtile ``s`` of every TILE operand into buffer ``buf`` (one warp)."""
+        self._load_subtile(epi, bSC, s, buf, epi.c_bar, buf)
+
+    def _load_subtile(self, epi: _ConsumerEpilogue, parts, s, stage, bars, b):
+        """TMA-load subtile ``s`` of every TILE operand, through its (smem, gmem) partitions
+        ``parts``, into smem stage ``stage``; the bytes complete mbarrier ``bars + b`` (one
+        warp)."""
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(epi.c_bar + buf, self.tile_op_bytes)
-        for j in range(len(bSC)):  # plain Python: helpers are not preprocessed
-            s_part, g_part = bSC[j]
-            cute.copy(epi.tma_c[j], g_part[(None, s)], s_part[(None, buf)], tma_bar_ptr=epi.c_bar + buf)
+            cute.arch.mbarrier_arrive_and_expect_tx(bars + b, self.tile_op_bytes)
+        for j in range(len(parts)):  # plain Python: helpers are not preprocessed
+            s_part, g_part = parts[j]
+            cute.copy(epi.tma_c[j], g_part[(None, s)], s_part[(None, stage)], tma_bar_ptr=bars + b)
 
     @cute.jit
     def _full_barriers(self, smem: SmemAllocator, count: int, warp_idx):
@@ -787,13 +793,10 @@ class Sm90FusedGemm:
         CTA's last, into its ring slot (one warp); subtile ``s`` completes ``ring_bar + s``."""
         if epi.is_store_warp:
             for s in cutlass.range_constexpr(self.tile_mnk[1] // self.epi_n):
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(epi.ring_bar + s, self.tile_op_bytes)
-                for j in cutlass.range_constexpr(len(self.tile_ops)):
-                    s_part, g_part = self._subtile_tma(epi.tma_c[j], epi.ring_sC[j][s],
-                                                       self._tile_op_tile(epi, j, m_idx, n_idx, l_idx))
-                    cute.copy(epi.tma_c[j], g_part[(None, s)], s_part[(None, 0)],
-                              tma_bar_ptr=epi.ring_bar + s)
+                parts = [self._subtile_tma(epi.tma_c[j], epi.ring_sC[j][s],
+                                           self._tile_op_tile(epi, j, m_idx, n_idx, l_idx))
+                         for j in range(len(self.tile_ops))]
+                self._load_subtile(epi, parts, s, 0, epi.ring_bar, s)
 
     def _subtile_acc_indices(self, tiled_mma: cute.TiledMma, r2s: cute.TiledCopy) -> list[list[int]]:
         """For each epilogue subtile, the accumulator element behind each value of the
