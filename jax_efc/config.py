@@ -32,6 +32,10 @@ class GemmConfig:
     # epilogue subtile width in columns (16, 32 or 64): wider means fewer barriers and TMA
     # stores per tile, narrower leaves more shared memory to the A/B pipeline
     epi_n: int = 32
+    # epilogue subtile height in rows (0: the tile's height; else a multiple of 64 that divides
+    # it): at the same buffer size, shorter and wider subtiles move more bytes per row of each
+    # TMA copy of an epilogue tensor
+    epi_m: int = 0
     # ping-pong schedule: two consumer warpgroups each own whole tiles (at most 192x128,
     # 128x192 or 64x256) and take alternate tiles of the persistent schedule, so one runs its
     # epilogue while the other runs its mainloop. False: the cooperative schedule (one or two
@@ -51,7 +55,7 @@ class GemmConfig:
 
 def _field_error(config: GemmConfig) -> str | None:
     """The first field outside its domain, as a sentence; the checks every kernel shares."""
-    for name in ("tile_m", "tile_n", "cluster_m", "cluster_n", "swizzle", "stages", "epi_n"):
+    for name in ("tile_m", "tile_n", "cluster_m", "cluster_n", "swizzle", "stages", "epi_n", "epi_m"):
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool):
             return f"{name}={value!r} must be an int."
@@ -69,6 +73,9 @@ def _field_error(config: GemmConfig) -> str | None:
     if config.tile_n % config.epi_n:
         return (f"tile_n={config.tile_n} is not a multiple of epi_n={config.epi_n}, the epilogue's "
                 "subtile width; choose a tile_n that is, or a narrower epi_n.")
+    if config.epi_m < 0 or config.epi_m % 64 or config.epi_m and config.tile_m % config.epi_m:
+        return (f"epi_m={config.epi_m} must be 0 (the tile's height) or a multiple of 64 that "
+                f"divides tile_m={config.tile_m}.")
     for name in ("pingpong", "stream_k"):
         if not isinstance(getattr(config, name), bool):
             return f"{name}={getattr(config, name)!r} must be True or False."

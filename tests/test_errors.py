@@ -126,13 +126,15 @@ def test_fused_dense_errors(ab):
     (dict(stages=1), "stages=1 must be 0"),
     (dict(epi_n=48), "epi_n=48 must be 16, 32 or 64"),
     (dict(tile_n=80), "tile_n=80 is not a multiple of epi_n=32"),
+    (dict(epi_m=32), "epi_m=32 must be 0 (the tile's height) or a multiple of 64"),
+    (dict(tile_m=192, epi_m=128), "divides tile_m=192"),
     (dict(pingpong=1), "pingpong=1 must be True or False"),
 ])
 def test_config_fields_are_checked_when_made(fields, needle):
     """On every platform, not only where a kernel would run it."""
     with pytest.raises(ValueError, match=re.escape(needle)):
         efc.GemmConfig(**fields)
-    efc.GemmConfig(tile_n=64, epi_n=64, pingpong=True, swizzle=8, stages=4, raster="n")
+    efc.GemmConfig(tile_n=64, epi_n=64, epi_m=64, pingpong=True, swizzle=8, stages=4, raster="n")
 
 
 def test_fingerprint_is_stable_across_processes():

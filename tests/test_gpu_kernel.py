@@ -92,7 +92,9 @@ def test_plain_gemm_majors_odd_shape(transpose_a, transpose_b, config):
 
 
 @pytest.mark.parametrize("config", [(128, 256, 2, 1), (128, 128, 1, 2), (128, 128, 2, 2),
-                                    (64, 128, 1, 1), (128, 192, 1, 1), (256, 128, 2, 1), None])
+                                    (64, 128, 1, 1), (128, 192, 1, 1), (256, 128, 2, 1), None,
+                                    (192, 128, 1, 2, {"pingpong": True, "epi_n": 64, "epi_m": 64}),
+                                    (256, 128, 2, 1, {"epi_m": 128})])
 def test_configs(config):
     _run(lambda acc, bias: acc + bias, [((1, 768), "bfloat16")], m=1032, n=768, k=520,
          config=config)
@@ -108,13 +110,15 @@ def test_configs(config):
     ((128, 256, 2, 1, {"swizzle": 8}), 4608, 3840, 1288, None, "alpha_beta", False),
     ((128, 128, 1, 2, {"pingpong": True, "swizzle": 8, "epi_n": 16}), 2176, 4096, 1288, None, "alpha_beta",
      False),
+    ((128, 128, 1, 2, {"pingpong": True, "swizzle": 8, "epi_m": 64}), 2176, 4096, 1288, None, "alpha_beta",
+     False),
     ((128, 128, 1, 1, {"pingpong": True}), 1152, 2048, 1024, 2, "alpha_beta", True),
     ((192, 128, 1, 2, {"pingpong": True, "swizzle": 8}), 2300, 1536, 1288, None, "bias_gelu", False),
     ((256, 128, 1, 2, {"swizzle": 8}), 2048, 2304, 1288, None, "bias_gelu", True),
     ((128, 128, 1, 1, {}), 1024, 512, 8192, None, "bias_gelu", False),
     ((128, 128, 1, 2, {"pingpong": True}), 256, 2048, 4104, None, "alpha_beta", True),
 ], ids=["pingpong_bias_gelu", "pingpong_epi64_bias_gelu", "cooperative_alpha_beta",
-        "pingpong_epi16_alpha_beta", "pingpong_alpha_beta_batched_transposed", "pingpong_192x128_bias_gelu",
+        "pingpong_epi16_alpha_beta", "pingpong_epi64x32_alpha_beta", "pingpong_alpha_beta_batched_transposed", "pingpong_192x128_bias_gelu",
         "cooperative_256x128_bias_gelu_transposed", "split_all_bias_gelu",
         "split_all_pingpong_alpha_beta_transposed"])
 def test_stream_k(config, m, n, k, batch, epilogue, transpose):
@@ -210,7 +214,8 @@ def test_fast_erf_erfc_float32():
 # ring, across both of its parts at 128x256): partial edge tiles, several outputs of different
 # dtypes, 16- and 32-bit operands, operands shared across the batch, 32- and 64-wide subtiles.
 @pytest.mark.parametrize("config", [(128, 256, 1, 1), (128, 128, 2, 1), (64, 128, 1, 1, {"epi_n": 64}),
-                                    (128, 192, 1, 1), (128, 128, 1, 2, {"pingpong": True, "epi_n": 16})])
+                                    (128, 192, 1, 1), (128, 128, 1, 2, {"pingpong": True, "epi_n": 16}),
+                                    (128, 128, 1, 2, {"pingpong": True, "epi_m": 64})])
 def test_tile_operands_alpha_beta_edges(config):
     import jax.numpy as jnp
 
@@ -220,6 +225,20 @@ def test_tile_operands_alpha_beta_edges(config):
     m, n = 1000, 1000  # partial tiles on both edges (N a multiple of 8 for TMA)
     _run(fn, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=520, config=config,
          out_dtypes={"D": jnp.bfloat16, "Y": jnp.float32})
+
+
+@pytest.mark.parametrize("shape", [(2048, 4096, 4096), (1000, 14336, 1032)])
+def test_alpha_beta_heuristic_config(shape):
+    # the heuristic's ping-pong tiles in 64x32 subtiles; bf16 outputs staged in the ring on the
+    # last tile
+    import jax.numpy as jnp
+
+    def fn(acc, c, x):
+        return {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}
+
+    m, n, k = shape
+    _run(fn, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=k,
+         out_dtypes={"D": jnp.bfloat16, "Y": jnp.bfloat16})
 
 
 def test_cooperative_256x128_tile_operands_batched_fp16():

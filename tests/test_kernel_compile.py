@@ -69,11 +69,20 @@ VARIANTS = {
                                    (128, 128, 2, 1, {"pingpong": True}), "bias_gelu"),
     "bf16_pingpong_alpha_beta_128x128": ("bfloat16", True, True, 2,
                                          (128, 128, 1, 1, {"pingpong": True}), "alpha_beta"),
-    # 16-wide subtiles (what the heuristic gives alpha-beta on ping-pong tiles), and with
-    # outputs of three dtypes (fp32 and fp16 outputs are not stored by stmatrix)
+    # 64x32 subtiles (what the heuristic gives alpha-beta on ping-pong tiles), 16-wide ones,
+    # subtiles a third of a 192-row tile high, and with outputs of three dtypes (fp32 and fp16
+    # outputs are not stored by stmatrix)
+    "bf16_pingpong_alpha_beta_epi64x32_c1x2": ("bfloat16", False, False, None,
+                                               (128, 128, 1, 2, {"pingpong": True, "swizzle": 8,
+                                                                 "epi_m": 64}), "alpha_beta"),
     "bf16_pingpong_alpha_beta_epi16_c1x2": ("bfloat16", False, False, None,
                                             (128, 128, 1, 2, {"pingpong": True, "swizzle": 8, "epi_n": 16}),
                                             "alpha_beta"),
+    "fp16_pingpong_bias_gelu_192x128_epi64x64": ("float16", True, False, 2,
+                                                 (192, 128, 1, 2, {"pingpong": True, "epi_n": 64,
+                                                                   "epi_m": 64}), "bias_gelu"),
+    "bf16_multi_256x128_epi128x32": ("bfloat16", False, True, None, (256, 128, 2, 1, {"epi_m": 128}),
+                                     "multi"),
     "fp16_multi_epi16_128x256": ("float16", False, True, 2, (128, 256, 1, 1, {"epi_n": 16}), "multi"),
     # shapes whose last round of whole tiles would leave most clusters idle: stream-K
     "bf16_pingpong_bias_gelu_stream_k": ("bfloat16", False, False, None,
@@ -272,6 +281,7 @@ def _aval(shape, dtype):
         (dict(config=(128, 256, 1, 1, {"pingpong": True})), "pingpong=True with a 128x256 tile"),
         (dict(config=(192, 192, 1, 1, {"pingpong": True})), "pingpong=True with a 192x192 tile"),
         (dict(config=(192, 128, 1, 1)), "tile_m=192 needs pingpong=True"),
+        (dict(config=(128, 128, 1, 1, {"epi_m": 64})), "span the rows of all 2 warpgroups"),
         (dict(arch="sm_80"), "sm_80"),
     ],
 )
@@ -297,6 +307,9 @@ def test_unsupported_reasons(change, needle):
     # 2 operands x 8 subtiles of 4 KiB in A's ring of 6 x 16 KiB, then D's 8 fill it and Y's go
     # to B's
     ("alpha_beta", "bfloat16", (128, 128, 1, 2, {"pingpong": True, "epi_n": 16}), (2048, 4096, 4096),
+     True, True),
+    # the same in 64x32 subtiles
+    ("alpha_beta", "bfloat16", (128, 128, 1, 2, {"pingpong": True, "epi_m": 64}), (2048, 4096, 4096),
      True, True),
     # 16 subtiles of 8 KiB: 6 in A's ring (3 x 16 KiB), the rest in B's (3 x 32 KiB); no room
     # for the outputs' 16 more
@@ -340,8 +353,9 @@ def test_last_tile_ring_slots(epilogue, dtype, cfg, mnk, fits, outputs_fit):
     assert len(slots) == len(tensors)
     spans = []
     for dtype, per_subtile in zip(tensors, slots):
-        assert len(per_subtile) == config.tile_n // config.epi_n
-        size = config.tile_m * config.epi_n * jnp.dtype(dtype).itemsize
+        epi_m = config.epi_m or config.tile_m
+        assert len(per_subtile) == config.tile_m // epi_m * config.tile_n // config.epi_n
+        size = epi_m * config.epi_n * jnp.dtype(dtype).itemsize
         for ring, offset in per_subtile:
             assert offset % 1024 == 0 and offset + size <= room[ring]
             spans.append((ring, offset, offset + size))
@@ -450,12 +464,12 @@ def test_supported_and_heuristic():
                             {"D": jnp.bfloat16, "Y": jnp.bfloat16}, jnp.bfloat16)
     p_ab = dataclasses.replace(problem, ir=ab, operand_batched=(False, False))
     from jax_efc.kernels import pipeline_stages
-    # 16-bit: the four buffers leave the ping-pong ring 5 stages at 32-wide subtiles, enough
-    # for ping-pong (192x128 would leave 3), and 6 at 16-wide ones, which it takes
+    # 16-bit: the four buffers leave the ping-pong ring 5 stages at 128x32 subtiles, enough
+    # for ping-pong (192x128 would leave 3), and 6 at 64x32 ones, which it takes
     cfg = choose_config(p_ab, 8192, 8192, 8192, 1)
-    assert (cfg.tile_m, cfg.tile_n, cfg.epi_n, cfg.pingpong) == (128, 128, 16, True)
+    assert (cfg.tile_m, cfg.tile_n, cfg.epi_m, cfg.epi_n, cfg.pingpong) == (128, 128, 64, 32, True)
     assert pipeline_stages(dataclasses.replace(p_ab, config=cfg)) == 6
-    assert pipeline_stages(dataclasses.replace(p_ab, config=dataclasses.replace(cfg, epi_n=32))) == 5
+    assert pipeline_stages(dataclasses.replace(p_ab, config=dataclasses.replace(cfg, epi_m=0))) == 5
     assert choose_config(p_ab, 8192, 4096, 14336, 1).pingpong  # ping-pong hides its epilogue
     cfg = choose_config(p_ab, 512, 16384, 8192, 1)
     assert (cfg.tile_n, cfg.epi_n, cfg.pingpong) == (256, 32, False)

@@ -164,6 +164,11 @@ def _config_reason(config: GemmConfig) -> str | None:
     if config.cluster_m * config.cluster_n > _MAX_CLUSTER:
         return (f"cluster {config.cluster_m}x{config.cluster_n} has more than {_MAX_CLUSTER} "
                 "CTAs; SM90 clusters in jax_efc are at most 4 CTAs (e.g. 2x1, 1x2, 2x2).")
+    if config.epi_m % (64 * mma_warpgroups(config)):
+        return (f"epi_m={config.epi_m} with a cooperative {config.tile_m}-row tile: each epilogue "
+                f"subtile must span the rows of all {mma_warpgroups(config)} warpgroups that share "
+                f"the tile, a multiple of {64 * mma_warpgroups(config)} rows; use epi_m=0 (the "
+                "tile's height) or pingpong=True.")
     if config.tile_m * config.tile_n > _ACC_PER_THREAD * _WG * mma_warpgroups(config):
         if config.pingpong:
             return (f"pingpong=True with a {config.tile_m}x{config.tile_n} tile: one ping-pong "
@@ -287,7 +292,7 @@ def pipeline_stages(problem: KernelProblem) -> int:
     ab_bytes = (cfg.tile_m + cfg.tile_n) * TILE_K * _BITS[problem.ab_dtype] // 8
     epi_dtypes = [o.dtype for o in problem.ir.outputs] + \
         [problem.ir.operands[i].dtype for i in tile_operand_indices(problem.ir)]
-    epi_bytes = sum(_round_up(cfg.tile_m * cfg.epi_n * _BITS[d] // 8 * EPI_STAGES, SMEM_ALIGN)
+    epi_bytes = sum(_round_up((cfg.epi_m or cfg.tile_m) * cfg.epi_n * _BITS[d] // 8 * EPI_STAGES, SMEM_ALIGN)
                     for d in epi_dtypes)
     # every buffer is a whole number of 1 KiB blocks; the mbarrier arrays (pipeline and
     # TILE-operand barriers, well under 1 KiB) cost at most the padding to the next block each
@@ -324,7 +329,7 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     when they (nearly) fill the SMs, else 128x128 (or 64x128 when even those leave most SMs
     idle), with a 2x1 cluster multicasting B when M spans several tiles.
     Large problems walk the tiles in bands of 8 clusters for L2 reuse. Epilogues that do work
-    get 16-wide subtiles on ping-pong tiles where that buys the ring a stage, else 64-wide
+    get 64x32 subtiles on ping-pong tiles where that buys the ring a stage, else 64-wide
     ones where the ring keeps enough stages (128x128 ping-pong, 128x256).
     """
     sms = sm_count
@@ -413,11 +418,15 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # about 520 SM cycles of WGMMA, and a k-tile's TMA load (L2 to smem, multicast) takes
         # several of those. Measured on H200 (SM cycles per 8192x4096x4096 tile, in-kernel
         # clock stamps, plain GEMM, 32-wide subtiles): 32.9k with 6 stages, 33.2k with 5,
-        # 37.0k with 4. So 16-wide epilogue subtiles when they give the ring a stage: the
+        # 37.0k with 4. So smaller epilogue subtiles when they give the ring a stage: the
         # alpha-beta epilogue's four buffers (two TILE operands, two outputs) leave it 5 at
-        # 32 wide and 6 at 16; its tiles then took 34.5k-35.1k cycles against 35.7k-36.0k
-        # (four paired measurements at 8192x4096x4096 and 4096^3).
-        narrow = dataclasses.replace(cfg, epi_n=16)
+        # 128x32 and 6 at 128x16; its tiles then took 34.5k-35.1k cycles against 35.7k-36.0k
+        # (four paired measurements at 8192x4096x4096 and 4096^3). Of the same size, 64x32
+        # subtiles move 64 bytes per row in each TMA copy of a 16-bit tensor, not 32: while
+        # all CTAs run their first epilogues at once, alpha-beta's second and third tiles no
+        # longer slow down (k cycles, 2048x4096x4096: 34.0 34.2 against 36.6 35.8), and it
+        # ran 3% to 5% faster at eight shapes (one run each, benchmarks/FINDINGS.md).
+        narrow = dataclasses.replace(cfg, epi_n=32, epi_m=64)
         if has_work and stages_of(narrow) > stages_of(cfg):
             return narrow
         # 64-wide epilogue subtiles when they cost the ring no stage (a 128x128 tile with one

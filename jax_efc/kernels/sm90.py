@@ -151,14 +151,16 @@ class Sm90FusedGemm:
         self.acc_per_thread = cfg.tile_m * cfg.tile_n // self.n_epi_threads
         self.threads = _WG * (1 + self.n_consumer_wg)
         self.epi_n = cfg.epi_n
-        self.epi_tile = (cfg.tile_m, cfg.epi_n)
+        self.epi_tile = (cfg.epi_m or cfg.tile_m, cfg.epi_n)
+        # subtiles a tile, numbered down M first
+        self.n_sub = (cfg.tile_m // self.epi_tile[0]) * (cfg.tile_n // cfg.epi_n)
         # TILE operands that some output uses are staged through smem by TMA
         ops = problem.ir.operands
         self.tile_ops = tile_operand_indices(problem.ir)
         self.tile_op_dtypes = tuple(cutlass_dtype(ops[i].dtype) for i in self.tile_ops)
         self.tile_op_batched = tuple(problem.operand_batched[i] for i in self.tile_ops)
         # bytes one subtile of every TILE operand brings in (the TMA transaction count)
-        self.tile_op_bytes = sum(cfg.tile_m * cfg.epi_n * dt.width // 8 for dt in self.tile_op_dtypes)
+        self.tile_op_bytes = sum(self.epi_tile[0] * cfg.epi_n * dt.width // 8 for dt in self.tile_op_dtypes)
         # stmatrix stores 8x8 blocks of 16-bit values; it only helps when every output is
         # 16-bit (one register->smem partition is shared by all outputs).
         self.use_stmatrix = all(dt.width == 16 for dt in self.out_dtypes)
@@ -196,9 +198,9 @@ class Sm90FusedGemm:
         def pack(dtypes):
             slots, ring, used = [], 0, 0
             for dt in dtypes:
-                size = -(-(cfg.tile_m * self.epi_n * dt.width // 8) // SMEM_ALIGN) * SMEM_ALIGN
+                size = -(-(self.epi_tile[0] * self.epi_n * dt.width // 8) // SMEM_ALIGN) * SMEM_ALIGN
                 per_subtile = []
-                for _ in range(cfg.tile_n // self.epi_n):
+                for _ in range(self.n_sub):
                     if used + size > room[ring]:
                         ring, used = ring + 1, 0
                         if ring == len(room):
@@ -332,7 +334,7 @@ class Sm90FusedGemm:
         if cutlass.const_expr(n_tc > 0):
             # one "full" mbarrier per operand buffer
             c_bar = self._full_barriers(smem, EPI_STAGES, warp_idx)
-        n_sub = self.tile_mnk[1] // self.epi_n
+        n_sub = self.n_sub
         ring_sC, ring_sD, ring_bar = [], [], None
         if cutlass.const_expr(self.ring_slots is not None):
             # and per subtile of the last tile's, in the ring
@@ -584,7 +586,7 @@ class Sm90FusedGemm:
         """Start the TMA loads of a tile's first ``EPI_STAGES`` TILE-operand subtiles."""
         if cutlass.const_expr(len(bSC) > 0):
             if epi.is_store_warp:
-                for s in cutlass.range_constexpr(min(self.tile_mnk[1] // self.epi_n, EPI_STAGES)):
+                for s in cutlass.range_constexpr(min(self.n_sub, EPI_STAGES)):
                     self._load_tile_ops(epi, bSC, s, (subtile_count + s) % EPI_STAGES)
 
     @cute.jit
@@ -696,7 +698,7 @@ class Sm90FusedGemm:
         n_out = len(self.out_dtypes)
         out_in_ring = from_ring and self.ring_out_slots is not None
         n_tc = len(self.tile_ops)
-        n_sub = self.tile_mnk[1] // self.epi_n
+        n_sub = self.n_sub
         frag = epi.frag
         gD = [epi.gD[i][(None, None, m_idx, n_idx, l_idx)] for i in range(n_out)]
         bSG = [self._subtile_tma(epi.tma_d[i], epi.sD[i], gD[i]) for i in range(n_out)]
@@ -792,7 +794,7 @@ class Sm90FusedGemm:
         """TMA-load every subtile of every TILE operand of tile (m_idx, n_idx, l_idx), the
         CTA's last, into its ring slot (one warp); subtile ``s`` completes ``ring_bar + s``."""
         if epi.is_store_warp:
-            for s in cutlass.range_constexpr(self.tile_mnk[1] // self.epi_n):
+            for s in cutlass.range_constexpr(self.n_sub):
                 parts = [self._subtile_tma(epi.tma_c[j], epi.ring_sC[j][s],
                                            self._tile_op_tile(epi, j, m_idx, n_idx, l_idx))
                          for j in range(len(self.tile_ops))]
@@ -809,8 +811,10 @@ class Sm90FusedGemm:
         where = {tuple(acc_coords[i]): i for i in range(cute.size(acc_coords))}
         frag_coords = r2s.get_slice(0).partition_S(cute.make_identity_tensor(self.epi_tile))
         n_frag = cute.size(frag_coords)
-        indices = [[where[(frag_coords[v][0], frag_coords[v][1] + s * self.epi_n)] for v in range(n_frag)]
-                   for s in range(self.tile_mnk[1] // self.epi_n)]
+        sub_m = self.tile_mnk[0] // self.epi_tile[0]
+        indices = [[where[(frag_coords[v][0] + s % sub_m * self.epi_tile[0],
+                           frag_coords[v][1] + s // sub_m * self.epi_n)] for v in range(n_frag)]
+                   for s in range(self.n_sub)]
         if sorted(i for sub in indices for i in sub) != list(range(len(where))):
             raise RuntimeError(f"epilogue subtiles of {self.epi_tile} do not cover the "
                                f"{self.tile_mnk[:2]} accumulators exactly once")
