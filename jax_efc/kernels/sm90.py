@@ -16,7 +16,7 @@ consumer has its own epilogue named barrier and TMA-store warp.
   the tile's M coordinate and B tiles to those that share its N coordinate;
 - the consumers walk the same schedule, issue WGMMA on each stage (fp32 accumulators in
   registers; cooperative: two warpgroups share a 128-row tile, 64 rows each) and run the
-  epilogue: per ``tile_m x epi_n`` subtile, the :class:`EpilogueVisitor` evaluates the user's program on
+  epilogue: per ``epi_m x epi_n`` subtile, the :class:`EpilogueVisitor` evaluates the user's program on
   the accumulator fragment, each output is converted to its dtype, written to its own smem
   buffer and stored with TMA (the TMA store clips the M/N edges); TILE operands come in
   through two smem buffers, except on the CTA's last tile, which loads them all into the
@@ -53,9 +53,13 @@ __all__ = ["Sm90FusedGemm"]
 # fragment at 16 values (128 rows x 32 cols / 256 cooperative threads; 32 for a 128-row
 # ping-pong consumer), i.e. few live registers on top of the accumulators; 64 halves the
 # barriers and TMA stores per tile; 16 halves the epilogue's smem buffers, which can buy the
-# A/B ring a stage. The k-tile depth, the epilogue buffer count and the smem
-# alignment (TILE_K, EPI_STAGES, SMEM_ALIGN) live in jax_efc.kernels, whose pipeline_stages
-# counts the stages that fit Hopper's 227 KiB next to them.
+# A/B ring a stage. Its height (GemmConfig.epi_m, 64-row steps; the tile's by default): a 64x32
+# subtile is as small as a 128x16 one, but each TMA copy of a 16-bit tensor moves 64 bytes a
+# row instead of 32; with them, the tiles whose mainloops run while all CTAs do their first
+# epilogues at once no longer slow down (benchmarks/FINDINGS.md). The k-tile depth, the
+# epilogue buffer count and the smem alignment (TILE_K, EPI_STAGES, SMEM_ALIGN) live in
+# jax_efc.kernels, whose pipeline_stages counts the stages that fit Hopper's 227 KiB next to
+# them.
 # Register split across warpgroups (setmaxnreg): the producer needs few, the consumers hold
 # up to 192 fp32 accumulators each plus epilogue temporaries. 40 + 2 * 232 (x 128 threads)
 # fits the 64K-register file; the values must be multiples of 8.
@@ -674,7 +678,7 @@ class Sm90FusedGemm:
 
     def _subtile_tma(self, atom: cute.CopyAtom, smem: cute.Tensor, tile: cute.Tensor) -> tuple:
         """(smem, gmem) TMA partitions for copies between the staged epilogue ``smem``
-        (indexed ``(None, stage)``) and the (tile_m x epi_n) subtiles of the global ``tile``
+        (indexed ``(None, stage)``) and the (epi_m x epi_n) subtiles of the global ``tile``
         (indexed ``(None, subtile)``)."""
         return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
                                      cute.zipped_divide(tile, self.epi_tile))
@@ -691,7 +695,7 @@ class Sm90FusedGemm:
     @cute.jit
     def _epilogue(self, epi: _ConsumerEpilogue, acc: cute.Tensor, bSC, m_idx, n_idx, l_idx,
                   subtile_count, from_ring: cutlass.Constexpr = False):
-        """The fused epilogue of one tile, one (tile_m x epi_n) subtile at a time, through
+        """The fused epilogue of one tile, one (epi_m x epi_n) subtile at a time, through
         the ``EPI_STAGES`` epilogue smem buffers (``from_ring``: TILE operands already on
         their way into the ring, by :meth:`_load_ring`, and outputs staged there where they
         have slots). Returns the running subtile count."""
