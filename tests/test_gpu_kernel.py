@@ -118,7 +118,8 @@ def test_configs(config):
     ((128, 128, 1, 1, {}), 1024, 512, 8192, None, "bias_gelu", False),
     ((128, 128, 1, 2, {"pingpong": True}), 256, 2048, 4104, None, "alpha_beta", True),
 ], ids=["pingpong_bias_gelu", "pingpong_epi64_bias_gelu", "cooperative_alpha_beta",
-        "pingpong_epi16_alpha_beta", "pingpong_epi64x32_alpha_beta", "pingpong_alpha_beta_batched_transposed", "pingpong_192x128_bias_gelu",
+        "pingpong_epi16_alpha_beta", "pingpong_epi64x32_alpha_beta", "pingpong_alpha_beta_batched_transposed",
+        "pingpong_192x128_bias_gelu",
         "cooperative_256x128_bias_gelu_transposed", "split_all_bias_gelu",
         "split_all_pingpong_alpha_beta_transposed"])
 def test_stream_k(config, m, n, k, batch, epilogue, transpose):

@@ -470,6 +470,8 @@ def test_supported_and_heuristic():
     assert (cfg.tile_m, cfg.tile_n, cfg.epi_m, cfg.epi_n, cfg.pingpong) == (128, 128, 64, 32, True)
     assert pipeline_stages(dataclasses.replace(p_ab, config=cfg)) == 6
     assert pipeline_stages(dataclasses.replace(p_ab, config=dataclasses.replace(cfg, epi_m=0))) == 5
+    for mnk in ((2048, 4096, 4096), (1000, 14336, 1032)):  # as the GPU tests run it
+        assert choose_config(p_ab, *mnk, 1) == cfg
     assert choose_config(p_ab, 8192, 4096, 14336, 1).pingpong  # ping-pong hides its epilogue
     cfg = choose_config(p_ab, 512, 16384, 8192, 1)
     assert (cfg.tile_n, cfg.epi_n, cfg.pingpong) == (256, 32, False)

@@ -145,6 +145,11 @@ def mma_warpgroups(config: GemmConfig) -> int:
     return 1 if config.pingpong else min(config.tile_m // 64, 2)
 
 
+def epilogue_tile(config: GemmConfig) -> tuple[int, int]:
+    """(rows, columns) of one epilogue subtile: ``epi_m`` (0: the tile's height) by ``epi_n``."""
+    return config.epi_m or config.tile_m, config.epi_n
+
+
 def _config_reason(config: GemmConfig) -> str | None:
     if config.tile_m not in _TILE_M:
         return (f"tile_m={config.tile_m} is not supported on SM90; use one of {_TILE_M} "
@@ -292,8 +297,8 @@ def pipeline_stages(problem: KernelProblem) -> int:
     ab_bytes = (cfg.tile_m + cfg.tile_n) * TILE_K * _BITS[problem.ab_dtype] // 8
     epi_dtypes = [o.dtype for o in problem.ir.outputs] + \
         [problem.ir.operands[i].dtype for i in tile_operand_indices(problem.ir)]
-    epi_bytes = sum(_round_up((cfg.epi_m or cfg.tile_m) * cfg.epi_n * _BITS[d] // 8 * EPI_STAGES, SMEM_ALIGN)
-                    for d in epi_dtypes)
+    epi_m, epi_n = epilogue_tile(cfg)
+    epi_bytes = sum(_round_up(epi_m * epi_n * _BITS[d] // 8 * EPI_STAGES, SMEM_ALIGN) for d in epi_dtypes)
     # every buffer is a whole number of 1 KiB blocks; the mbarrier arrays (pipeline and
     # TILE-operand barriers, well under 1 KiB) cost at most the padding to the next block each
     fit = (_SMEM_BYTES - epi_bytes - 2 * SMEM_ALIGN) // ab_bytes

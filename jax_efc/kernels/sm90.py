@@ -43,7 +43,8 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_efc.kernels import (EPI_STAGES, SMEM_ALIGN, TILE_K, TIMELINE_EVENTS, TIMELINE_UNITS,
-                             KernelProblem, mma_warpgroups, pipeline_stages, tile_operand_indices)
+                             KernelProblem, epilogue_tile, mma_warpgroups, pipeline_stages,
+                             tile_operand_indices)
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, Unit, cluster_tiles
 from jax_efc.kernels.visitor import EpilogueVisitor, cutlass_dtype
 
@@ -155,7 +156,7 @@ class Sm90FusedGemm:
         self.acc_per_thread = cfg.tile_m * cfg.tile_n // self.n_epi_threads
         self.threads = _WG * (1 + self.n_consumer_wg)
         self.epi_n = cfg.epi_n
-        self.epi_tile = (cfg.epi_m or cfg.tile_m, cfg.epi_n)
+        self.epi_tile = epilogue_tile(cfg)
         # subtiles a tile, numbered down M first
         self.n_sub = (cfg.tile_m // self.epi_tile[0]) * (cfg.tile_n // cfg.epi_n)
         # TILE operands that some output uses are staged through smem by TMA
