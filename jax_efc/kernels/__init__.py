@@ -431,9 +431,9 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # all CTAs run their first epilogues at once, alpha-beta's second and third tiles no
         # longer slow down (k cycles, 2048x4096x4096: 34.0 34.2 against 36.6 35.8), and it
         # ran 3% to 5% faster at eight shapes (one run each, benchmarks/FINDINGS.md).
-        narrow = dataclasses.replace(cfg, epi_n=32, epi_m=64)
-        if has_work and stages_of(narrow) > stages_of(cfg):
-            return narrow
+        smaller = dataclasses.replace(cfg, epi_n=32, epi_m=64)
+        if has_work and stages_of(smaller) > stages_of(cfg):
+            return smaller
         # 64-wide epilogue subtiles when they cost the ring no stage (a 128x128 tile with one
         # 16-bit output: 6 stages either way). Measured on H200, 128x128, two runs, ms, 64 against 32:
         # bias+gelu_tanh 0.420 / 0.426 and 0.418 / 0.426 at 8192x4096x4096, 0.738 / 0.744 and

@@ -155,17 +155,17 @@ class Sm90FusedGemm:
         # fp32 accumulators per consumer thread (a stream-K partial is written in this order)
         self.acc_per_thread = cfg.tile_m * cfg.tile_n // self.n_epi_threads
         self.threads = _WG * (1 + self.n_consumer_wg)
-        self.epi_n = cfg.epi_n
         self.epi_tile = epilogue_tile(cfg)
-        # subtiles a tile, numbered down M first
-        self.n_sub = (cfg.tile_m // self.epi_tile[0]) * (cfg.tile_n // cfg.epi_n)
+        # subtiles a tile, numbered down M first; values in one subtile of one tensor
+        self.n_sub = (cfg.tile_m // self.epi_tile[0]) * (cfg.tile_n // self.epi_tile[1])
+        self.subtile_elems = self.epi_tile[0] * self.epi_tile[1]
         # TILE operands that some output uses are staged through smem by TMA
         ops = problem.ir.operands
         self.tile_ops = tile_operand_indices(problem.ir)
         self.tile_op_dtypes = tuple(cutlass_dtype(ops[i].dtype) for i in self.tile_ops)
         self.tile_op_batched = tuple(problem.operand_batched[i] for i in self.tile_ops)
         # bytes one subtile of every TILE operand brings in (the TMA transaction count)
-        self.tile_op_bytes = sum(self.epi_tile[0] * cfg.epi_n * dt.width // 8 for dt in self.tile_op_dtypes)
+        self.tile_op_bytes = sum(self.subtile_elems * dt.width // 8 for dt in self.tile_op_dtypes)
         # stmatrix stores 8x8 blocks of 16-bit values; it only helps when every output is
         # 16-bit (one register->smem partition is shared by all outputs).
         self.use_stmatrix = all(dt.width == 16 for dt in self.out_dtypes)
@@ -203,7 +203,7 @@ class Sm90FusedGemm:
         def pack(dtypes):
             slots, ring, used = [], 0, 0
             for dt in dtypes:
-                size = -(-(self.epi_tile[0] * self.epi_n * dt.width // 8) // SMEM_ALIGN) * SMEM_ALIGN
+                size = -(-(self.subtile_elems * dt.width // 8) // SMEM_ALIGN) * SMEM_ALIGN
                 per_subtile = []
                 for _ in range(self.n_sub):
                     if used + size > room[ring]:
@@ -818,7 +818,7 @@ class Sm90FusedGemm:
         n_frag = cute.size(frag_coords)
         sub_m = self.tile_mnk[0] // self.epi_tile[0]
         indices = [[where[(frag_coords[v][0] + s % sub_m * self.epi_tile[0],
-                           frag_coords[v][1] + s // sub_m * self.epi_n)] for v in range(n_frag)]
+                           frag_coords[v][1] + s // sub_m * self.epi_tile[1])] for v in range(n_frag)]
                    for s in range(self.n_sub)]
         if sorted(i for sub in indices for i in sub) != list(range(len(where))):
             raise RuntimeError(f"epilogue subtiles of {self.epi_tile} do not cover the "
