@@ -211,8 +211,9 @@ def test_fast_erf_erfc_float32():
 
 
 # TILE operands are TMA-loaded per epilogue subtile into shared memory (two buffers, the first
-# two subtiles fetched under the mainloop; the CTA's last tile takes all of them into the A/B
-# ring, across both of its parts at 128x256): partial edge tiles, several outputs of different
+# two subtiles fetched under the mainloop; the CTA's last tile's come through the A/B ring's
+# stages past its last k-tile, loaded by the producer, across both parts of a stage at
+# 128x256): partial edge tiles, several outputs of different
 # dtypes, 16- and 32-bit operands, operands shared across the batch, 32- and 64-wide subtiles.
 @pytest.mark.parametrize("config", [(128, 256, 1, 1), (128, 128, 2, 1), (64, 128, 1, 1, {"epi_n": 64}),
                                     (128, 192, 1, 1), (128, 128, 1, 2, {"pingpong": True, "epi_n": 16}),

@@ -304,28 +304,29 @@ def test_unsupported_reasons(change, needle):
 
 
 @pytest.mark.parametrize("epilogue, dtype, cfg, mnk, fits, outputs_fit", [
-    # 2 operands x 8 subtiles of 4 KiB in A's ring of 6 x 16 KiB, then D's 8 fill it and Y's go
-    # to B's
+    # 2 operands x 8 subtiles of 4 KiB, eight a stage (16 KiB of A's, 16 KiB of B's): two
+    # stages, then the outputs' two of the ring's six
     ("alpha_beta", "bfloat16", (128, 128, 1, 2, {"pingpong": True, "epi_n": 16}), (2048, 4096, 4096),
      True, True),
     # the same in 64x32 subtiles
     ("alpha_beta", "bfloat16", (128, 128, 1, 2, {"pingpong": True, "epi_m": 64}), (2048, 4096, 4096),
      True, True),
-    # 16 subtiles of 8 KiB: 6 in A's ring (3 x 16 KiB), the rest in B's (3 x 32 KiB); no room
-    # for the outputs' 16 more
+    # 16 subtiles of 8 KiB, six a stage (16 KiB of A's, 32 KiB of B's): three stages; no room
+    # for the outputs' three more
     ("alpha_beta", "bfloat16", (128, 256, 1, 1), (1000, 4096, 4096), True, False),
-    # fp32: 4 subtiles of 16 KiB in A's ring of 5 x 16 KiB, the fp32 output's 4 after them
+    # fp32: 4 subtiles of 16 KiB, two a stage, then the fp32 output's two stages
     ("f32_tile", "float16", (128, 128, 1, 1), (1024, 1024, 512), True, True),
-    # fp32: 3 subtiles of 32 KiB against 2 x 16 KiB and 2 x 24 KiB of ring
+    # fp32: subtiles of 32 KiB, more than a stage's 16 KiB of A's or 24 KiB of B's
     ("f32_tile", "float16", (128, 192, 1, 1, {"epi_n": 64}), (1024, 1536, 512), False, False),
     ("bias_gelu", "bfloat16", (128, 128, 1, 2, {"pingpong": True}), (2048, 4096, 4096), False, False),
     # stream-K: the last units take the split epilogue
     ("alpha_beta", "bfloat16", (128, 256, 2, 1, {"swizzle": 8}), (8192, 7936, 8192), False, False),
 ])
 def test_last_tile_ring_slots(epilogue, dtype, cfg, mnk, fits, outputs_fit):
-    """The CTA's last tile loads all its TILE-operand subtiles into the idle A/B ring, and
-    stages its output subtiles there where they fit too: one 1 KiB-aligned slot each, inside
-    A's or B's ring, none overlapping."""
+    """The CTA's last tile takes its TILE-operand subtiles through the ring stages past its
+    last k-tile, in subtile order, and stages its output subtiles in the stages after those
+    where they fit too: one 1 KiB-aligned slot each, inside A's or B's share of a stage,
+    none overlapping; each operand stage expects the bytes of the subtiles placed in it."""
     pytest.importorskip("cutlass.jax")
     import jax.numpy as jnp
 
@@ -344,23 +345,30 @@ def test_last_tile_ring_slots(epilogue, dtype, cfg, mnk, fits, outputs_fit):
         return
     assert (kernel.ring_out_slots is not None) == outputs_fit
     config, stages = problem.config, pipeline_stages(problem)
-    room = [stages * config.tile_m * 64 * 2, stages * config.tile_n * 64 * 2]
-    tensors = [o.dtype for o in ops if len(o.shape) == 2]
-    slots = kernel.ring_slots
+    room = [config.tile_m * 64 * 2, config.tile_n * 64 * 2]
+    epi_m = config.epi_m or config.tile_m
+    n_sub = config.tile_m // epi_m * config.tile_n // config.epi_n
+    operand_stages = len(kernel.ring_stage_bytes)
+    spans, stage_bytes = [], [0] * operand_stages
+
+    def check(dtypes, slots, first, end):
+        assert len(slots) == len(dtypes)
+        for dtype, per_subtile in zip(dtypes, slots):
+            assert len(per_subtile) == n_sub
+            assert [slot[0] for slot in per_subtile] == sorted(slot[0] for slot in per_subtile)
+            size = epi_m * config.epi_n * jnp.dtype(dtype).itemsize
+            for stage, part, offset in per_subtile:
+                assert first <= stage < end and offset % 1024 == 0 and offset + size <= room[part]
+                spans.append((stage, part, offset, offset + size))
+                if stage < operand_stages:
+                    stage_bytes[stage] += size
+
+    check([o.dtype for o in ops if len(o.shape) == 2], kernel.ring_slots, 0, operand_stages)
     if outputs_fit:
-        tensors += [o.dtype for o in ir.outputs]
-        slots += kernel.ring_out_slots
-    assert len(slots) == len(tensors)
-    spans = []
-    for dtype, per_subtile in zip(tensors, slots):
-        epi_m = config.epi_m or config.tile_m
-        assert len(per_subtile) == config.tile_m // epi_m * config.tile_n // config.epi_n
-        size = epi_m * config.epi_n * jnp.dtype(dtype).itemsize
-        for ring, offset in per_subtile:
-            assert offset % 1024 == 0 and offset + size <= room[ring]
-            spans.append((ring, offset, offset + size))
+        check([o.dtype for o in ir.outputs], kernel.ring_out_slots, operand_stages, stages)
+    assert tuple(stage_bytes) == kernel.ring_stage_bytes
     spans.sort()
-    assert all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:]))
+    assert all(a[:2] != b[:2] or a[3] <= b[2] for a, b in zip(spans, spans[1:]))
 
 
 def _export_for_cuda(fn, *specs):

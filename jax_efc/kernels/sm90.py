@@ -19,8 +19,9 @@ consumer has its own epilogue named barrier and TMA-store warp.
   epilogue: per ``epi_m x epi_n`` subtile, the :class:`EpilogueVisitor` evaluates the user's program on
   the accumulator fragment, each output is converted to its dtype, written to its own smem
   buffer and stored with TMA (the TMA store clips the M/N edges); TILE operands come in
-  through two smem buffers, except on the CTA's last tile, which loads them all into the
-  then idle A/B ring and, where they fit, stages its outputs there too;
+  through two smem buffers, except on the CTA's last tile: the producer loads its TILE
+  operands into the A/B ring's stages as that tile's mainloop frees them, and its outputs
+  are staged in the ring too where they fit;
 - the schedule (:mod:`jax_efc.kernels.schedule`) hands each CTA a list of units, a tile and
   a range of its k-tiles: whole tiles, then with stream-K pieces of the last ones. A piece
   that starts past k = 0 stores its accumulators to a workspace slot instead of running the
@@ -99,14 +100,11 @@ class _ConsumerEpilogue:
     tSR_rC: list
     frag_c: list
     c_bar: object
-    # the CTA's last tile: per TILE operand and subtile, its slot in the idle A/B ring and
-    # the ldmatrix partition of it; one "full" mbarrier per subtile (empty without the slots);
-    ring_sC: list
-    ring_tSR_sC: list
-    ring_bar: object
-    # and, where they fit, per output and subtile its slot and the stmatrix partition of it
-    ring_sD: list
-    ring_tRS_sD: list
+    # the CTA's last tile: the A/B ring (its TILE operands' and outputs' subtiles have
+    # slots there) and this thread's ldmatrix / stmatrix slices
+    ring: tuple
+    thr_s2r: list
+    thr_r2s: list
     frag: cute.Tensor  # fp32 accumulator values of one subtile
     tCcT: cute.Tensor  # (m, n) within the tile of each accumulator register
     acc_index: list  # per subtile, the accumulator registers behind `frag`
@@ -173,52 +171,64 @@ class Sm90FusedGemm:
         if self.stages < 2:
             raise ValueError(f"{cfg} with {len(self.out_dtypes)} outputs leaves room for "
                              f"{self.stages} pipeline stages; use a smaller tile.")
-        self.ring_slots, self.ring_out_slots = self._place_ring_subtiles(cfg)
+        self.ring_slots, self.ring_out_slots, self.ring_stage_bytes = self._place_ring_subtiles(cfg)
 
     def _place_ring_subtiles(self, cfg) -> tuple:
         """Where the CTA's last tile puts its TILE-operand subtiles and, where they fit too,
-        its output subtiles: one 1 KiB-aligned slot per tensor and subtile, as (ring, byte
-        offset) with ring 0 for A's smem and 1 for B's. ``(None, None)`` where there are no
-        TILE operands, they do not all fit, or under stream-K (its last units end in the split
-        epilogue, which keeps the shared buffers); the output slots are ``None`` where only
-        the operands fit.
+        its output subtiles, in the A/B ring past the last k-tile: one 1 KiB-aligned slot
+        per tensor and subtile, as (stage, part, byte offset) with ``stage`` counted from the
+        stage after the last k-tile and part 0 for A's share of a stage, 1 for B's. Returns
+        (operand slots, output slots, bytes each operand stage receives); ``None`` for all
+        three where there are no TILE operands, they do not all fit, or under stream-K (its
+        last units end in the split epilogue, which keeps the shared buffers); the output
+        slots are ``None`` where only the operands fit.
 
         Nothing hides the CTA's last epilogue, and through the two shared buffers its TILE
-        loads run only two subtiles ahead. By then the A/B ring is idle (every k-tile
-        consumed, none left to load), so the last tile loads all its subtiles into it at
-        once. Measured on H200 (alpha-beta, SM cycles, `benchmarks/timeline.py`): the last
-        epilogue of 128x128 ping-pong tiles with 16-wide subtiles took 5.7k and 5.5k against
-        7.5k at 2048x4096x4096 and 4096^3; at 1000x4096x4096 (128x256 tiles, one per CTA)
-        the kernel's span went from 83.0k to 80.6k.
+        loads run only two subtiles ahead. So the producer, once it has issued the last
+        k-tile, loads that tile's TILE operands into the next ring stages as the mainloop
+        frees them, in subtile order, and the epilogue finds them there. Measured on H200
+        (alpha-beta, 128x128 ping-pong tiles, SM cycles, `benchmarks/timeline.py`) at
+        2048x4096x4096 and 4096^3, the last epilogue took: 7.5k through the buffers and 5.7k
+        and 5.5k loaded all at once into the idle ring after the mainloop (128x16 subtiles);
+        5.3k to 5.7k loaded that way and 3.9k to 4.0k loaded by the producer (64x32 subtiles).
 
-        Outputs staged in the ring too each have a slot per subtile, so no subtile waits for
-        the TMA store of the one before to have read its buffer: alpha-beta's last epilogue
-        (bf16 outputs, same tiles) took 5.2k and 5.3k cycles against 5.4k and 5.9k, and the
-        kernel ran 0.3% to 5% faster at four shapes (``benchmarks/FINDINGS.md``)."""
+        Outputs staged in the stages after those each have a slot per subtile, so no subtile
+        waits for the TMA store of the one before to have read its buffer: alpha-beta's last
+        epilogue (bf16 outputs, same tiles) took 5.2k and 5.3k cycles against 5.4k and 5.9k,
+        and the kernel ran 0.3% to 5% faster at four shapes (``benchmarks/FINDINGS.md``)."""
         if not self.tile_ops or self.schedule.stream_k is not None:
-            return None, None
+            return None, None, None
         ab = self.ab_dtype.width // 8
-        room = [self.stages * cfg.tile_m * TILE_K * ab, self.stages * cfg.tile_n * TILE_K * ab]
+        room = (cfg.tile_m * TILE_K * ab, cfg.tile_n * TILE_K * ab)
 
-        def pack(dtypes):
-            slots, ring, used = [], 0, 0
-            for dt in dtypes:
-                size = -(-(self.subtile_elems * dt.width // 8) // SMEM_ALIGN) * SMEM_ALIGN
-                per_subtile = []
-                for _ in range(self.n_sub):
-                    if used + size > room[ring]:
-                        ring, used = ring + 1, 0
-                        if ring == len(room):
+        def size(dt):
+            return -(-(self.subtile_elems * dt.width // 8) // SMEM_ALIGN) * SMEM_ALIGN
+
+        def pack(dtypes, stage):
+            """Slots for ``dtypes``' subtiles, subtile by subtile, from ``stage`` on; with the
+            stage after the last one used, or None where they run past the ring."""
+            slots = [[] for _ in dtypes]
+            part, used = 0, 0
+            for _ in range(self.n_sub):
+                for t, dt in enumerate(dtypes):
+                    while used + size(dt) > room[part]:
+                        stage, part, used = (stage, 1, 0) if part == 0 else (stage + 1, 0, 0)
+                        if stage == self.stages:
                             return None
-                    per_subtile.append((ring, used))
-                    used += size
-                slots.append(tuple(per_subtile))
-            return tuple(slots)
+                    slots[t].append((stage, part, used))
+                    used += size(dt)
+            return tuple(tuple(s) for s in slots), stage + 1
 
-        both = pack(self.tile_op_dtypes + tuple(self.out_dtypes))
-        if both is not None:
-            return both[:len(self.tile_ops)], both[len(self.tile_ops):]
-        return pack(self.tile_op_dtypes), None
+        placed = pack(self.tile_op_dtypes, 0)
+        if placed is None:
+            return None, None, None
+        op_slots, n_op_stages = placed
+        stage_bytes = [0] * n_op_stages
+        for dt, slots in zip(self.tile_op_dtypes, op_slots):
+            for stage, _, _ in slots:
+                stage_bytes[stage] += self.subtile_elems * dt.width // 8
+        outputs = pack(self.out_dtypes, n_op_stages) if n_op_stages < self.stages else None
+        return op_slots, outputs and outputs[0], tuple(stage_bytes)
 
     # ---------------------------------------------------------------- host side (traced)
     @cute.jit
@@ -340,13 +350,6 @@ class Sm90FusedGemm:
             # one "full" mbarrier per operand buffer
             c_bar = self._full_barriers(smem, EPI_STAGES, warp_idx)
         n_sub = self.n_sub
-        ring_sC, ring_sD, ring_bar = [], [], None
-        if cutlass.const_expr(self.ring_slots is not None):
-            # and per subtile of the last tile's, in the ring
-            ring_bar = self._full_barriers(smem, n_sub, warp_idx)
-            ring_sC = self._ring_views(sA, sB, self.tile_op_dtypes, self.ring_slots)
-        if cutlass.const_expr(self.ring_out_slots is not None):
-            ring_sD = self._ring_views(sA, sB, self.out_dtypes, self.ring_out_slots)
 
         stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + \
             cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))
@@ -415,6 +418,10 @@ class Sm90FusedGemm:
                         mainloop.producer_commit(state)
                         state.advance()
                     j += 1
+                if cutlass.const_expr(self.ring_slots is not None):
+                    if n_units > 0:
+                        state = self._load_ring(mainloop, state, (sA, sB), tma_c, mC,
+                                                self._unit(walk, n_units - 1))
                 mainloop.producer_tail(state)
 
         # ================================================================ consumers
@@ -432,7 +439,7 @@ class Sm90FusedGemm:
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             epi = self._consumer_epilogue(tiled_mma, ctid, group, warp_idx, mD, sD, tma_d,
-                                          operands, mC, sC, tma_c, c_bar, ring_sC, ring_sD, ring_bar)
+                                          operands, mC, sC, tma_c, c_bar, sA, sB)
             acc = cute.make_rmem_tensor(cute.shape(epi.tCcT), cutlass.Float32)
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -456,7 +463,8 @@ class Sm90FusedGemm:
                 self._stamp(stamps, ctid, slot, group, j, "reached")
                 # TMA partitions of this tile's TILE-operand subtiles
                 bSC = self._tile_op_partitions(epi, u.m, u.n, u.l)
-                # the CTA's last tile takes its TILE operands through the idle ring
+                # the CTA's last tile takes its TILE operands through the ring (the producer
+                # loads them)
                 in_ring = j == n_units - 1 if self.ring_slots is not None else False
                 if cutlass.const_expr(not self.pingpong):
                     # the buffers are free: the first subtiles arrive while the mainloop runs
@@ -487,20 +495,19 @@ class Sm90FusedGemm:
                     self._order_barrier(_EPI_ORDER_ID, group).arrive_and_wait()
                     if u.k_begin == 0 and not in_ring:
                         self._prefetch_tile_ops(epi, bSC, subtile_count)
-                if cutlass.const_expr(self.ring_slots is not None):
+                if cutlass.const_expr(self.ring_out_slots is not None and not self.pingpong):
                     if in_ring:
-                        # every consumer's WGMMAs have read the ring (ping-pong: the other's
-                        # ended before its epilogue, which ended before the order barrier)
-                        if cutlass.const_expr(not self.pingpong):
-                            epi.barrier.arrive_and_wait()
-                        self._load_ring(epi, u.m, u.n, u.l)
+                        # outputs staged in the ring overwrite stages that the other
+                        # warpgroup's last WGMMAs read (ping-pong: the other consumer's ended
+                        # before its epilogue, which ended before the order barrier)
+                        epi.barrier.arrive_and_wait()
 
                 # ---- epilogue
                 self._stamp(stamps, ctid, slot, group, j, "epilogue")
                 if cutlass.const_expr(self.ring_slots is not None):
                     if in_ring:
                         subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count,
-                                                       from_ring=True)
+                                                       ring=(mainloop, read))
                     else:
                         subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count)
                 elif cutlass.const_expr(self.schedule.stream_k is None):
@@ -627,10 +634,8 @@ class Sm90FusedGemm:
         return read, release, tiled_mma
 
     def _consumer_epilogue(self, tiled_mma: cute.TiledMma, ctid, group, warp_idx, mD, sD,
-                           tma_d, operands, mC, sC, tma_c, c_bar, ring_sC, ring_sD,
-                           ring_bar) -> _ConsumerEpilogue:
+                           tma_d, operands, mC, sC, tma_c, c_bar, sA, sB) -> _ConsumerEpilogue:
         """Build consumer ``group``'s epilogue machinery for thread ``ctid`` of the group."""
-        tile_2d = cute.slice_(self.tile_mnk, (None, None, 0))
         # register <-> smem copies share one thread/value partition for all outputs and TILE
         # operands, so the visitor's fragments line up with every buffer
         c_layout_atom = cute.make_tiled_copy_C_atom(
@@ -646,26 +651,22 @@ class Sm90FusedGemm:
             operands=operands,
             mn_extent=(mD[0].shape[0], mD[0].shape[1]),
             sD=sD,
-            gD=[cute.local_tile(t, tile_2d, (None, None, None)) for t in mD],
+            gD=self._local_tiles(mD),
             tma_d=tma_d,
             r2s=r2s,
             tRS_sD=[c.get_slice(ctid).partition_D(t) for c, t in zip(r2s, sD)],
             frag_out=[cute.make_rmem_tensor(frag_shape, dt) for dt in self.out_dtypes],
             sC=sC,
-            gC=[cute.local_tile(t, tile_2d, (None, None, None)) for t in mC],
+            gC=self._local_tiles(mC),
             tma_c=tma_c,
             s2r=s2r,
             tSR_sC=[c.get_slice(ctid).partition_S(t) for c, t in zip(s2r, sC)],
             tSR_rC=[c.retile(f) for c, f in zip(s2r, frag_c)],
             frag_c=frag_c,
             c_bar=c_bar,
-            ring_sC=ring_sC,
-            ring_tSR_sC=[[c.get_slice(ctid).partition_S(v) for v in views]
-                         for c, views in zip(s2r, ring_sC)],
-            ring_sD=ring_sD,
-            ring_tRS_sD=[[c.get_slice(ctid).partition_D(v) for v in views]
-                         for c, views in zip(r2s, ring_sD)],
-            ring_bar=ring_bar,
+            ring=(sA, sB),
+            thr_s2r=[c.get_slice(ctid) for c in s2r],
+            thr_r2s=[c.get_slice(ctid) for c in r2s],
             frag=cute.make_rmem_tensor(frag_shape, cutlass.Float32),
             tCcT=tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor(self.tile_mnk[:2])),
             acc_index=self._subtile_acc_indices(tiled_mma, r2s[0]),
@@ -684,29 +685,45 @@ class Sm90FusedGemm:
         return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
                                      cute.zipped_divide(tile, self.epi_tile))
 
-    def _tile_op_tile(self, epi: _ConsumerEpilogue, j, m_idx, n_idx, l_idx) -> cute.Tensor:
-        """TILE operand ``j``'s part of tile (m_idx, n_idx, l_idx) (batch 0 if it has none)."""
-        return epi.gC[j][(None, None, m_idx, n_idx, l_idx if self.tile_op_batched[j] else 0)]
+    def _local_tiles(self, tensors) -> list:
+        """Each (M|1, N|1, L|1) tensor of ``tensors`` as (bM, bN, RestM, RestN, RestL) tiles."""
+        tile_2d = cute.slice_(self.tile_mnk, (None, None, 0))
+        return [cute.local_tile(t, tile_2d, (None, None, None)) for t in tensors]
+
+    def _tile_op_tile(self, gC: list, j, m_idx, n_idx, l_idx) -> cute.Tensor:
+        """TILE operand ``j``'s part of tile (m_idx, n_idx, l_idx) (batch 0 if it has none),
+        from its ``gC`` tiles."""
+        return gC[j][(None, None, m_idx, n_idx, l_idx if self.tile_op_batched[j] else 0)]
 
     def _tile_op_partitions(self, epi: _ConsumerEpilogue, m_idx, n_idx, l_idx) -> list:
         """(smem, gmem) TMA partitions of tile (m_idx, n_idx, l_idx)'s TILE-operand subtiles."""
-        return [self._subtile_tma(epi.tma_c[j], epi.sC[j], self._tile_op_tile(epi, j, m_idx, n_idx, l_idx))
+        return [self._subtile_tma(epi.tma_c[j], epi.sC[j], self._tile_op_tile(epi.gC, j, m_idx, n_idx, l_idx))
                 for j in range(len(self.tile_ops))]
 
     @cute.jit
     def _epilogue(self, epi: _ConsumerEpilogue, acc: cute.Tensor, bSC, m_idx, n_idx, l_idx,
-                  subtile_count, from_ring: cutlass.Constexpr = False):
+                  subtile_count, ring=None):
         """The fused epilogue of one tile, one (epi_m x epi_n) subtile at a time, through
-        the ``EPI_STAGES`` epilogue smem buffers (``from_ring``: TILE operands already on
-        their way into the ring, by :meth:`_load_ring`, and outputs staged there where they
-        have slots). Returns the running subtile count."""
+        the ``EPI_STAGES`` epilogue smem buffers. ``ring``: the CTA's last tile, as (the A/B
+        pipeline, its state past the tile's last k-tile); its TILE operands come through
+        the ring stages from there on (the producer loads them) and its outputs are staged
+        in the stages after those where they have slots. Returns the running subtile count."""
         n_out = len(self.out_dtypes)
+        from_ring = ring is not None
         out_in_ring = from_ring and self.ring_out_slots is not None
         n_tc = len(self.tile_ops)
         n_sub = self.n_sub
         frag = epi.frag
         gD = [epi.gD[i][(None, None, m_idx, n_idx, l_idx)] for i in range(n_out)]
         bSG = [self._subtile_tma(epi.tma_d[i], epi.sD[i], gD[i]) for i in range(n_out)]
+        ring_states = []  # the ring's stages from the one past the last k-tile on
+        if cutlass.const_expr(from_ring):
+            mainloop, past = ring
+            for k in cutlass.range_constexpr(self.stages):
+                index = past.index + k
+                ring_states.append(pipeline.PipelineState(
+                    self.stages, past.count + k, index % self.stages, past.phase ^ (index // self.stages)))
+        waited = 0  # operand stages waited for so far
         for s in cutlass.range_constexpr(n_sub):
             sub_index = epi.acc_index[s]
             _gather_registers(frag, acc, sub_index)
@@ -716,9 +733,14 @@ class Sm90FusedGemm:
             # this subtile's smem: its own ring slots (one stage each), or buffer `buf`
             tile_op_smem = []
             if cutlass.const_expr(from_ring):
-                # each ring slot is loaded once per kernel: phase 0
-                cute.arch.mbarrier_wait(epi.ring_bar + s, 0)
-                tile_op_smem = [views[s][(None, None, None, 0)] for views in epi.ring_tSR_sC]
+                for k in cutlass.range_constexpr(waited, 1 + max(sl[s][0] for sl in self.ring_slots)):
+                    mainloop.consumer_wait(ring_states[k])
+                    waited = k + 1
+                tile_op_smem = [
+                    epi.thr_s2r[t].partition_S(self._ring_view(
+                        epi.ring, self.tile_op_dtypes[t], self.ring_slots[t][s],
+                        ring_states[self.ring_slots[t][s][0]].index))[(None, None, None, 0)]
+                    for t in range(n_tc)]
             elif cutlass.const_expr(n_tc > 0):
                 # subtile_count-th load into this buffer: its parity is the phase
                 cute.arch.mbarrier_wait(epi.c_bar + buf, (subtile_count // EPI_STAGES) % 2)
@@ -732,7 +754,13 @@ class Sm90FusedGemm:
             # no smem buffers and no barriers, were slower for alpha-beta on H200, and the smem
             # they free bought nothing: benchmarks/FINDINGS.md)
             out_stage = 0 if out_in_ring else buf
-            out_smem = [views[s] for views in epi.ring_tRS_sD] if out_in_ring else epi.tRS_sD
+            out_views = []
+            out_smem = epi.tRS_sD
+            if cutlass.const_expr(out_in_ring):
+                out_views = [self._ring_view(epi.ring, self.out_dtypes[i], self.ring_out_slots[i][s],
+                                             ring_states[self.ring_out_slots[i][s][0]].index)
+                             for i in range(n_out)]
+                out_smem = [epi.thr_r2s[i].partition_D(out_views[i]) for i in range(n_out)]
             for i in cutlass.range_constexpr(n_out):
                 epi.frag_out[i].store(outs[i])
                 cute.copy(epi.r2s[i], epi.frag_out[i], out_smem[i][(None, None, None, out_stage)])
@@ -741,7 +769,7 @@ class Sm90FusedGemm:
             epi.barrier.arrive_and_wait()
             if epi.is_store_warp:
                 for i in cutlass.range_constexpr(n_out):
-                    s_part, g_part = (self._subtile_tma(epi.tma_d[i], epi.ring_sD[i][s], gD[i])
+                    s_part, g_part = (self._subtile_tma(epi.tma_d[i], out_views[i], gD[i])
                                       if out_in_ring else bSG[i])
                     cute.copy(epi.tma_d[i], s_part[(None, out_stage)], g_part[(None, s)])
                 epi.store_pipe.producer_commit()
@@ -754,21 +782,42 @@ class Sm90FusedGemm:
             if cutlass.const_expr(not out_in_ring):
                 epi.barrier.arrive_and_wait()
             subtile_count += 1
+        if cutlass.const_expr(from_ring):
+            # every thread has read its operands (the barriers above): the producer's tail
+            # waits for these stages too
+            for k in cutlass.range_constexpr(len(self.ring_stage_bytes)):
+                mainloop.consumer_release(ring_states[k])
         return subtile_count
 
     def _load_tile_ops(self, epi: _ConsumerEpilogue, bSC, s, buf):
-        """TMA-load subtile ``s`` of every TILE operand into buffer ``buf`` (one warp)."""
-        self._load_subtile(epi, bSC, s, buf, epi.c_bar, buf)
-
-    def _load_subtile(self, epi: _ConsumerEpilogue, parts, s, stage, bars, b):
         """TMA-load subtile ``s`` of every TILE operand, through its (smem, gmem) partitions
-        ``parts``, into smem stage ``stage``; the bytes complete mbarrier ``bars + b`` (one
-        warp)."""
+        ``bSC``, into buffer ``buf``; the bytes complete mbarrier ``c_bar + buf`` (one warp)."""
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bars + b, self.tile_op_bytes)
-        for j in range(len(parts)):  # plain Python: helpers are not preprocessed
-            s_part, g_part = parts[j]
-            cute.copy(epi.tma_c[j], g_part[(None, s)], s_part[(None, stage)], tma_bar_ptr=bars + b)
+            cute.arch.mbarrier_arrive_and_expect_tx(epi.c_bar + buf, self.tile_op_bytes)
+        for j in range(len(bSC)):  # plain Python: helpers are not preprocessed
+            s_part, g_part = bSC[j]
+            cute.copy(epi.tma_c[j], g_part[(None, s)], s_part[(None, buf)], tma_bar_ptr=epi.c_bar + buf)
+
+    @cute.jit
+    def _load_ring(self, mainloop, state, ring: tuple, tma_c: tuple, mC: tuple, u: Unit):
+        """The producer's loads of the CTA's last tile ``u``'s TILE operands, past its last
+        k-tile (``state``): each ring stage that holds some of their subtiles, once every
+        consumer has released it, expects those subtiles' bytes. Returns the advanced state
+        (the caller rebinds it, so the tracer carries it out of the enclosing branch)."""
+        gC = self._local_tiles(mC)
+        for stage in cutlass.range_constexpr(len(self.ring_stage_bytes)):
+            mainloop.sync_object_empty.wait(state.index, state.phase)
+            mainloop.sync_object_full.arrive_and_expect_tx(state.index, self.ring_stage_bytes[stage])
+            bar = mainloop.producer_get_barrier(state)
+            for t in cutlass.range_constexpr(len(self.tile_ops)):
+                tile = self._tile_op_tile(gC, t, u.m, u.n, u.l)
+                for s in cutlass.range_constexpr(self.n_sub):
+                    if cutlass.const_expr(self.ring_slots[t][s][0] == stage):
+                        view = self._ring_view(ring, self.tile_op_dtypes[t], self.ring_slots[t][s], state.index)
+                        s_part, g_part = self._subtile_tma(tma_c[t], view, tile)
+                        cute.copy(tma_c[t], g_part[(None, s)], s_part[(None, 0)], tma_bar_ptr=bar)
+            state.advance()
+        return state
 
     @cute.jit
     def _full_barriers(self, smem: SmemAllocator, count: int, warp_idx):
@@ -782,28 +831,16 @@ class Sm90FusedGemm:
         cute.arch.mbarrier_init_fence()
         return bars
 
-    def _ring_views(self, sA: cute.Tensor, sB: cute.Tensor, dtypes, ring_slots) -> list:
-        """Per tensor of ``dtypes``, one single-stage epilogue smem tensor per subtile, at its
-        ``ring_slots`` place in A's or B's ring."""
-        rings = (sA.iterator, sB.iterator)
-        views = []
-        for dt, slots in zip(dtypes, ring_slots):
-            layout = sm90_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, self.epi_tile, 1)
-            views.append([cute.make_tensor(
-                cute.recast_ptr(rings[r] + offset // (self.ab_dtype.width // 8), layout.inner, dtype=dt),
-                layout.outer) for r, offset in slots])
-        return views
-
-    @cute.jit
-    def _load_ring(self, epi: _ConsumerEpilogue, m_idx, n_idx, l_idx):
-        """TMA-load every subtile of every TILE operand of tile (m_idx, n_idx, l_idx), the
-        CTA's last, into its ring slot (one warp); subtile ``s`` completes ``ring_bar + s``."""
-        if epi.is_store_warp:
-            for s in cutlass.range_constexpr(self.n_sub):
-                parts = [self._subtile_tma(epi.tma_c[j], epi.ring_sC[j][s],
-                                           self._tile_op_tile(epi, j, m_idx, n_idx, l_idx))
-                         for j in range(len(self.tile_ops))]
-                self._load_subtile(epi, parts, s, 0, epi.ring_bar, s)
+    def _ring_view(self, ring: tuple, dtype, slot: tuple, stage_index) -> cute.Tensor:
+        """A single-stage epilogue smem tensor of ``dtype`` at ``slot`` (stage, part, byte
+        offset) of the (sA, sB) ``ring``, its stage at ring index ``stage_index``."""
+        _, part, offset = slot
+        layout = sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, 1)
+        ab = self.ab_dtype.width // 8
+        # a stage spans whole SMEM_ALIGN blocks: say so, or the pointer loses its alignment
+        stage_offset = cute.assume(stage_index * (self.tile_mnk[part] * TILE_K), divby=SMEM_ALIGN // ab)
+        ptr = ring[part].iterator + stage_offset + offset // ab
+        return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=dtype), layout.outer)
 
     def _subtile_acc_indices(self, tiled_mma: cute.TiledMma, r2s: cute.TiledCopy) -> list[list[int]]:
         """For each epilogue subtile, the accumulator element behind each value of the
