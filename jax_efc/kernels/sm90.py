@@ -730,7 +730,7 @@ class Sm90FusedGemm:
             coords = _tile_coords(epi.tCcT, sub_index,
                                   m_idx * self.tile_mnk[0], n_idx * self.tile_mnk[1])
             buf = subtile_count % EPI_STAGES
-            # this subtile's smem: its own ring slots (one stage each), or buffer `buf`
+            # this subtile's smem: its own ring slots, or buffer `buf`
             tile_op_smem = []
             if cutlass.const_expr(from_ring):
                 for k in cutlass.range_constexpr(waited, 1 + max(sl[s][0] for sl in self.ring_slots)):
