@@ -229,6 +229,26 @@ def test_tile_operands_alpha_beta_edges(config):
          out_dtypes={"D": jnp.bfloat16, "Y": jnp.float32})
 
 
+@pytest.mark.parametrize("config, shape", [
+    ((128, 128, 1, 2, {"pingpong": True, "epi_m": 64}), (2048, 4096, 200)),
+    ((128, 128, 1, 2, {"pingpong": True, "epi_m": 64}), (1000, 1000, 64)),
+    ((128, 256, 1, 1), (2048, 4096, 64)),
+    ((128, 128, 2, 1), (1000, 1000, 200)),
+])
+def test_tile_operands_fewer_k_tiles_than_stages(config, shape):
+    # a tile of one to four k-tiles against a ring of more stages: the stages that take the
+    # CTA's last tile's TILE operands were last filled by an earlier tile's k-tiles, in
+    # another phase, or never
+    import jax.numpy as jnp
+
+    def fn(acc, c, x):
+        return {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}
+
+    m, n, k = shape
+    _run(fn, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=k, config=config,
+         out_dtypes={"D": jnp.bfloat16, "Y": jnp.bfloat16})
+
+
 @pytest.mark.parametrize("shape", [(2048, 4096, 4096), (1000, 14336, 1032)])
 def test_alpha_beta_heuristic_config(shape):
     # the heuristic's ping-pong tiles in 64x32 subtiles; bf16 outputs staged in the ring on the
