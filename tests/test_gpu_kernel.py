@@ -217,7 +217,8 @@ def test_fast_erf_erfc_float32():
 # dtypes, 16- and 32-bit operands, operands shared across the batch, 32- and 64-wide subtiles.
 @pytest.mark.parametrize("config", [(128, 256, 1, 1), (128, 128, 2, 1), (64, 128, 1, 1, {"epi_n": 64}),
                                     (128, 192, 1, 1), (128, 128, 1, 2, {"pingpong": True, "epi_n": 16}),
-                                    (128, 128, 1, 2, {"pingpong": True, "epi_m": 64})])
+                                    (128, 128, 1, 2, {"pingpong": True, "epi_m": 64}),
+                                    (192, 128, 1, 2, {"pingpong": True, "epi_m": 64, "epi_n": 16})])
 def test_tile_operands_alpha_beta_edges(config):
     import jax.numpy as jnp
 
@@ -249,10 +250,10 @@ def test_tile_operands_fewer_k_tiles_than_stages(config, shape):
          out_dtypes={"D": jnp.bfloat16, "Y": jnp.bfloat16})
 
 
-@pytest.mark.parametrize("shape", [(2048, 4096, 4096), (1000, 14336, 1032)])
+@pytest.mark.parametrize("shape", [(2048, 4096, 4096), (1000, 14336, 1032), (3000, 4096, 1032)])
 def test_alpha_beta_heuristic_config(shape):
-    # the heuristic's ping-pong tiles in 64x32 subtiles; bf16 outputs staged in the ring on the
-    # last tile
+    # the heuristic's ping-pong tiles: 128x128 in 64x32 subtiles, or 192x128 in 64x16 ones
+    # (3000 rows); bf16 outputs staged in the ring on the last tile
     import jax.numpy as jnp
 
     def fn(acc, c, x):

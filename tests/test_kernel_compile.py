@@ -69,12 +69,16 @@ VARIANTS = {
                                    (128, 128, 2, 1, {"pingpong": True}), "bias_gelu"),
     "bf16_pingpong_alpha_beta_128x128": ("bfloat16", True, True, 2,
                                          (128, 128, 1, 1, {"pingpong": True}), "alpha_beta"),
-    # 64x32 subtiles (what the heuristic gives alpha-beta on ping-pong tiles), 16-wide ones,
-    # subtiles a third of a 192-row tile high, and with outputs of three dtypes (fp32 and fp16
-    # outputs are not stored by stmatrix)
+    # 64x32 and 64x16 subtiles (what the heuristic gives alpha-beta on 128x128 and 192x128
+    # ping-pong tiles), 16-wide ones, subtiles a third of a 192-row tile high, and with outputs
+    # of three dtypes (fp32 and fp16 outputs are not stored by stmatrix)
     "bf16_pingpong_alpha_beta_epi64x32_c1x2": ("bfloat16", False, False, None,
                                                (128, 128, 1, 2, {"pingpong": True, "swizzle": 8,
                                                                  "epi_m": 64}), "alpha_beta"),
+    "bf16_pingpong_alpha_beta_192x128_epi64x16_c1x2": ("bfloat16", False, False, None,
+                                                       (192, 128, 1, 2, {"pingpong": True, "swizzle": 8,
+                                                                         "epi_m": 64, "epi_n": 16}),
+                                                       "alpha_beta"),
     "bf16_pingpong_alpha_beta_epi16_c1x2": ("bfloat16", False, False, None,
                                             (128, 128, 1, 2, {"pingpong": True, "swizzle": 8, "epi_n": 16}),
                                             "alpha_beta"),
@@ -473,13 +477,19 @@ def test_supported_and_heuristic():
     p_ab = dataclasses.replace(problem, ir=ab, operand_batched=(False, False))
     from jax_efc.kernels import pipeline_stages
     # 16-bit: the four buffers leave the ping-pong ring 5 stages at 128x32 subtiles, enough
-    # for ping-pong (192x128 would leave 3), and 6 at 64x32 ones, which it takes
-    cfg = choose_config(p_ab, 8192, 8192, 8192, 1)
+    # for ping-pong, and 6 at 64x32 ones, which it takes where 128x128 tiles fill the SMs better
+    cfg = choose_config(p_ab, 8192, 4096, 4096, 1)
     assert (cfg.tile_m, cfg.tile_n, cfg.epi_m, cfg.epi_n, cfg.pingpong) == (128, 128, 64, 32, True)
     assert pipeline_stages(dataclasses.replace(p_ab, config=cfg)) == 6
     assert pipeline_stages(dataclasses.replace(p_ab, config=dataclasses.replace(cfg, epi_m=0))) == 5
     for mnk in ((2048, 4096, 4096), (1000, 14336, 1032)):  # as the GPU tests run it
         assert choose_config(p_ab, *mnk, 1) == cfg
+    # 192x128 tiles leave it 3 stages at 192x32 subtiles, 4 at 64x32 and 5 at 64x16, enough
+    tall = choose_config(p_ab, 8192, 8192, 8192, 1)
+    assert (tall.tile_m, tall.epi_m, tall.epi_n, tall.pingpong) == (192, 64, 16, True)
+    assert [pipeline_stages(dataclasses.replace(p_ab, config=dataclasses.replace(tall, epi_m=em, epi_n=en)))
+            for em, en in ((0, 32), (64, 32), (64, 16))] == [3, 4, 5]
+    assert choose_config(p_ab, 3000, 4096, 1032, 1) == tall  # as the GPU tests run it
     assert choose_config(p_ab, 8192, 4096, 14336, 1).pingpong  # ping-pong hides its epilogue
     cfg = choose_config(p_ab, 512, 16384, 8192, 1)
     assert (cfg.tile_n, cfg.epi_n, cfg.pingpong) == (256, 32, False)

@@ -334,8 +334,9 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     when they (nearly) fill the SMs, else 128x128 (or 64x128 when even those leave most SMs
     idle), with a 2x1 cluster multicasting B when M spans several tiles.
     Large problems walk the tiles in bands of 8 clusters for L2 reuse. Epilogues that do work
-    get 64x32 subtiles on ping-pong tiles where that buys the ring a stage, else 64-wide
-    ones where the ring keeps enough stages (128x128 ping-pong, 128x256).
+    get 64x32 or 64x16 subtiles on ping-pong tiles where those buy the ring stages (192x128
+    tiles qualify when some subtile leaves them 5), else 64-wide ones where the ring keeps
+    enough stages (128x128 ping-pong, 128x256).
     """
     sms = sm_count
     has_work = bool(problem.ir.instrs) or bool(problem.ir.operands)
@@ -348,6 +349,15 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
 
     def stages_of(cfg: GemmConfig) -> int:
         return pipeline_stages(dataclasses.replace(problem, config=cfg))
+
+    def pingpong(tm: int) -> GemmConfig:
+        """Ping-pong tm x 128 tiles in 1x2 clusters, with the largest epilogue subtile (the
+        tile's height by 32, 64x32, 64x16) that leaves the ring its most stages."""
+        cfg = GemmConfig(tile_m=tm, tile_n=128, cluster_m=1, cluster_n=2, swizzle=8, pingpong=True)
+        if not has_work:
+            return cfg
+        return max((cfg, dataclasses.replace(cfg, epi_m=64), dataclasses.replace(cfg, epi_m=64, epi_n=16)),
+                   key=stages_of)
 
     def widened(cfg: GemmConfig, min_stages: int) -> GemmConfig:
         """``cfg`` with 64-wide epilogue subtiles (half the barriers and TMA stores) when the
@@ -398,7 +408,7 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # tiles in 2x1 clusters (a sixth less smem read per multiply-add, the same L2
         # traffic): one run, plain and bias+gelu_tanh at 8192x4096x4096, 4096x4096x14336,
         # 8192^3 and 4096x14336x4096, 0.3-6% slower than this choice at all 8.
-        tm = 192 if stages(192, 128) >= 5 and fill(192, 128) >= fill(128, 128) - 0.01 else 128
+        tm = 192 if stages_of(pingpong(192)) >= 5 and fill(192, 128) >= fill(128, 128) - 0.01 else 128
         # A plain GEMM with a long K has little epilogue to hide: a 128x128 tile's takes
         # about 2k SM cycles against 115k of WGMMA at K = 14336. There cooperative 128x256
         # tiles in 2x1 clusters, which read a sixth less smem and a third less L2 per
@@ -418,7 +428,7 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
                 and fill(128, 256) >= fill(tm, 128) - _FILL_TIE):
             long_k = GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, swizzle=8)
             return widened(long_k, stages_of(long_k))
-        cfg = GemmConfig(tile_m=tm, tile_n=128, cluster_m=1, cluster_n=2, swizzle=8, pingpong=True)
+        cfg = pingpong(tm)
         # The ring's depth is what the mainloop feeds on: a k-tile takes a 128x128 consumer
         # about 520 SM cycles of WGMMA, and a k-tile's TMA load (L2 to smem, multicast) takes
         # several of those. Measured on H200 (SM cycles per 8192x4096x4096 tile, in-kernel
@@ -430,10 +440,14 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # subtiles move 64 bytes per row in each TMA copy of a 16-bit tensor, not 32: while
         # all CTAs run their first epilogues at once, alpha-beta's second and third tiles no
         # longer slow down (k cycles, 2048x4096x4096: 34.0 34.2 against 36.6 35.8), and it
-        # ran 3% to 5% faster at eight shapes (one run each, benchmarks/FINDINGS.md).
-        smaller = dataclasses.replace(cfg, epi_n=32, epi_m=64)
-        if has_work and stages_of(smaller) > stages_of(cfg):
-            return smaller
+        # ran 3% to 5% faster at eight shapes (one run each, benchmarks/FINDINGS.md). On
+        # 192x128 tiles alpha-beta gets 3 stages at 192x32, 4 at 64x32 and 5 at 64x16, where its
+        # tiles took 49.6k-49.9k cycles, as the plain GEMM's (49.3k-49.5k), against 51.3k-53.5k
+        # with 4 (8192x14336x4096); one run, ms, 64x16 on 192x128 against 128x128 tiles: 1.500 /
+        # 1.528 at 8192x14336x4096, 1.659 / 1.678 at 8192^3, 2.994 / 3.033 at 16384x14336x4096,
+        # 5.822 / 5.929 at 8192x28672x8192, 11.764 / 12.072 at 16384x28672x8192.
+        if cfg.epi_m:
+            return cfg
         # 64-wide epilogue subtiles when they cost the ring no stage (a 128x128 tile with one
         # 16-bit output: 6 stages either way). Measured on H200, 128x128, two runs, ms, 64 against 32:
         # bias+gelu_tanh 0.420 / 0.426 and 0.418 / 0.426 at 8192x4096x4096, 0.738 / 0.744 and
