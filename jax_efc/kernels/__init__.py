@@ -441,12 +441,13 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # all CTAs run their first epilogues at once, alpha-beta's second and third tiles no
         # longer slow down (k cycles, 2048x4096x4096: 34.0 34.2 against 36.6 35.8), and it
         # ran 3% to 5% faster at eight shapes (one run each, benchmarks/FINDINGS.md). On
-        # 192x128 tiles alpha-beta gets 3 stages at 192x32, 4 at 64x32 and 5 at 64x16, where its
-        # tiles took 49.6k-49.9k cycles, as the plain GEMM's (49.3k-49.5k), against 51.3k-53.5k
-        # with 4 (8192x14336x4096); one run, ms, 64x16 on 192x128 against 128x128 tiles: 1.500 /
-        # 1.528 at 8192x14336x4096, 1.659 / 1.678 at 8192^3, 2.994 / 3.033 at 16384x14336x4096,
-        # 5.822 / 5.929 at 8192x28672x8192, 11.764 / 12.072 at 16384x28672x8192.
-        if cfg.epi_m:
+        # 192x128 tiles alpha-beta gets 3 stages at 192x32, 4 at 64x32 and 5 at 64x16, where
+        # its tiles after the first took 49.5k-49.9k cycles, as the plain GEMM's (49.3k-49.5k),
+        # against 51.3k-53.5k with 4 (8192x14336x4096). One run, ms, 64x16 on 192x128 against
+        # 128x128 tiles: 1.500 / 1.528 at 8192x14336x4096, 1.659 / 1.678 at 8192^3, 2.994 /
+        # 3.033 at 16384x14336x4096, 5.822 / 5.929 at 8192x28672x8192, 11.764 / 12.072 at
+        # 16384x28672x8192.
+        if cfg.epi_m:  # a shorter subtile bought the ring stages: none to spare for wider ones
             return cfg
         # 64-wide epilogue subtiles when they cost the ring no stage (a 128x128 tile with one
         # 16-bit output: 6 stages either way). Measured on H200, 128x128, two runs, ms, 64 against 32:
