@@ -201,8 +201,11 @@ class Sm90FusedGemm:
         ab = self.ab_dtype.width // 8
         room = (cfg.tile_m * TILE_K * ab, cfg.tile_n * TILE_K * ab)
 
+        def nbytes(dt):
+            return self.subtile_elems * dt.width // 8
+
         def size(dt):
-            return -(-(self.subtile_elems * dt.width // 8) // SMEM_ALIGN) * SMEM_ALIGN
+            return -(-nbytes(dt) // SMEM_ALIGN) * SMEM_ALIGN
 
         def pack(dtypes, stage):
             """Slots for ``dtypes``' subtiles, subtile by subtile, from ``stage`` on; with the
@@ -226,7 +229,7 @@ class Sm90FusedGemm:
         stage_bytes = [0] * n_op_stages
         for dt, slots in zip(self.tile_op_dtypes, op_slots):
             for stage, _, _ in slots:
-                stage_bytes[stage] += self.subtile_elems * dt.width // 8
+                stage_bytes[stage] += nbytes(dt)
         outputs = pack(self.out_dtypes, n_op_stages) if n_op_stages < self.stages else None
         return op_slots, outputs and outputs[0], tuple(stage_bytes)
 
@@ -642,10 +645,12 @@ class Sm90FusedGemm:
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.BFloat16), tiled_mma
         )
         r2s = [cute.make_tiled_copy_S(self._r2s_atom(dt), c_layout_atom) for dt in self.out_dtypes]
-        frag_shape = cute.shape(r2s[0].get_slice(ctid).partition_S(sD[0]))[:3]
+        thr_r2s = [c.get_slice(ctid) for c in r2s]
+        frag_shape = cute.shape(thr_r2s[0].partition_S(sD[0]))[:3]
         # TILE operands come back from smem by ldmatrix when 16-bit (four 8x8 blocks per
         # instruction instead of one value per load)
         s2r = [cute.make_tiled_copy_S(self._s2r_atom(dt), c_layout_atom) for dt in self.tile_op_dtypes]
+        thr_s2r = [c.get_slice(ctid) for c in s2r]
         frag_c = [cute.make_rmem_tensor(frag_shape, dt) for dt in self.tile_op_dtypes]
         return _ConsumerEpilogue(
             operands=operands,
@@ -654,19 +659,19 @@ class Sm90FusedGemm:
             gD=self._local_tiles(mD),
             tma_d=tma_d,
             r2s=r2s,
-            tRS_sD=[c.get_slice(ctid).partition_D(t) for c, t in zip(r2s, sD)],
+            tRS_sD=[thr.partition_D(t) for thr, t in zip(thr_r2s, sD)],
             frag_out=[cute.make_rmem_tensor(frag_shape, dt) for dt in self.out_dtypes],
             sC=sC,
             gC=self._local_tiles(mC),
             tma_c=tma_c,
             s2r=s2r,
-            tSR_sC=[c.get_slice(ctid).partition_S(t) for c, t in zip(s2r, sC)],
+            tSR_sC=[thr.partition_S(t) for thr, t in zip(thr_s2r, sC)],
             tSR_rC=[c.retile(f) for c, f in zip(s2r, frag_c)],
             frag_c=frag_c,
             c_bar=c_bar,
             ring=(sA, sB),
-            thr_s2r=[c.get_slice(ctid) for c in s2r],
-            thr_r2s=[c.get_slice(ctid) for c in r2s],
+            thr_s2r=thr_s2r,
+            thr_r2s=thr_r2s,
             frag=cute.make_rmem_tensor(frag_shape, cutlass.Float32),
             tCcT=tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor(self.tile_mnk[:2])),
             acc_index=self._subtile_acc_indices(tiled_mma, r2s[0]),
