@@ -14,7 +14,7 @@ import numpy as np
 
 from . import activations
 from .config import GemmConfig
-from .epilogue import EpilogueIR, Output, canonical_shape, evaluate, identity_ir, trace_epilogue
+from .epilogue import EpilogueIR, Output, Role, canonical_shape, evaluate, identity_ir, trace_epilogue
 from .primitive import fused_gemm, match_varying, problem_shape
 
 __all__ = ["gemm", "fused_dense"]
@@ -211,9 +211,7 @@ def _fused_bwd(static: _Static, residuals, cts):
             (acc,) = static.bind(a, b, (), ir=identity_ir(static.ir.epi_dtype))
         else:
             acc = jnp.zeros(cts[0].shape, static.ir.epi_dtype)  # unused by the VJP
-    _, pullback = jax.vjp(lambda acc, *ops: evaluate(static.ir, acc, ops),
-                          acc.astype(static.ir.epi_dtype), *ops)
-    d_acc, *d_ops = pullback(list(cts))
+    d_acc, d_ops = _epilogue_vjp(static.ir, acc, ops, list(cts))
     d_acc = d_acc.astype(a.dtype)
     ta, tb = static.transpose_a, static.transpose_b
     plain_a, plain_b = identity_ir(a.dtype), identity_ir(b.dtype)
@@ -228,6 +226,43 @@ def _fused_bwd(static: _Static, residuals, cts):
         (db,) = static.bind(a, d_acc, (), ir=plain_b, transpose_a=not ta, transpose_b=False)
     d_ops = tuple(g.astype(x.dtype) for g, x in zip(d_ops, ops))
     return da, db, d_ops
+
+
+def _epilogue_vjp(ir: EpilogueIR, acc: Any, ops: tuple, cts: list) -> tuple[Any, list[Any]]:
+    """The epilogue's cotangents: the accumulator's (``acc`` as stored, converted here) and
+    each operand's.
+
+    A row, column or scalar operand's cotangent is a sum over the tile. Taken from the
+    accumulator's VJP, that sum shares the full-size derivative with the accumulator's
+    cotangent, and XLA does not fuse a derivative holding ``tanh``, ``exp`` and the like into
+    a sum with another consumer: it writes the derivative in fp32 and reads it back, which
+    costs a training step more than the fused forward saves. So the sums come from a second
+    VJP whose full-size inputs pass an optimization barrier (nothing in common to merge
+    back); sharing only the small operands, XLA fuses both VJPs into one kernel.
+    """
+    summed = [i for i, x in enumerate(ir.operands) if x.role is not Role.TILE]
+    tiles = [i for i in range(len(ops)) if i not in summed]
+
+    def pullback(wrt: list[int], acc: Any, ops: tuple, cts: list) -> list[Any]:
+        """Cotangents of the operands ``wrt`` (-1: the accumulator); the others held fixed."""
+        acc = acc.astype(ir.epi_dtype)
+
+        def epilogue(*args):
+            given = dict(zip(wrt, args))
+            return evaluate(ir, given.get(-1, acc), [given.get(i, x) for i, x in enumerate(ops)])
+
+        _, vjp = jax.vjp(epilogue, *[acc if i == -1 else ops[i] for i in wrt])
+        return list(vjp(cts))
+
+    d_acc, *d_tiles = pullback([-1, *tiles], acc, ops, cts)
+    d_sums = []
+    if summed:
+        # the small operands stay outside the barrier: shared, they let XLA fuse both VJPs
+        acc2, tiles2, cts2 = jax.lax.optimization_barrier((acc, [ops[i] for i in tiles], cts))
+        ops2 = tuple(dict(zip(tiles, tiles2)).get(i, x) for i, x in enumerate(ops))
+        d_sums = pullback(summed, acc2, ops2, cts2)
+    by_index = dict(zip(tiles, d_tiles)) | dict(zip(summed, d_sums))
+    return d_acc, [by_index[i] for i in range(len(ops))]
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)

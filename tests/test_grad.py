@@ -60,6 +60,24 @@ def test_complex_grads_with_vectors(rng, recompute):
     check_grads(ours, plain, (a, b, bias, c, x, col, jnp.float32(0.5)))
 
 
+def test_batched_grads_with_mixed_operands(rng):
+    """Tiles and per-batch vectors and scalars interleaved: each cotangent reaches its operand
+    (the backward takes the tiles' and the summed ones' from separate VJPs)."""
+    a, b, c, bias, x, col = arrays(rng, (2, 16, 24), (2, 24, 40), (2, 16, 40), (2, 1, 40), (2, 16, 40),
+                                   (2, 16, 1))
+
+    def epilogue(acc, c, bias, x, col, *, scale):
+        return {"y": jnp.tanh(acc * scale + bias) * col + c * x, "z": jax.nn.sigmoid(acc + x) * bias}
+
+    def ours(a, b, c, bias, x, col, scale):
+        return loss(efc.gemm(a, b, epilogue, c, bias, x, col, scale=scale))
+
+    def plain(a, b, c, bias, x, col, scale):
+        return loss(epilogue(a @ b, c, bias, x, col, scale=scale))
+
+    check_grads(ours, plain, (a, b, c, bias, x, col, jnp.float32(0.8)))
+
+
 def test_multi_output_grads(rng):
     a, b, c = arrays(rng, (16, 24), (24, 8), (16, 8))
     check_grads(lambda a, b, c: loss(efc.gemm(a, b, multi_output, c)),
