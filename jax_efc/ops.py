@@ -206,11 +206,8 @@ def _with_saved_acc(ir: EpilogueIR, dtype: Any) -> EpilogueIR:
 
 def _fused_bwd(static: _Static, residuals, cts):
     a, b, ops, acc = residuals
-    if acc is None:
-        if static.save_acc:
-            (acc,) = static.bind(a, b, (), ir=identity_ir(static.ir.epi_dtype))
-        else:
-            acc = jnp.zeros(cts[0].shape, static.ir.epi_dtype)  # unused by the VJP
+    if acc is None and static.save_acc:
+        (acc,) = static.bind(a, b, (), ir=identity_ir(static.ir.epi_dtype))
     d_acc, d_ops = _epilogue_vjp(static.ir, acc, ops, list(cts))
     d_acc = d_acc.astype(a.dtype)
     ta, tb = static.transpose_a, static.transpose_b
@@ -229,8 +226,8 @@ def _fused_bwd(static: _Static, residuals, cts):
 
 
 def _epilogue_vjp(ir: EpilogueIR, acc: Any, ops: tuple, cts: list) -> tuple[Any, list[Any]]:
-    """The epilogue's cotangents: the accumulator's (``acc`` as stored, converted here) and
-    each operand's.
+    """The epilogue's cotangents: the accumulator's and each operand's. ``acc`` is as stored
+    (converted here), or None where the VJP does not read it.
 
     A row, column or scalar operand's cotangent is a sum over the tile. Taken from the
     accumulator's VJP, that sum shares the full-size derivative with the accumulator's
@@ -240,12 +237,12 @@ def _epilogue_vjp(ir: EpilogueIR, acc: Any, ops: tuple, cts: list) -> tuple[Any,
     VJP whose full-size inputs pass an optimization barrier (nothing in common to merge
     back); sharing only the small operands, XLA fuses both VJPs into one kernel.
     """
+    tiles = [i for i, x in enumerate(ir.operands) if x.role is Role.TILE]
     summed = [i for i, x in enumerate(ir.operands) if x.role is not Role.TILE]
-    tiles = [i for i in range(len(ops)) if i not in summed]
 
     def pullback(wrt: list[int], acc: Any, ops: tuple, cts: list) -> list[Any]:
         """Cotangents of the operands ``wrt`` (-1: the accumulator); the others held fixed."""
-        acc = acc.astype(ir.epi_dtype)
+        acc = jnp.zeros(cts[0].shape, ir.epi_dtype) if acc is None else acc.astype(ir.epi_dtype)
 
         def epilogue(*args):
             given = dict(zip(wrt, args))
