@@ -87,7 +87,7 @@ class Problem:
     """One fused GEMM to measure. ``ours``, ``baseline`` and ``reference`` (float32 math on
     float32 copies of the inputs) are jitted functions of the inputs described by ``specs``
     (``a``, ``b``, then the epilogue's operands). ``gemms``: the M x N x K GEMMs a call runs
-    (what its TFLOP/s count)."""
+    (what its TFLOP/s count). ``stds``: each input's standard deviation (default 1)."""
 
     epilogue: str
     shape: Shape
@@ -98,6 +98,7 @@ class Problem:
     baseline: Callable[..., Any]
     reference: Callable[..., Any]
     gemms: int = 1
+    stds: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +207,12 @@ def train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
     """``epilogue`` = "train:bias+<activation>": a dense layer's training step, the output of
     ``activation(x @ kernel + bias)`` and, for a random output cotangent, the gradients of x,
     kernel and bias (``jax.vjp``). Ours is ``fused_dense`` (forward kernel, then two
-    backward GEMMs), the baseline the same layer in plain JAX."""
+    backward GEMMs), the baseline the same layer in plain JAX.
+
+    The kernel is drawn with variance 1/K, as ``nn.Dense`` initializes it, so the
+    pre-activations are of order 1, as in a model. With a standard-normal kernel they are of
+    order sqrt(K): the activation saturates, and about half the backward's derivative is
+    exact zeros, which the backward GEMMs then multiply."""
     act = epilogue.removeprefix("train:bias+")
     m, n, k, l = shape
     if l > 1:
@@ -233,7 +239,8 @@ def train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
         return step(exact)(*(v.astype(jnp.float32) for v in inputs))
 
     return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
-                   jax.jit(step(ours)), jax.jit(step(plain)), jax.jit(reference), gemms=3)
+                   jax.jit(step(ours)), jax.jit(step(plain)), jax.jit(reference), gemms=3,
+                   stds=(1.0, k ** -0.5))
 
 
 def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
@@ -258,10 +265,14 @@ def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
     raise ValueError(f"unknown epilogue {epilogue!r}; choose from {', '.join(_NAMED)}.")
 
 
-def random_inputs(specs: Sequence[jax.ShapeDtypeStruct], key: Any) -> tuple[Any, ...]:
-    """Standard-normal arrays of ``specs``' shapes, cast to their dtypes."""
+def random_inputs(specs: Sequence[jax.ShapeDtypeStruct], key: Any,
+                  stds: Sequence[float] = ()) -> tuple[Any, ...]:
+    """Normal arrays of ``specs``' shapes with standard deviations ``stds`` (default 1), cast
+    to their dtypes."""
     keys = jax.random.split(key, len(specs))
-    return tuple(jax.random.normal(kk, s.shape, jnp.float32).astype(s.dtype) for kk, s in zip(keys, specs))
+    stds = tuple(stds) + (1.0,) * (len(specs) - len(stds))
+    return tuple((sd * jax.random.normal(kk, s.shape, jnp.float32)).astype(s.dtype)
+                 for kk, s, sd in zip(keys, specs, stds))
 
 
 def _nbytes(tree: Any) -> int:
@@ -441,11 +452,11 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
         refusal = _chain_refusal(first, moved, calls_per_jit)
         if refusal:
             raise ValueError(refusal)
-        chained = [random_inputs(first.specs, k) for k in jax.random.split(jax.random.key(seed), calls_per_jit)]
+        chained = [random_inputs(first.specs, k, first.stds) for k in jax.random.split(jax.random.key(seed), calls_per_jit)]
         input_sets, first_inputs = [(chained,)], chained[0]
     else:
         n_sets = 1 if moved >= L2_BYTES else min(16, math.ceil(2 * L2_BYTES / moved))
-        input_sets = [random_inputs(first.specs, k) for k in jax.random.split(jax.random.key(seed), n_sets)]
+        input_sets = [random_inputs(first.specs, k, first.stds) for k in jax.random.split(jax.random.key(seed), n_sets)]
         first_inputs = input_sets[0]
 
     errs: list[float | None] = [None] * len(problems)

@@ -229,7 +229,10 @@ def test_bench_training_step(capsys):
 
     problem = bench.bench_problem("train:bias+gelu_tanh", (256, 384, 128, 1))
     assert problem.gemms == 3 and [s.shape for s in problem.specs] == [(256, 128), (128, 384), (384,), (256, 384)]
-    inputs = bench.random_inputs(problem.specs, jax.random.key(1))
+    inputs = bench.random_inputs(problem.specs, jax.random.key(1), problem.stds)
+    # the kernel as nn.Dense initializes it (variance 1/K): pre-activations of order 1
+    assert np.std(np.asarray(inputs[1], np.float32)) == pytest.approx(128 ** -0.5, rel=0.05)
+    assert np.std(np.asarray(inputs[0], np.float32)) == pytest.approx(1.0, rel=0.05)
     ours, ref = problem.ours(*inputs), problem.reference(*inputs)
     assert [o.shape for o in ours] == [(256, 384), (256, 128), (128, 384), (384,)]
     for o, r in zip(ours, ref):

@@ -60,22 +60,35 @@ def test_complex_grads_with_vectors(rng, recompute):
     check_grads(ours, plain, (a, b, bias, c, x, col, jnp.float32(0.5)))
 
 
-def test_batched_grads_with_mixed_operands(rng):
-    """Tiles and per-batch vectors and scalars interleaved: each cotangent reaches its operand
-    (the backward takes the tiles' and the summed ones' from separate VJPs)."""
-    a, b, c, bias, x, col = arrays(rng, (2, 16, 24), (2, 24, 40), (2, 16, 40), (2, 1, 40), (2, 16, 40),
-                                   (2, 16, 1))
+@pytest.mark.parametrize("m", [16, 384])
+def test_batched_grads_with_mixed_operands(rng, m):
+    """Tiles, shared and per-batch vectors and scalars interleaved: each cotangent reaches its
+    operand (the backward takes the tiles' and the summed ones' from separate VJPs, the sums
+    over 384 rows in partials of 128)."""
+    a, b, c, bias, x, col, shift, gain = arrays(
+        rng, (2, m, 24), (2, 24, 40), (2, m, 40), (2, 1, 40), (2, m, 40), (2, m, 1), (40,), (2, 1, 1))
 
-    def epilogue(acc, c, bias, x, col, *, scale):
-        return {"y": jnp.tanh(acc * scale + bias) * col + c * x, "z": jax.nn.sigmoid(acc + x) * bias}
+    def epilogue(acc, c, bias, x, col, shift, gain, *, scale):
+        return {"y": jnp.tanh(acc * scale + bias) * col + c * x + shift,
+                "z": jax.nn.sigmoid(acc + x) * bias * gain}
 
-    def ours(a, b, c, bias, x, col, scale):
-        return loss(efc.gemm(a, b, epilogue, c, bias, x, col, scale=scale))
+    def ours(a, b, c, bias, x, col, shift, gain, scale):
+        return loss(efc.gemm(a, b, epilogue, c, bias, x, col, shift, gain, scale=scale))
 
-    def plain(a, b, c, bias, x, col, scale):
-        return loss(epilogue(a @ b, c, bias, x, col, scale=scale))
+    def plain(a, b, c, bias, x, col, shift, gain, scale):
+        return loss(epilogue(a @ b, c, bias, x, col, shift, gain, scale=scale))
 
-    check_grads(ours, plain, (a, b, c, bias, x, col, jnp.float32(0.8)))
+    check_grads(ours, plain, (a, b, c, bias, x, col, shift, gain, jnp.float32(0.8)))
+
+
+def test_bias_gradient_summed_in_partials(rng):
+    """Over rows in multiples of 128, a bias's gradient is summed in partials of 128 rows, kept
+    apart from the final sum (XLA fuses such partial sums with the derivative)."""
+    x, w, bias = arrays(rng, (512, 16), (16, 24), (24,))
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, w, bias: loss(efc.fused_dense(x, w, bias, activation="gelu")),
+                                    (0, 1, 2)))(x, w, bias)
+    barriers = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+    assert [v.aval.shape for e in barriers for v in e.invars][-1:] == [(4, 1, 24)]
 
 
 def test_multi_output_grads(rng):
