@@ -211,8 +211,8 @@ def train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
 
     The kernel is drawn with variance 1/K, as ``nn.Dense`` initializes it, so the
     pre-activations are of order 1, as in a model. With a standard-normal kernel they are of
-    order sqrt(K): the activation saturates, and about half the backward's derivative is
-    exact zeros, which the backward GEMMs then multiply."""
+    order sqrt(K): the activation saturates, and the backward GEMMs multiply a derivative
+    that is about half zeros (GELU; silu: nearly) and half copies of the output cotangent."""
     act = epilogue.removeprefix("train:bias+")
     m, n, k, l = shape
     if l > 1:
