@@ -453,13 +453,18 @@ def test_supported_and_heuristic():
                               jnp.bfloat16, jnp.bfloat16)
     p_bias = dataclasses.replace(problem, ir=bias, operand_batched=(False,))
     assert choose_config(p_bias, 8192, 8192, 8192, 1).pingpong
-    # a long K: one output and no TILE operand cost little exposed, so 128x256 as for plain;
-    # a second output or a TILE operand keeps ping-pong, which hides them
+    # a long K: up to two 16-bit outputs and no TILE operand cost little exposed, so 128x256
+    # as for plain; more output bytes or a TILE operand keep ping-pong, which hides them
     cfg = choose_config(p_bias, 8192, 4096, 14336, 1)
     assert (cfg.tile_n, cfg.cluster_m, cfg.epi_n, cfg.pingpong) == (256, 2, 64, False)
     two_out, *_ = trace_epilogue(lambda acc, b: {"D": jnp.maximum(acc + b, 0), "Y": acc + b}, (8192, 4096),
                                  [(1, 4096)], [jnp.bfloat16], {}, {}, jnp.bfloat16, jnp.bfloat16)
-    assert choose_config(dataclasses.replace(p_bias, ir=two_out), 8192, 4096, 14336, 1).pingpong
+    cfg = choose_config(dataclasses.replace(p_bias, ir=two_out), 8192, 4096, 14336, 1)
+    assert (cfg.tile_n, cfg.cluster_m, cfg.epi_n, cfg.pingpong) == (256, 2, 64, False)
+    wide_out, *_ = trace_epilogue(lambda acc, b: {"D": jnp.maximum(acc + b, 0), "Y": acc + b}, (8192, 4096),
+                                  [(1, 4096)], [jnp.bfloat16], {}, {}, {"D": jnp.bfloat16, "Y": jnp.float32},
+                                  jnp.bfloat16)
+    assert choose_config(dataclasses.replace(p_bias, ir=wide_out), 8192, 4096, 14336, 1).pingpong
     with_c, *_ = trace_epilogue(lambda acc, c: acc + c, (8192, 4096), [(8192, 4096)], [jnp.bfloat16], {}, {},
                                 jnp.bfloat16, jnp.bfloat16)
     assert choose_config(dataclasses.replace(p_bias, ir=with_c), 8192, 4096, 14336, 1).pingpong

@@ -326,9 +326,9 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     Large problems (two 128x128 tiles per SM, or 1.8 with K under 12288) run ping-pong tiles in
     1x2 clusters: one consumer's epilogue hides under the other's mainloop, and each A tile is
     multicast to the two CTAs along N. The tiles are 192x128 where those fill the SMs about as
-    well as 128x128, else 128x128; with a long K (>= 12288), plain GEMMs and epilogues with one
-    output and no TILE operand run cooperative 128x256 tiles in 2x1 clusters instead where those
-    fill the SMs as well. When the epilogue's smem buffers would leave the ping-pong ring fewer
+    well as 128x128, else 128x128; with a long K (>= 12288), plain GEMMs and epilogues with no
+    TILE operand and at most 4 bytes of output an element (one fp32 or two 16-bit outputs) run
+    cooperative 128x256 tiles in 2x1 clusters instead where those fill the SMs as well. When the epilogue's smem buffers would leave the ping-pong ring fewer
     than 5 stages (two fp32 outputs next to two TILE operands), or the problem is smaller, the
     cooperative schedule runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per thread)
     when they (nearly) fill the SMs, else 128x128 (or 64x128 when even those leave most SMs
@@ -420,14 +420,16 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # output costs little more exposed (ms, 64-wide subtiles, against 128x128 ping-pong,
         # at the same two shapes: bias+gelu_tanh 1.435 / 1.455 and 0.721 / 0.721 in one run,
         # 1.445 / 1.482 and 0.723 / 0.741 in another; bias+gelu(erf) 1.477 / 1.501 and
-        # 0.736 / 0.752; bias+silu 1.469 / 1.468 and 0.731 / 0.741). Alpha-beta's two TILE
-        # operands and two outputs do not (1.505 / 1.464 and 0.751 / 0.732): it keeps
-        # ping-pong, which hides them.
-        light = len(problem.ir.outputs) == 1 and not tile_operand_indices(problem.ir)
+        # 0.736 / 0.752; bias+silu 1.469 / 1.468 and 0.731 / 0.741), and nor does a second
+        # 16-bit output (a training forward, gelu(acc + bias) and acc, one run, 64-wide
+        # subtiles, which leave it 3 stages: 1.420 / 1.458 and 0.708 / 0.723). Alpha-beta's two TILE operands and two outputs do not (1.505 /
+        # 1.464 and 0.751 / 0.732): it keeps ping-pong, which hides them.
+        out_bits = sum(_BITS[o.dtype] for o in problem.ir.outputs)
+        light = out_bits <= 32 and not tile_operand_indices(problem.ir)
         if (light and k >= _LONG_K and n >= 256
                 and fill(128, 256) >= fill(tm, 128) - _FILL_TIE):
             long_k = GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, swizzle=8)
-            return widened(long_k, stages_of(long_k))
+            return widened(long_k, 3)  # as the cooperative 128x256 tiles below
         cfg = pingpong(tm)
         # The ring's depth is what the mainloop feeds on: a k-tile takes a 128x128 consumer
         # about 520 SM cycles of WGMMA, and a k-tile's TMA load (L2 to smem, multicast) takes
