@@ -408,7 +408,9 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # tiles in 2x1 clusters (a sixth less smem read per multiply-add, the same L2
         # traffic): one run, plain and bias+gelu_tanh at 8192x4096x4096, 4096x4096x14336,
         # 8192^3 and 4096x14336x4096, 0.3-6% slower than this choice at all 8.
-        tm = 192 if stages_of(pingpong(192)) >= 5 and fill(192, 128) >= fill(128, 128) - 0.01 else 128
+        tall = pingpong(192)
+        fits_tall = stages_of(tall) >= 5 and fill(192, 128) >= fill(128, 128) - 0.01
+        tm = 192 if fits_tall else 128
         # A plain GEMM with a long K has little epilogue to hide: a 128x128 tile's takes
         # about 2k SM cycles against 115k of WGMMA at K = 14336. There cooperative 128x256
         # tiles in 2x1 clusters, which read a sixth less smem and a third less L2 per
@@ -430,7 +432,7 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
                 and fill(128, 256) >= fill(tm, 128) - _FILL_TIE):
             long_k = GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, swizzle=8)
             return widened(long_k, 3)  # as the cooperative 128x256 tiles below
-        cfg = pingpong(tm)
+        cfg = tall if fits_tall else pingpong(128)
         # The ring's depth is what the mainloop feeds on: a k-tile takes a 128x128 consumer
         # about 520 SM cycles of WGMMA, and a k-tile's TMA load (L2 to smem, multicast) takes
         # several of those. Measured on H200 (SM cycles per 8192x4096x4096 tile, in-kernel
