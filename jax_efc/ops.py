@@ -299,8 +299,7 @@ def _partial_sums(pullback: Callable[..., list[Any]], summed: list[int], acc: An
         x = x.reshape(*x.shape[:-2], 1, *x.shape[-2:]) if x.ndim >= 2 else x.reshape(1, 1, 1)
         return jnp.broadcast_to(x, (*x.shape[:-3], m // r, *x.shape[-2:]))
 
-    chunked = tuple(per_chunk(x) if i in summed else split(x) if has_rows(x) else x
-                    for i, x in enumerate(ops))
+    chunked = tuple(per_chunk(x) if i in summed else split(x) for i, x in enumerate(ops))
     partials = pullback(summed, None if acc is None else split(acc), chunked, [split(c) for c in cts])
     partials = jax.lax.optimization_barrier(partials)
     return [(p if has_rows(ops[i]) else p.sum(-3)).reshape(ops[i].shape)

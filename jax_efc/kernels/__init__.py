@@ -328,11 +328,12 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     multicast to the two CTAs along N. The tiles are 192x128 where those fill the SMs about as
     well as 128x128, else 128x128; with a long K (>= 12288), plain GEMMs and epilogues with no
     TILE operand and at most 4 bytes of output an element (one fp32 or two 16-bit outputs) run
-    cooperative 128x256 tiles in 2x1 clusters instead where those fill the SMs as well. When the epilogue's smem buffers would leave the ping-pong ring fewer
-    than 5 stages (two fp32 outputs next to two TILE operands), or the problem is smaller, the
-    cooperative schedule runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per thread)
-    when they (nearly) fill the SMs, else 128x128 (or 64x128 when even those leave most SMs
-    idle), with a 2x1 cluster multicasting B when M spans several tiles.
+    cooperative 128x256 tiles in 2x1 clusters instead where those fill the SMs as well. When
+    the epilogue's smem buffers would leave the ping-pong ring fewer than 5 stages (two fp32
+    outputs next to two TILE operands), or the problem is smaller, the cooperative schedule
+    runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per thread) when they (nearly)
+    fill the SMs, else 128x128 (or 64x128 when even those leave most SMs idle), with a 2x1
+    cluster multicasting B when M spans several tiles.
     Large problems walk the tiles in bands of 8 clusters for L2 reuse. Epilogues that do work
     get 64x32 or 64x16 subtiles on ping-pong tiles where those buy the ring stages (192x128
     tiles qualify when some subtile leaves them 5), else 64-wide ones where the ring keeps
@@ -424,8 +425,9 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # 1.445 / 1.482 and 0.723 / 0.741 in another; bias+gelu(erf) 1.477 / 1.501 and
         # 0.736 / 0.752; bias+silu 1.469 / 1.468 and 0.731 / 0.741), and nor does a second
         # 16-bit output (a training forward, gelu(acc + bias) and acc, one run, 64-wide
-        # subtiles, which leave it 3 stages: 1.420 / 1.458 and 0.708 / 0.723). Alpha-beta's two TILE operands and two outputs do not (1.505 /
-        # 1.464 and 0.751 / 0.732): it keeps ping-pong, which hides them.
+        # subtiles, which leave it 3 stages: 1.420 / 1.458 and 0.708 / 0.723). Alpha-beta's
+        # two TILE operands and two outputs do not (1.505 / 1.464 and 0.751 / 0.732): it
+        # keeps ping-pong, which hides them.
         out_bits = sum(_BITS[o.dtype] for o in problem.ir.outputs)
         light = out_bits <= 32 and not tile_operand_indices(problem.ir)
         if (light and k >= _LONG_K and n >= 256
