@@ -132,8 +132,9 @@ def test_residual_policy(rng):
     assert n_outputs(lambda acc, c: 2.0 * acc + c) == 1
 
 
-def test_bf16_grads_close(rng):
-    a, b, bias = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in [(64, 32), (32, 48), (48,)])
+@pytest.mark.parametrize("m", [64, 256])
+def test_bf16_grads_close(rng, m):
+    a, b, bias = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in [(m, 32), (32, 48), (48,)])
     g = jax.grad(lambda a, b, bias: loss(efc.fused_dense(a, b, bias, activation="gelu_tanh")), (0, 1, 2))(a, b, bias)
     up = [x.astype(jnp.float32) for x in (a, b, bias)]
     ref = jax.grad(lambda a, b, bias: loss(jax.nn.gelu(a @ b + bias)), (0, 1, 2))(*up)
