@@ -140,7 +140,7 @@ def _run(args: argparse.Namespace) -> int:
             compile(args.expr, "<--expr>", "eval")
         except SyntaxError as e:
             args.parser.error(f"--expr is not a Python expression: {e.msg}")
-    rounds = min(bench.ROUNDS, args.iterations)  # the bench rounds it up to whole cycles of orders
+    rounds = max(1, min(bench.ROUNDS, args.iterations))  # the bench rounds it up to whole cycles
     try:
         r = bench.measure(_run_problem(args), rounds=rounds, calls=max(1, args.iterations // rounds),
                           warmup=args.warmup_iterations, check=not args.skip_ref_check)
