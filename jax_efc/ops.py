@@ -225,14 +225,26 @@ def _fused_bwd(static: _Static, residuals, cts):
     return da, db, d_ops
 
 
-# Rows a summed operand's partial cotangent covers (below): the chunk XLA's own reduction
-# splitter takes when it splits a long column sum. Measured on H200, gelu_tanh's backward with
-# a bias gradient, ms, one sum against partial sums of 128 rows: 0.216 / 0.133 at 4096 x 14336
-# (the floor without the bias gradient: 0.128), 0.069 / 0.068 at 2048 x 4096, 0.121 / 0.111
-# at 2048 x 14336; 0.157 / 0.157 and 0.250 / 0.251 at 8192 x 8192 and 8192 x 14336, where XLA
-# splits the sum itself. Partials of 64 rows were slower there (0.191, 0.320), of 256 at 4096
-# x 14336 (0.139).
+# Rows a summed operand's partial cotangent covers (below): about the chunk XLA's own reduction
+# splitter takes when it splits a long column sum (128 rows at M = 8192). Measured on H200,
+# gelu_tanh's backward with a bias gradient, ms, one sum against partial sums of 128 rows:
+# 0.216 / 0.133 at 4096 x 14336 (the floor without the bias gradient: 0.128), 0.069 / 0.068
+# at 2048 x 4096, 0.121 / 0.111 at 2048 x 14336; 0.157 / 0.157 and 0.250 / 0.251 at 8192 x
+# 8192 and 8192 x 14336, where XLA splits the sum itself. Partials of 64 rows were slower there
+# (0.191, 0.320), of 256 at 4096 x 14336 (0.139). Where 128 does not divide M, the divisor
+# nearest to it: e.g. 0.260 / 0.111 (125 rows) at 3000 x 14336, 0.158 / 0.151 (100) at 4100 x
+# 14336; divisors farther from 128 were mostly slower (benchmarks/FINDINGS.md).
 _ROWS_PER_PARTIAL = 128
+_PARTIAL_ROWS_RANGE = (64, 256)
+
+
+def _rows_per_partial(m: int) -> int | None:
+    """The rows of a partial sum over ``m`` rows: the divisor of ``m`` nearest to
+    ``_ROWS_PER_PARTIAL`` within ``_PARTIAL_ROWS_RANGE``, or None (one sum) where there is
+    none or it would leave a single partial."""
+    lo, hi = _PARTIAL_ROWS_RANGE
+    divisors = [r for r in range(lo, min(hi, m - 1) + 1) if m % r == 0]
+    return min(divisors, key=lambda r: (abs(r - _ROWS_PER_PARTIAL), r), default=None)
 
 
 def _epilogue_vjp(ir: EpilogueIR, acc: Any, ops: tuple, cts: list) -> tuple[Any, list[Any]]:
@@ -245,7 +257,7 @@ def _epilogue_vjp(ir: EpilogueIR, acc: Any, ops: tuple, cts: list) -> tuple[Any,
     a sum with another consumer: it writes the derivative in fp32 and reads it back, which
     costs a training step more than the fused forward saves. So the sums come from a second
     VJP whose full-size inputs pass an optimization barrier (nothing in common to merge
-    back), summed in partials of ``_ROWS_PER_PARTIAL`` rows: a sum over all M rows XLA
+    back), summed in partials of about ``_ROWS_PER_PARTIAL`` rows: a sum over all M rows XLA
     fuses with the first VJP only where it splits the sum itself (M of 8192 and more), a
     sum over a few rows everywhere.
     """
@@ -269,8 +281,8 @@ def _epilogue_vjp(ir: EpilogueIR, acc: Any, ops: tuple, cts: list) -> tuple[Any,
         # the small operands stay outside the barrier: shared, they let XLA fuse both VJPs
         acc2, tiles2, cts2 = jax.lax.optimization_barrier((acc, [ops[i] for i in tiles], cts))
         ops2 = tuple(dict(zip(tiles, tiles2)).get(i, x) for i, x in enumerate(ops))
-        m, r = cts[0].shape[-2], _ROWS_PER_PARTIAL
-        if m % r or m == r:
+        r = _rows_per_partial(cts[0].shape[-2])
+        if r is None:
             d_sums = pullback(summed, acc2, ops2, cts2)
         else:
             d_sums = _partial_sums(pullback, summed, acc2, ops2, cts2, ir.epi_dtype, r)

@@ -60,11 +60,11 @@ def test_complex_grads_with_vectors(rng, recompute):
     check_grads(ours, plain, (a, b, bias, c, x, col, jnp.float32(0.5)))
 
 
-@pytest.mark.parametrize("m", [16, 384])
+@pytest.mark.parametrize("m", [16, 300, 384])
 def test_batched_grads_with_mixed_operands(rng, m):
     """Tiles, shared and per-batch vectors and scalars interleaved: each cotangent reaches its
     operand (the backward takes the tiles' and the summed ones' from separate VJPs, the sums
-    over 384 rows in partials of 128)."""
+    over 16 rows in one, over 300 and 384 rows in partials of 100 and 128)."""
     a, b, c, bias, x, col, shift, gain = arrays(
         rng, (2, m, 24), (2, 24, 40), (2, m, 40), (2, 1, 40), (2, m, 40), (2, m, 1), (40,), (2, 1, 1))
 
@@ -81,14 +81,17 @@ def test_batched_grads_with_mixed_operands(rng, m):
     check_grads(ours, plain, (a, b, c, bias, x, col, shift, gain, jnp.float32(0.8)))
 
 
-def test_bias_gradient_summed_in_partials(rng):
-    """Over rows in multiples of 128, a bias's gradient is summed in partials of 128 rows, kept
-    apart from the final sum (XLA fuses such partial sums with the derivative)."""
-    x, w, bias = arrays(rng, (512, 16), (16, 24), (24,))
+@pytest.mark.parametrize("m, partials", [(512, 4), (1000, 8), (4100, 41), (1009, None)])
+def test_bias_gradient_summed_in_partials(rng, m, partials):
+    """A bias's gradient is summed in partials of the divisor of M nearest to 128 rows (128,
+    125, 100; none for a prime M, summed at once), kept apart from the final sum (XLA fuses
+    such partial sums with the derivative)."""
+    x, w, bias = arrays(rng, (m, 16), (16, 24), (24,))
     jaxpr = jax.make_jaxpr(jax.grad(lambda x, w, bias: loss(efc.fused_dense(x, w, bias, activation="gelu")),
                                     (0, 1, 2)))(x, w, bias)
-    barriers = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "optimization_barrier"]
-    assert [v.aval.shape for e in barriers for v in e.invars][-1:] == [(4, 1, 24)]
+    shapes = [v.aval.shape for e in jaxpr.jaxpr.eqns if e.primitive.name == "optimization_barrier"
+              for v in e.invars]
+    assert [s for s in shapes if s[-2:] == (1, 24)] == ([] if partials is None else [(partials, 1, 24)])
 
 
 def test_multi_output_grads(rng):
