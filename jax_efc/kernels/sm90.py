@@ -810,12 +810,13 @@ class Sm90FusedGemm:
         consumer has released it, expects those subtiles' bytes. Returns the advanced state
         (the caller rebinds it, so the tracer carries it out of the enclosing branch)."""
         gC = self._local_tiles(mC)
+        tiles = [self._tile_op_tile(gC, t, u.m, u.n, u.l) for t in range(len(self.tile_ops))]
         for stage in cutlass.range_constexpr(len(self.ring_stage_bytes)):
             mainloop.sync_object_empty.wait(state.index, state.phase)
             mainloop.sync_object_full.arrive_and_expect_tx(state.index, self.ring_stage_bytes[stage])
             bar = mainloop.producer_get_barrier(state)
             for t in cutlass.range_constexpr(len(self.tile_ops)):
-                tile = self._tile_op_tile(gC, t, u.m, u.n, u.l)
+                tile = tiles[t]
                 for s in cutlass.range_constexpr(self.n_sub):
                     if cutlass.const_expr(self.ring_slots[t][s][0] == stage):
                         view = self._ring_view(ring, self.tile_op_dtypes[t], self.ring_slots[t][s], state.index)
