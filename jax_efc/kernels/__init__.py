@@ -64,6 +64,8 @@ _BITS = {"bfloat16": 16, "float16": 16, "float32": 32}
 _ONE_WAVE = 0.9
 # fills of two tile shapes closer than this count as equal
 _FILL_TIE = 1e-6
+# ring stages a cooperative 128x256 tile keeps at least: its epilogue buffers may cost no more
+_WIDE_TILE_STAGES = 3
 # GEMMs that XLA's GEMM runs faster than the kernel: short ones (decode steps, small batches)
 # and those with too few tiles to fill the SMs. With M rows per B a GEMM does about M flops per
 # byte of B it reads, under the H200's ridge of about 200 (989 TFLOP/s over 4.8 TB/s) when M is
@@ -433,7 +435,7 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         if (light and k >= _LONG_K and n >= 256
                 and fill(128, 256) >= fill(tm, 128) - _FILL_TIE):
             long_k = GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, swizzle=8)
-            return widened(long_k, 3)  # as the cooperative 128x256 tiles below
+            return widened(long_k, _WIDE_TILE_STAGES)
         cfg = tall if fits_tall else pingpong(128)
         # The ring's depth is what the mainloop feeds on: a k-tile takes a 128x128 consumer
         # about 520 SM cycles of WGMMA, and a k-tile's TMA load (L2 to smem, multicast) takes
@@ -470,7 +472,7 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     # epilogue buffers (outputs and TILE operands) leave >= 3 stages. Measured on H200, bf16
     # 1000x4096x4096 (128 such tiles on 132 SMs; the ping-pong rule above takes it at this
     # K), one run: 0.049 ms against 0.063 ms for cooperative 128x128 (0.99x vs 0.84x XLA).
-    if n >= 256 and tiles(128, 256) >= _ONE_WAVE * sms and stages(128, 256) >= 3:
+    if n >= 256 and tiles(128, 256) >= _ONE_WAVE * sms and stages(128, 256) >= _WIDE_TILE_STAGES:
         tm, tn = 128, 256
     elif tiles(128, 128) >= sms // 2 or m > 64:
         tm, tn = 128, 128
@@ -485,4 +487,4 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     # 128x256 2x1 swizzle 8, one run: bias+gelu_tanh 1.545 vs 1.569 ms, bias+silu 1.709 vs
     # 1.753, bias+gelu(erf) 1.703 vs 1.713; plain GEMMs were within noise either way, so they
     # keep 32.
-    return widened(cfg, 3) if tn == 256 else cfg
+    return widened(cfg, _WIDE_TILE_STAGES) if tn == 256 else cfg
