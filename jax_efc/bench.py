@@ -11,8 +11,8 @@ reference in the same run. The baseline is the same epilogue in plain JAX under 
 
 Several ``--configs`` of one epilogue and shape are timed in the same interleaved rounds;
 ``--clocks`` adds the SM clock and board power each side held (nvidia-smi); ``--bound`` adds
-our plain GEMM's time in the same rounds, and the baseline's time over it: the most fusing the
-epilogue can gain.
+our plain GEMM's time in the same rounds (and, with ``--clocks``, its clock and power), and the
+baseline's time over it: the most fusing the epilogue can gain.
 
 ``--resume`` keeps the figures a stopped run left in ``--json``'s file and measures only the
 rest, so the same command, run again, finishes the set.
@@ -128,6 +128,10 @@ class Result:
     # plain_s bounds the ratio any fusion of this epilogue can reach
     plain_s: float | None = None
     calls_per_jit: int = 1
+    # with both: the clock and power while the plain GEMM ran (at the power cap a kernel's
+    # clock depends on its work, so a fused epilogue can cost clock as well as cycles)
+    plain_mhz: float | None = None
+    plain_watts: float | None = None
 
     @property
     def bound(self) -> float | None:
@@ -475,8 +479,9 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
     times = [t / calls_per_jit for t in times]
     count = len(problems)
     ours_s, base_s, plain_s = times[:count], times[count], times[count + 1] if bound else None
-    *power, (base_mhz, base_watts) = [clocks.median(w) if clocks else (None, None)
-                                      for w in windows[:count + 1]]
+    sampled = [clocks.median(w) if clocks else (None, None) for w in windows]
+    power, (base_mhz, base_watts) = sampled[:count], sampled[count]
+    plain_mhz, plain_watts = sampled[count + 1] if bound else (None, None)
     m, n, k, l = first.shape
     results = []
     for p, t, err, (mhz, watts) in zip(problems, ours_s, errs, power):
@@ -484,7 +489,8 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
         backend = "; ".join(dict.fromkeys(backends(p.ours, *p.specs))) or "none"
         results.append(Result(p.epilogue, p.shape, p.dtype, p.config, backend, t, base_s, tflops,
                               base_s / t, tflops / PEAK_TFLOPS, moved / 1e9, err, base_err,
-                              mhz, base_mhz, watts, base_watts, plain_s, calls_per_jit))
+                              mhz, base_mhz, watts, base_watts, plain_s, calls_per_jit, plain_mhz,
+                              plain_watts))
     return results
 
 
@@ -538,7 +544,7 @@ def _optional(v: float | None, spec: str) -> str:
 
 def format_table(results: Sequence[Result], title: str = "") -> str:
     """A fixed-width table of results (shape is M x N x K [x L]); with sampled clocks, also
-    each side's median SM clock and board power."""
+    each side's median SM clock and board power (and the plain GEMM's, with ``bound``)."""
     head = ("shape", "dtype", "epilogue", "config", "backend", "ours ms", "base ms", "TFLOP/s", "ratio",
             "%peak", "GB", "err", "base err")
     rows = [(_shape_str(r.shape), r.dtype, r.epilogue, r.config, _clip(r.backend, 40), f"{r.ours_s * 1e3:.3f}",
@@ -552,6 +558,10 @@ def format_table(results: Sequence[Result], title: str = "") -> str:
     if any(r.ours_mhz is not None for r in results):
         head += ("ours MHz", "base MHz", "ours W", "base W")
         rows = [row + tuple(_optional(v, ".0f") for v in (r.ours_mhz, r.baseline_mhz, r.ours_watts, r.baseline_watts))
+                for row, r in zip(rows, results)]
+    if any(r.plain_mhz is not None for r in results):
+        head += ("plain MHz", "plain W")
+        rows = [row + (_optional(r.plain_mhz, ".0f"), _optional(r.plain_watts, ".0f"))
                 for row, r in zip(rows, results)]
     return fixed_width(head, rows, title)
 

@@ -301,10 +301,15 @@ def test_clock_sampler_attributes_samples_to_rounds():
     with bench.ClockSampler(settle_s=0.0, command=[sys.executable, "-c", _FAKE_SMI]) as clocks:
         problems = [bench.bench_problem("gemm", (512, 512, 512, 1))]
         (r,) = bench.run(problems, rounds=2, calls=20, clocks=clocks)
+        (with_bound,) = bench.run(problems, rounds=2, calls=20, clocks=clocks, bound=True)
     assert clocks.samples and all(s[1:] == (1500.0, 650.5) for s in clocks.samples)
     assert (r.ours_mhz, r.baseline_mhz, r.ours_watts, r.baseline_watts) == (1500, 1500, 650.5, 650.5)
+    assert (r.plain_mhz, r.plain_watts) == (None, None)
+    assert (with_bound.plain_mhz, with_bound.plain_watts) == (1500, 650.5)
     table = bench.format_table([r])
-    assert "ours MHz" in table and "650" in table.splitlines()[-1]
+    assert "ours MHz" in table and "650" in table.splitlines()[-1] and "plain MHz" not in table
+    head, *_, last = bench.format_table([with_bound]).splitlines()
+    assert head.split()[-4:] == ["plain", "MHz", "plain", "W"] and last.split()[-2:] == ["1500", "650"]
     # a window with no samples inside has no median
     assert clocks.median([(0.0, 0.01)]) == (None, None)
 
