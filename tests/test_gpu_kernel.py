@@ -158,6 +158,43 @@ def test_persistent_grid_fits_the_gpu():
     assert F._max_active_clusters(4) == fours
 
 
+def test_dependent_kernels_in_one_jit():
+    # Each kernel launches as a programmatic dependent of the previous one on the stream, and
+    # the previous kernel lets it launch from its start: three GEMMs that each read the last
+    # one's output, one jitted program. The first runs on 4 CTAs for a long K, so the second's
+    # CTAs start on idle SMs while it runs; they must wait for its output before reading.
+    jax, jnp, lax, F, GemmConfig, evaluate, trace_epilogue = _setup()
+    cfg = GemmConfig(128, 128, stream_k=False)
+    dims = [(256, 256, 16384), (256, 512, 256), (256, 256, 512)]
+    keys = jax.random.split(jax.random.PRNGKey(5), len(dims) + 1)
+    x = jax.random.normal(keys[0], dims[0][::2], jnp.float32).astype(jnp.bfloat16)
+    ws = [(jax.random.normal(kk, (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+          for kk, (_, n, k) in zip(keys[1:], dims)]
+    irs = [trace_epilogue(lambda acc: acc, (m, n), [], [], {}, {}, jnp.bfloat16, jnp.bfloat16)[0]
+           for m, n, _ in dims]
+    kw = dict(transpose_a=False, transpose_b=False, acc_dtype=jnp.float32, config=cfg, arch=F.device_arch())
+    for (m, _, k), ir, w in zip(dims, irs, ws):
+        assert F.unsupported_reason(ir, jax.ShapeDtypeStruct((m, k), x.dtype), w, [], **kw) is None
+
+    def chain(x, *ws):
+        for ir, w in zip(irs, ws):
+            (x,) = F.fused_gemm(x, w, ir=ir, **kw)
+        return x
+
+    def reference(x, *ws):
+        for w in ws:
+            x = jnp.matmul(x, w, preferred_element_type=jnp.float32,
+                           precision=lax.Precision.HIGHEST).astype(x.dtype)
+        return x
+
+    run = jax.jit(chain)
+    want = np.asarray(jax.jit(reference)(x, *ws), np.float64)
+    for _ in range(3):
+        got = np.asarray(run(x, *ws), np.float64)
+        assert np.isfinite(got).all()
+        assert _rel_error(got, want) < 2e-2
+
+
 def test_short_k():
     _run(lambda acc: acc, [], m=256, n=256, k=40, config=(128, 128, 1, 1))
 

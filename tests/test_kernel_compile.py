@@ -236,6 +236,11 @@ def test_variant_compiles_to_wgmma(compiled, name):
     assert "wgmma.mma_async" in ptx
     assert "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx  # TMA loads into the pipeline
     assert ".bulk_group" in ptx  # TMA stores of the epilogue
+    # launched as a programmatic dependent: every thread waits for the previous kernel before
+    # its first global access (the PTX keeps program order here: the wait precedes them all)
+    wait = ptx.find("griddepcontrol.wait;")
+    assert 0 <= wait < ptx.find("cp.async.bulk.tensor") and "griddepcontrol.launch_dependents;" in ptx
+    assert all(wait < i for i in (ptx.find(op) for op in ("ld.global", "st.global")) if i >= 0)
     if VARIANTS[name][5] in ("alpha_beta", "f32_tile", "multi"):
         # TILE operands are TMA-loaded into smem and read from there (16-bit ones by
         # ldmatrix), not gathered from global memory ("multi" still gathers its row/column

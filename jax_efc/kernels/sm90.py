@@ -299,7 +299,7 @@ class Sm90FusedGemm:
             tuple(tma_c), tuple(g_c), a_smem, b_smem, d_smem, c_smem, tiles_mnl, sk_buffers, stamps,
         ).launch(
             grid=(*self.cluster_mn, clusters), block=[self.threads, 1, 1], cluster=(*self.cluster_mn, 1),
-            min_blocks_per_mp=1, stream=stream,
+            min_blocks_per_mp=1, stream=stream, use_pdl=True,
         )
 
     @staticmethod
@@ -393,6 +393,13 @@ class Sm90FusedGemm:
             cute.arch.cluster_wait()
         else:
             cute.arch.sync_threads()
+        # Programmatic dependent launch: the launch lets this grid start while the stream's
+        # previous kernel finishes, so its launch and the set-up above overlap that kernel's
+        # tail. No global memory is touched before the wait, which returns once that kernel
+        # has ended and its writes are visible. The next kernel on the stream may launch at
+        # once: its CTAs find no room on SMs this persistent grid holds, and wait likewise.
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
 
         # ================================================================ producer
         # (Prefetches to L2 made the H200 run slower: TMA ones of the k-tiles 8 to 16 ahead
