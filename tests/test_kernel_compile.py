@@ -240,7 +240,9 @@ def test_variant_compiles_to_wgmma(compiled, name):
     # its first global access (the PTX keeps program order here: the wait precedes them all)
     wait = ptx.find("griddepcontrol.wait;")
     assert 0 <= wait < ptx.find("cp.async.bulk.tensor") and "griddepcontrol.launch_dependents;" in ptx
-    assert all(wait < i for i in (ptx.find(op) for op in ("ld.global", "st.global")) if i >= 0)
+    assert all(wait < i for i in (ptx.find(op) for op in ("ld.global", "st.global", "prefetch.global")) if i >= 0)
+    # each tile's slice of a ROW/COL vector is prefetched into L1 ahead of its epilogue
+    assert ("prefetch.global.L1" in ptx) == (VARIANTS[name][5] in ("bias_gelu", "bias_silu", "multi"))
     if VARIANTS[name][5] in ("alpha_beta", "f32_tile", "multi"):
         # TILE operands are TMA-loaded into smem and read from there (16-bit ones by
         # ldmatrix), not gathered from global memory ("multi" still gathers its row/column

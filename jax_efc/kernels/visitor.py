@@ -194,6 +194,23 @@ class EpilogueVisitor:
             frag[i] = tensor[(mi, ni, batch)].to(cutlass.Float32)
         return frag.load()
 
+    def prefetch_vectors(self, operands: Sequence[cute.Tensor], origin: tuple, tile_mn: tuple,
+                         extent_mn, batch, tid) -> None:
+        """Pull the tile's slice of every ROW and COL operand into L1, thread ``tid`` one of
+        its 128-byte lines, so that each subtile's vector loads hit there. ``origin``: the
+        tile's first (m, n)."""
+        for i, (inp, tensor) in enumerate(zip(self.ir.operands, operands)):
+            if not self.live[i] or inp.role not in (Role.ROW, Role.COL):
+                continue
+            axis = 1 if inp.role is Role.ROW else 0
+            per_line = 128 * 8 // tensor.element_type.width
+            lines = max(1, tile_mn[axis] // per_line)
+            index = cutlass.min(origin[axis] + (tid % lines) * per_line, extent_mn[axis] - 1)
+            b = batch if self.operand_batched[i] else 0
+            coord = (0, index, b) if axis == 1 else (index, 0, b)
+            ptr = tensor.iterator + cute.crd2idx(coord, tensor.layout)
+            cute.arch.prefetch(ptr.to_llvm_ptr(), cache_level="L1")
+
     def __call__(self, acc: cute.TensorSSA, coords: Sequence[tuple],
                  operands: Sequence[cute.Tensor], extent_mn, batch,
                  preloaded: dict | None = None) -> list[cute.TensorSSA]:
