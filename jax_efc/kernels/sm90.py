@@ -478,8 +478,9 @@ class Sm90FusedGemm:
                 in_ring = j == n_units - 1 if self.ring_slots is not None else False
                 # ROW/COL vector lines into L1 ahead of the epilogue's loads (about 0.5% fewer
                 # cycles for bias+gelu_tanh under Nsight Compute: benchmarks/FINDINGS.md)
-                self.visitor.prefetch_vectors(epi.operands, (u.m * self.tile_mnk[0], u.n * self.tile_mnk[1]),
-                                              self.tile_mnk[:2], epi.mn_extent, u.l, ctid)
+                if u.k_begin == 0:
+                    self.visitor.prefetch_vectors(epi.operands, (u.m * self.tile_mnk[0], u.n * self.tile_mnk[1]),
+                                                  self.tile_mnk[:2], epi.mn_extent, u.l, ctid)
                 if cutlass.const_expr(not self.pingpong):
                     # the buffers are free: the first subtiles arrive while the mainloop runs
                     if u.k_begin == 0 and not in_ring:
