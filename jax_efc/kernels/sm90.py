@@ -142,6 +142,11 @@ class Sm90FusedGemm:
         self.n_operands = len(problem.ir.operands)
         self.out_dtypes = self.visitor.out_dtypes
         self.pingpong = bool(cfg.pingpong)
+        # ping-pong: every epilogue but the CTA's last runs under the other consumer's
+        # WGMMAs, which dense fp32 issue slows; those run paced where there is arithmetic
+        # (EpilogueVisitor.__call__; benchmarks/FINDINGS.md)
+        self.paced = self.pingpong and any(ins.op not in ("const", "convert")
+                                           for ins in self.visitor.ir.instrs)
         # warpgroups that cooperate on one tile (its MMA and its epilogue); each covers
         # tile_m / n_mma_wg rows in 64-row WGMMA blocks (two per k-step for a 128x128
         # ping-pong consumer or a cooperative 256x128 tile)
@@ -524,7 +529,14 @@ class Sm90FusedGemm:
                         subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count,
                                                        ring=(mainloop, read))
                     else:
+                        subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count,
+                                                       paced=self.paced)
+                elif cutlass.const_expr(self.schedule.stream_k is None and self.paced):
+                    if j == n_units - 1:
                         subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count)
+                    else:
+                        subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count,
+                                                       paced=True)
                 elif cutlass.const_expr(self.schedule.stream_k is None):
                     subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count)
                 else:
@@ -719,12 +731,13 @@ class Sm90FusedGemm:
 
     @cute.jit
     def _epilogue(self, epi: _ConsumerEpilogue, acc: cute.Tensor, bSC, m_idx, n_idx, l_idx,
-                  subtile_count, ring=None):
+                  subtile_count, ring=None, paced: bool = False):
         """The fused epilogue of one tile, one (epi_m x epi_n) subtile at a time, through
         the ``EPI_STAGES`` epilogue smem buffers. ``ring``: the CTA's last tile, as (the A/B
         pipeline, its state past the tile's last k-tile); its TILE operands come through
         the ring stages from there on (the producer loads them) and its outputs are staged
-        in the stages after those where they have slots. Returns the running subtile count."""
+        in the stages after those where they have slots. ``paced``: the visitor's paced
+        evaluation. Returns the running subtile count."""
         n_out = len(self.out_dtypes)
         from_ring = ring is not None
         out_in_ring = from_ring and self.ring_out_slots is not None
@@ -766,7 +779,8 @@ class Sm90FusedGemm:
             for j in cutlass.range_constexpr(n_tc):
                 cute.copy(epi.s2r[j], tile_op_smem[j], epi.tSR_rC[j])
                 preloaded[self.tile_ops[j]] = epi.frag_c[j].load().to(cutlass.Float32)
-            outs = self.visitor(frag.load(), coords, epi.operands, epi.mn_extent, l_idx, preloaded)
+            outs = self.visitor(frag.load(), coords, epi.operands, epi.mn_extent, l_idx, preloaded,
+                                paced=paced)
             # (Stores from registers straight to global memory, 32 bits a pair of values with
             # no smem buffers and no barriers, were slower for alpha-beta on H200, and the smem
             # they free bought nothing: benchmarks/FINDINGS.md)

@@ -2,10 +2,11 @@
 accumulator fragment a thread holds for one epilogue subtile.
 
 Shared by every architecture's kernel. The kernel hands over, per subtile, the fp32
-accumulator values as a ``TensorSSA`` and, per value, its (m, n) coordinate in the output; the visitor gathers the operands at those coordinates
-(TILE at (m, n), ROW at n, COL at m, SCALAR once), runs the SSA program (after the cheaper
-equivalent forms of ``rewrite.py``) with CuTe math on whole fragments, and returns every
-output already converted to its storage dtype.
+accumulator values as a ``TensorSSA`` and, per value, its (m, n) coordinate in the output;
+the visitor gathers the operands at those coordinates (TILE at (m, n), ROW at n, COL at m,
+SCALAR once), runs the SSA program (after the cheaper equivalent forms of ``rewrite.py``) with
+CuTe math on whole fragments, or paced, a few values at a time in dependent chains, and
+returns every output already converted to its storage dtype.
 
 Everything here runs at trace time inside a ``@cute.kernel``: loops are Python loops over
 static sizes (fully unrolled), there is no data-dependent Python control flow.
@@ -19,7 +20,9 @@ from collections.abc import Sequence
 
 import cutlass
 import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
 from cutlass.cute import math as cmath
+from cutlass.cutlass_dsl import T
 
 from jax_efc.epilogue import EpilogueIR, Role
 from jax_efc.kernels.rewrite import rewrite
@@ -47,6 +50,42 @@ def _f32(v: cute.TensorSSA) -> cute.TensorSSA:
 
 def _full(like: cute.TensorSSA, value, dtype: type) -> cute.TensorSSA:
     return cute.full(like.shape, value, dtype)
+
+
+# A paced evaluation runs this many independent chains of dependent values (see
+# EpilogueVisitor.__call__). Two, as cuBLASLt's BIAS_GELU kernel does, gave the other
+# consumer's WGMMAs back most of the cycles that dense fp32 work took from them on an H200
+# (benchmarks/FINDINGS.md).
+_PACE_CHAINS = 2
+
+
+def _opaque_zero() -> cutlass.Int32:
+    """0, as the dynamic shared memory size (under 2^31 bytes) shifted right by 31: a zero
+    that neither LLVM nor ptxas can fold away."""
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(), [], "{ .reg .b32 size; mov.u32 size, %dynamic_smem_size; shr.u32 $0, size, 31; }",
+        "=r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def _tie(value: cute.TensorSSA, link: cute.TensorSSA, zero: cutlass.Int32) -> cute.TensorSSA:
+    """``value`` unchanged (its bits OR ``link & zero``), made to wait for ``link``: one
+    ``lop3`` per value."""
+    tied = cute.make_rmem_tensor(value.shape, cutlass.Float32)
+    for i in range(cute.size(tied)):
+        tied[i] = cutlass.Float32(llvm.inline_asm(
+            T.f32(), [cutlass.Float32(value[i]).ir_value(), cutlass.Float32(link[i]).ir_value(),
+                      zero.ir_value()],
+            "lop3.b32 $0, $1, $2, $3, 0xF8;", "=f,f,f,r", has_side_effects=False,
+            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+    return tied.load()
+
+
+def _slice(v: cute.TensorSSA, start: int, size: int) -> cute.TensorSSA:
+    """Values ``start`` to ``start + size`` of a flat fragment (register renaming only)."""
+    part = cute.make_rmem_tensor((size,), v.dtype)
+    for i in range(size):
+        part[i] = v[start + i]
+    return part.load()
 
 
 def _sign(x):
@@ -213,14 +252,20 @@ class EpilogueVisitor:
 
     def __call__(self, acc: cute.TensorSSA, coords: Sequence[tuple],
                  operands: Sequence[cute.Tensor], extent_mn, batch,
-                 preloaded: dict | None = None) -> list[cute.TensorSSA]:
+                 preloaded: dict | None = None, paced: bool = False) -> list[cute.TensorSSA]:
         """The outputs for one subtile, each converted to its storage dtype.
 
-        ``acc``: fp32 accumulator fragment; ``coords``: the (m, n) output coordinate of each
-        fragment value, in fragment order; ``operands``: the
-        epilogue operand tensors, each presented as (M|1, N|1, L|1); ``extent_mn``: (M, N)
-        of the output; ``batch``: this tile's batch index; ``preloaded``: operand index ->
-        fp32 fragment the kernel already read (TILE operands staged in smem by TMA).
+        ``acc``: flat fp32 accumulator fragment; ``coords``: the (m, n) output coordinate of
+        each fragment value, in fragment order; ``operands``: the epilogue operand tensors,
+        each presented as (M|1, N|1, L|1); ``extent_mn``: (M, N) of the output; ``batch``:
+        this tile's batch index; ``preloaded``: operand index -> fp32 fragment the kernel
+        already read (TILE operands staged in smem by TMA).
+
+        ``paced``: evaluate the program ``_PACE_CHAINS`` values at a time, each group's
+        accumulators tied to the previous group's first output, so that the fp32 work issues
+        as that many dependent chains instead of as densely as the compiler can schedule
+        it. Slower on its own; for epilogues that run under another warpgroup's WGMMAs,
+        which dense fp32 issue slows.
         """
         ir = self.ir
         values: list = [acc]
@@ -235,9 +280,33 @@ class EpilogueVisitor:
                 values.append(_full(acc, tensor[(0, 0, b)].to(cutlass.Float32), cutlass.Float32))
             else:
                 values.append(self._gather(tensor, inp.role, b, coords, extent_mn, acc))
-        for ins in ir.instrs:
-            values.append(self._instr(ins, [values[a] for a in ins.args], acc))
-        return [self._convert(values[o.value], dt) for o, dt in zip(ir.outputs, self.out_dtypes)]
+        if not paced:
+            return self._outputs(self._run(values))
+        size = cute.size(acc.shape)
+        assert size % _PACE_CHAINS == 0, f"{size} values do not split into {_PACE_CHAINS} chains"
+        zero = _opaque_zero()
+        outs, link = [], None
+        for start in range(0, size, _PACE_CHAINS):
+            group = [None if v is None else _slice(v, start, _PACE_CHAINS) for v in values]
+            if link is not None:
+                group[0] = _tie(group[0], link, zero)
+            results = self._run(group)
+            for i, out in enumerate(self._outputs(results)):
+                if len(outs) == i:
+                    outs.append(cute.make_rmem_tensor(acc.shape, out.dtype))
+                for k in range(_PACE_CHAINS):
+                    outs[i][start + k] = out[k]
+            link = self._convert(results[ir.outputs[0].value], cutlass.Float32)
+        return [out.load() for out in outs]
+
+    def _run(self, values: list) -> list:
+        """``values`` (the program's inputs) extended by every instruction's result."""
+        for ins in self.ir.instrs:
+            values.append(self._instr(ins, [values[a] for a in ins.args], values[0]))
+        return values
+
+    def _outputs(self, values: list) -> list[cute.TensorSSA]:
+        return [self._convert(values[o.value], dt) for o, dt in zip(self.ir.outputs, self.out_dtypes)]
 
     @staticmethod
     def _instr(ins, args, like):
