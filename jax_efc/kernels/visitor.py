@@ -285,17 +285,16 @@ class EpilogueVisitor:
         size = cute.size(acc.shape)
         assert size % _PACE_CHAINS == 0, f"{size} values do not split into {_PACE_CHAINS} chains"
         zero = _opaque_zero()
-        outs, link = [], None
+        outs = [cute.make_rmem_tensor(acc.shape, dt) for dt in self.out_dtypes]
+        link = None
         for start in range(0, size, _PACE_CHAINS):
             group = [None if v is None else _slice(v, start, _PACE_CHAINS) for v in values]
             if link is not None:
                 group[0] = _tie(group[0], link, zero)
             results = self._run(group)
-            for i, out in enumerate(self._outputs(results)):
-                if len(outs) == i:
-                    outs.append(cute.make_rmem_tensor(acc.shape, out.dtype))
+            for out, part in zip(outs, self._outputs(results)):
                 for k in range(_PACE_CHAINS):
-                    outs[i][start + k] = out[k]
+                    out[start + k] = part[k]
             link = self._convert(results[ir.outputs[0].value], cutlass.Float32)
         return [out.load() for out in outs]
 
