@@ -85,6 +85,9 @@ VARIANTS = {
     "fp16_pingpong_bias_gelu_192x128_epi64x64": ("float16", True, False, 2,
                                                  (192, 128, 1, 2, {"pingpong": True, "epi_n": 64,
                                                                    "epi_m": 64}), "bias_gelu"),
+    # every operand role (TILE, ROW, COL, SCALAR) and a boolean intermediate, paced
+    "bf16_pingpong_multi_c1x2": ("bfloat16", False, False, None,
+                                 (128, 128, 1, 2, {"pingpong": True, "swizzle": 8}), "multi"),
     "bf16_multi_256x128_epi128x32": ("bfloat16", False, True, None, (256, 128, 2, 1, {"epi_m": 128}),
                                      "multi"),
     "fp16_multi_epi16_128x256": ("float16", False, True, 2, (128, 256, 1, 1, {"epi_n": 16}), "multi"),
