@@ -127,7 +127,6 @@ class Sm90FusedGemm:
         :meth:`timeline_size` values, zeroed beforehand; units past :data:`TIMELINE_UNITS` a
         group are not kept)."""
         cfg = problem.config
-        self.problem = problem
         self.schedule = schedule
         self.timeline = timeline
         self.tile_mnk = (cfg.tile_m, cfg.tile_n, TILE_K)
@@ -144,9 +143,10 @@ class Sm90FusedGemm:
         self.pingpong = bool(cfg.pingpong)
         # ping-pong: every epilogue but the CTA's last runs under the other consumer's
         # WGMMAs, which dense fp32 issue slows; those run paced where there is arithmetic
-        # (EpilogueVisitor.__call__; benchmarks/FINDINGS.md)
-        self.paced = self.pingpong and any(ins.op not in ("const", "convert")
-                                           for ins in self.visitor.ir.instrs)
+        # (EpilogueVisitor.__call__; benchmarks/FINDINGS.md). Stream-K's split epilogue stays
+        # dense.
+        self.paced = (self.pingpong and schedule.stream_k is None
+                      and self.visitor.pace_link is not None)
         # warpgroups that cooperate on one tile (its MMA and its epilogue); each covers
         # tile_m / n_mma_wg rows in 64-row WGMMA blocks (two per k-step for a 128x128
         # ping-pong consumer or a cooperative 256x128 tile)
@@ -524,24 +524,23 @@ class Sm90FusedGemm:
 
                 # ---- epilogue
                 self._stamp(stamps, ctid, slot, group, j, "epilogue")
-                if cutlass.const_expr(self.ring_slots is not None):
-                    if in_ring:
-                        subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count,
-                                                       ring=(mainloop, read))
+                if cutlass.const_expr(self.schedule.stream_k is not None):
+                    subtile_count = self._split_epilogue(epi, acc, bSC, u, subtile_count, sk_buffers,
+                                                         slot, cta_rank, ctid)
+                elif cutlass.const_expr(self.ring_slots is None and not self.paced):
+                    subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count)
+                else:
+                    # the CTA's last tile runs dense (nothing hides it), with its TILE
+                    # operands through the ring where they have slots there
+                    if j == n_units - 1:
+                        if cutlass.const_expr(self.ring_slots is not None):
+                            subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count,
+                                                           ring=(mainloop, read))
+                        else:
+                            subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count)
                     else:
                         subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count,
                                                        paced=self.paced)
-                elif cutlass.const_expr(self.schedule.stream_k is None and self.paced):
-                    if j == n_units - 1:
-                        subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count)
-                    else:
-                        subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count,
-                                                       paced=True)
-                elif cutlass.const_expr(self.schedule.stream_k is None):
-                    subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count)
-                else:
-                    subtile_count = self._split_epilogue(epi, acc, bSC, u, subtile_count, sk_buffers,
-                                                         slot, cta_rank, ctid)
                 self._stamp(stamps, ctid, slot, group, j, "end")
                 if cutlass.const_expr(self.pingpong):
                     # hand the buffers over once our TMA stores have read them

@@ -81,7 +81,8 @@ def _tie(value: cute.TensorSSA, link: cute.TensorSSA, zero: cutlass.Int32) -> cu
 
 
 def _slice(v: cute.TensorSSA, start: int, size: int) -> cute.TensorSSA:
-    """Values ``start`` to ``start + size`` of a flat fragment (register renaming only)."""
+    """Values ``start`` to ``start + size`` of a fragment, by linear index, as a flat one
+    (register renaming only)."""
     part = cute.make_rmem_tensor((size,), v.dtype)
     for i in range(size):
         part[i] = v[start + i]
@@ -220,6 +221,10 @@ class EpilogueVisitor:
         self.out_dtypes = tuple(cutlass_dtype(o.dtype) for o in ir.outputs)
         # an operand no output depends on is never loaded
         self.live = tuple(ir.uses(i + 1) for i in range(len(ir.operands)))
+        # a paced evaluation hands each group's last arithmetic result on to the next group;
+        # None where the program does no arithmetic, so pacing has nothing to spread
+        arithmetic = [k for k, ins in enumerate(ir.instrs) if ins.op not in ("const", "convert")]
+        self.pace_link = len(ir.inputs) + arithmetic[-1] if arithmetic else None
 
     def _gather(self, tensor: cute.Tensor, role: Role, batch, coords: Sequence[tuple],
                 extent_mn, like: cute.TensorSSA) -> cute.TensorSSA:
@@ -243,7 +248,7 @@ class EpilogueVisitor:
                 continue
             axis = 1 if inp.role is Role.ROW else 0
             per_line = 128 * 8 // tensor.element_type.width
-            lines = max(1, tile_mn[axis] // per_line)
+            lines = tile_mn[axis] // per_line  # tiles span 64 or more values, a line at most 64
             index = cutlass.min(origin[axis] + (tid % lines) * per_line, extent_mn[axis] - 1)
             b = batch if self.operand_batched[i] else 0
             coord = (0, index, b) if axis == 1 else (index, 0, b)
@@ -252,20 +257,20 @@ class EpilogueVisitor:
 
     def __call__(self, acc: cute.TensorSSA, coords: Sequence[tuple],
                  operands: Sequence[cute.Tensor], extent_mn, batch,
-                 preloaded: dict | None = None, paced: bool = False) -> list[cute.TensorSSA]:
+                 preloaded: dict, paced: bool = False) -> list[cute.TensorSSA]:
         """The outputs for one subtile, each converted to its storage dtype.
 
-        ``acc``: flat fp32 accumulator fragment; ``coords``: the (m, n) output coordinate of
-        each fragment value, in fragment order; ``operands``: the epilogue operand tensors,
+        ``acc``: fp32 accumulator fragment; ``coords``: the (m, n) output coordinate of each
+        fragment value, in fragment (linear index) order; ``operands``: the epilogue operand tensors,
         each presented as (M|1, N|1, L|1); ``extent_mn``: (M, N) of the output; ``batch``:
         this tile's batch index; ``preloaded``: operand index -> fp32 fragment the kernel
         already read (TILE operands staged in smem by TMA).
 
-        ``paced``: evaluate the program ``_PACE_CHAINS`` values at a time, each group's
-        accumulators tied to the previous group's first output, so that the fp32 work issues
-        as that many dependent chains instead of as densely as the compiler can schedule
-        it. Slower on its own; for epilogues that run under another warpgroup's WGMMAs,
-        which dense fp32 issue slows.
+        ``paced`` (programs with arithmetic, ``pace_link`` set): evaluate the program
+        ``_PACE_CHAINS`` values at a time, each group's accumulators tied to the previous
+        group's last arithmetic result, so that the fp32 work issues as that many dependent
+        chains instead of as densely as the compiler can schedule it. Slower on its own; for
+        epilogues that run under another warpgroup's WGMMAs, which dense fp32 issue slows.
         """
         ir = self.ir
         values: list = [acc]
@@ -274,7 +279,7 @@ class EpilogueVisitor:
                 values.append(None)
                 continue
             b = batch if self.operand_batched[i] else 0
-            if preloaded is not None and i in preloaded:
+            if i in preloaded:
                 values.append(preloaded[i])
             elif inp.role is Role.SCALAR:
                 values.append(_full(acc, tensor[(0, 0, b)].to(cutlass.Float32), cutlass.Float32))
@@ -295,7 +300,7 @@ class EpilogueVisitor:
             for out, part in zip(outs, self._outputs(results)):
                 for k in range(_PACE_CHAINS):
                     out[start + k] = part[k]
-            link = self._convert(results[ir.outputs[0].value], cutlass.Float32)
+            link = self._convert(results[self.pace_link], cutlass.Float32)
         return [out.load() for out in outs]
 
     def _run(self, values: list) -> list:
