@@ -1,4 +1,4 @@
-"""The standard benchmark of BENCHMARKING.md: jax_efc's fused GEMMs vs plain JAX, side by side.
+"""The standard benchmark: jax_efc's fused GEMMs vs plain JAX, side by side.
 
     python benchmarks/run.py [--quick] [--also-no-triton] [--json out.json [--resume]]
                              [--shapes M,N,K ...]

@@ -1,9 +1,8 @@
 """Side-by-side speed and correctness of jax_efc's fused GEMMs against plain JAX.
 
-Follows BENCHMARKING.md: jitted functions, a warm-up, several rounds of many calls (the
-median round counts), blocking only at the end of a round, random normal inputs rotated
-among several sets when they fit in L2, and every variant checked against a float32
-reference in the same run. The baseline is the same epilogue in plain JAX under ``jax.jit``.
+How: jitted functions, a warm-up, several rounds of many calls (the median round counts),
+blocking only at the end of a round, random normal inputs rotated among several sets when
+they fit in L2, and every variant checked against a float32 reference in the same run. The baseline is the same epilogue in plain JAX under ``jax.jit``.
 
     python -m jax_efc.bench [--quick | --shapes M,N,K[,L] ...] [--epilogues gemm,bias+gelu_tanh]
                             [--configs auto 192,128,1,2,pingpong=1 ...] [--clocks]
@@ -654,7 +653,8 @@ def _positive(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's options, for ``python -m jax_efc.bench`` and ``jax-efc bench``."""
     p.add_argument("--shapes", nargs="+", type=parse_shape, metavar="M,N,K[,L]",
-                   help="problem shapes (default: the standard set of BENCHMARKING.md)")
+                   help="problem shapes (default: the standard set, 8192^3, the LLM FFN shapes "
+                        "and small M)")
     p.add_argument("--quick", action="store_true", help=f"a quick subset: {QUICK_SHAPES}")
     p.add_argument("--epilogues", type=_epilogue_list, default=list(EPILOGUES),
                    help=f"comma-separated, from {','.join(_NAMED)} (default: "

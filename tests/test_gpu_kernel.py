@@ -94,7 +94,8 @@ def test_plain_gemm_majors_odd_shape(transpose_a, transpose_b, config):
 @pytest.mark.parametrize("config", [(128, 256, 2, 1), (128, 128, 1, 2), (128, 128, 2, 2),
                                     (64, 128, 1, 1), (128, 192, 1, 1), (256, 128, 2, 1), None,
                                     (192, 128, 1, 2, {"pingpong": True, "epi_n": 64, "epi_m": 64}),
-                                    (256, 128, 2, 1, {"epi_m": 128})])
+                                    (256, 128, 2, 1, {"epi_m": 128}), (256, 192, 1, 1), (128, 128, 4, 1),
+                                    (128, 128, 1, 4)])
 def test_configs(config):
     _run(lambda acc, bias: acc + bias, [((1, 768), "bfloat16")], m=1032, n=768, k=520,
          config=config)
