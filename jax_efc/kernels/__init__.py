@@ -137,7 +137,7 @@ class KernelProblem:
 
 def _align_elems(dtype: str) -> int:
     """Elements in 16 bytes: TMA needs every non-contiguous stride 16-byte aligned."""
-    return 16 // {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+    return 16 * 8 // _BITS[dtype]
 
 
 def mma_warpgroups(config: GemmConfig) -> int:
