@@ -261,7 +261,7 @@ class EpilogueVisitor:
         """The outputs for one subtile, each converted to its storage dtype.
 
         ``acc``: fp32 accumulator fragment; ``coords``: the (m, n) output coordinate of each
-        fragment value, in fragment (linear index) order; ``operands``: the epilogue operand tensors,
+        fragment value, in linear index order; ``operands``: the epilogue operand tensors,
         each presented as (M|1, N|1, L|1); ``extent_mn``: (M, N) of the output; ``batch``:
         this tile's batch index; ``preloaded``: operand index -> fp32 fragment the kernel
         already read (TILE operands staged in smem by TMA).
