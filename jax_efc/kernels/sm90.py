@@ -144,9 +144,11 @@ class Sm90FusedGemm:
         # ping-pong: every epilogue but the CTA's last runs under the other consumer's
         # WGMMAs, which dense fp32 issue slows; those run paced where there is arithmetic
         # (EpilogueVisitor.__call__; benchmarks/FINDINGS.md). Stream-K's split epilogue stays
-        # dense.
+        # dense, and so do tiles of 192 accumulators a thread (192x128, 128x192): paced,
+        # their bias+gelu kernel spills registers, and they are not measured paced yet.
         self.paced = (self.pingpong and schedule.stream_k is None
-                      and self.visitor.pace_link is not None)
+                      and self.visitor.pace_link is not None
+                      and cfg.tile_m * cfg.tile_n <= 128 * _WG)
         # warpgroups that cooperate on one tile (its MMA and its epilogue); each covers
         # tile_m / n_mma_wg rows in 64-row WGMMA blocks (two per k-step for a 128x128
         # ping-pong consumer or a cooperative 256x128 tile)
