@@ -2,7 +2,8 @@
 
 How: jitted functions, a warm-up, several rounds of many calls (the median round counts),
 blocking only at the end of a round, random normal inputs rotated among several sets when
-they fit in L2, and every variant checked against a float32 reference in the same run. The baseline is the same epilogue in plain JAX under ``jax.jit``.
+they fit in L2, and every variant checked against a float32 reference in the same run. The
+baseline is the same epilogue in plain JAX under ``jax.jit``.
 
     python -m jax_efc.bench [--quick | --shapes M,N,K[,L] ...] [--epilogues gemm,bias+gelu_tanh]
                             [--configs auto 192,128,1,2,pingpong=1 ...] [--clocks]

@@ -141,14 +141,6 @@ class Sm90FusedGemm:
         self.n_operands = len(problem.ir.operands)
         self.out_dtypes = self.visitor.out_dtypes
         self.pingpong = bool(cfg.pingpong)
-        # ping-pong: every epilogue but the CTA's last runs under the other consumer's
-        # WGMMAs, which dense fp32 issue slows; those run paced where there is arithmetic
-        # (EpilogueVisitor.__call__; benchmarks/FINDINGS.md). Stream-K's split epilogue stays
-        # dense, and so do tiles of 192 accumulators a thread (192x128, 128x192): paced,
-        # their bias+gelu kernel spills registers, and they are not measured paced yet.
-        self.paced = (self.pingpong and schedule.stream_k is None
-                      and self.visitor.pace_link is not None
-                      and cfg.tile_m * cfg.tile_n <= 128 * _WG)
         # warpgroups that cooperate on one tile (its MMA and its epilogue); each covers
         # tile_m / n_mma_wg rows in 64-row WGMMA blocks (two per k-step for a 128x128
         # ping-pong consumer or a cooperative 256x128 tile)
@@ -159,6 +151,14 @@ class Sm90FusedGemm:
         self.n_epi_threads = self.n_mma_wg * _WG
         # fp32 accumulators per consumer thread (a stream-K partial is written in this order)
         self.acc_per_thread = cfg.tile_m * cfg.tile_n // self.n_epi_threads
+        # ping-pong: every epilogue but the CTA's last runs under the other consumer's
+        # WGMMAs, which dense fp32 issue slows; those run paced where there is arithmetic
+        # (EpilogueVisitor.__call__; benchmarks/FINDINGS.md). Stream-K's split epilogue stays
+        # dense, and so do tiles of 192 accumulators a thread (192x128, 128x192): paced,
+        # their bias+gelu kernel spills registers, and they are not measured paced yet.
+        self.paced = (self.pingpong and schedule.stream_k is None
+                      and self.visitor.pace_link is not None
+                      and self.acc_per_thread <= 128)
         self.threads = _WG * (1 + self.n_consumer_wg)
         self.epi_tile = epilogue_tile(cfg)
         # subtiles a tile, numbered down M first; values in one subtile of one tensor
