@@ -153,9 +153,9 @@ class Sm90FusedGemm:
         self.acc_per_thread = cfg.tile_m * cfg.tile_n // self.n_epi_threads
         # ping-pong: every epilogue but the CTA's last runs under the other consumer's
         # WGMMAs, which dense fp32 issue slows; those run paced where there is arithmetic
-        # (EpilogueVisitor.__call__; benchmarks/FINDINGS.md). Stream-K's split epilogue stays
-        # dense, and so do tiles of 192 accumulators a thread (192x128, 128x192): paced,
-        # their bias+gelu kernel spills registers, and they are not measured paced yet.
+        # (EpilogueVisitor.__call__; benchmarks/FINDINGS.md). Stream-K kernels stay dense,
+        # and so do tiles of 192 accumulators a thread (192x128, 128x192; paced, their
+        # bias+gelu kernel spills registers): paced, neither was faster on the H200.
         self.paced = (self.pingpong and schedule.stream_k is None
                       and self.visitor.pace_link is not None
                       and self.acc_per_thread <= 128)
