@@ -328,6 +328,19 @@ def test_pingpong_192x128_batched_fp16_transposed():
          config=(192, 128, 1, 2, {"pingpong": True}))
 
 
+def test_alpha_beta_fp32_outputs_by_the_heuristic():
+    # two fp32 outputs next to two TILE operands: the heuristic's ping-pong tiles in 64x16
+    # subtiles (test_kernel_compile checks the choice); partial tiles on every edge
+    import jax.numpy as jnp
+
+    def fn(acc, c, x):
+        return {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}
+
+    m, n = 2000, 4104
+    _run(fn, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=1032,
+         out_dtypes={"D": jnp.float32, "Y": jnp.float32}, tol=1e-4)
+
+
 def test_tile_operand_f32_shared_across_batch():
     import jax.numpy as jnp
 

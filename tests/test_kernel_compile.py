@@ -520,8 +520,15 @@ def test_supported_and_heuristic():
     ab32, *_ = trace_epilogue(lambda acc, c, x: {"D": acc * 2 + c + x, "Y": acc}, (8192, 8192),
                               [(8192, 8192)] * 2, [jnp.bfloat16] * 2, {}, {},
                               {"D": jnp.float32, "Y": jnp.float32}, jnp.bfloat16)
-    cfg = choose_config(dataclasses.replace(p_ab, ir=ab32), 8192, 8192, 8192, 1)
-    assert (cfg.tile_n, cfg.pingpong) == (128, False)
+    # fp32 outputs: 4 stages at 128x32 subtiles, but 6 at 64x16, which ping-pong takes
+    p_ab32 = dataclasses.replace(p_ab, ir=ab32)
+    cfg = choose_config(p_ab32, 8192, 4096, 4096, 1)
+    assert (cfg.tile_m, cfg.epi_m, cfg.epi_n, cfg.pingpong) == (128, 64, 16, True)
+    assert pipeline_stages(dataclasses.replace(p_ab32, config=cfg)) == 6
+    assert pipeline_stages(dataclasses.replace(p_ab32, config=dataclasses.replace(cfg, epi_m=0, epi_n=32))) == 4
+    assert choose_config(p_ab32, 2000, 4104, 1032, 1) == cfg  # as the GPU test runs it
+    cfg = choose_config(p_ab32, 8192, 8192, 8192, 1)
+    assert (cfg.tile_m, cfg.epi_m, cfg.epi_n, cfg.pingpong) == (192, 64, 16, True)
 
 
 def test_short_or_few_tile_gemms_go_to_xla(monkeypatch):

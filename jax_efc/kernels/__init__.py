@@ -330,9 +330,8 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     well as 128x128, else 128x128; with a long K (>= 12288), plain GEMMs and epilogues with no
     TILE operand and at most 4 bytes of output an element (one fp32 or two 16-bit outputs) run
     cooperative 128x256 tiles in 2x1 clusters instead where those fill the SMs as well. When
-    the epilogue's smem buffers would leave the ping-pong ring fewer than 5 stages (two fp32
-    outputs next to two TILE operands), or the problem is smaller, the cooperative schedule
-    runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per thread) when they (nearly)
+    the epilogue's smem buffers would leave the ping-pong ring fewer than 5 stages even in
+    its smallest subtiles (64x16), or the problem is smaller, the cooperative schedule runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per thread) when they (nearly)
     fill the SMs, else 128x128 (or 64x128 when even those leave most SMs idle), with a 2x1
     cluster multicasting B when M spans several tiles.
     Large problems walk the tiles in bands of 8 clusters for L2 reuse. Epilogues that do work
@@ -387,9 +386,14 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     # 80.6k against 82.8k for alpha-beta and 73.4k against 75.1k for bias+gelu_tanh at
     # 1000x4096x4096. At 1000x4096x14336 the mainloop outweighs the epilogue: 4 of 8 pairs
     # either way, 0.3% in the mean.
+    # The ring's stages are counted with the subtile ping-pong would take: alpha-beta with two
+    # fp32 outputs leaves it 4 at 128x32 but 6 at 64x16. Measured on H200, one run, ms,
+    # ping-pong in 64x16 subtiles (192x128 at 8192^3) against cooperative 128x128 in 2x1
+    # clusters: 0.431 / 0.580 at 8192x4096x4096, 0.223 / 0.289 at 4096^3, 0.804 / 0.992 at
+    # 4096x14336x4096, 1.674 / 2.003 at 8192^3 (XLA: 0.574, 0.289, 0.971, 1.900).
     two_waves = 2 * sms if k >= _LONG_K else 2 * _ONE_WAVE * sms
     if (-(-m // 128) >= 8 and -(-n // 128) >= 2 and tiles(128, 128) >= two_waves
-            and stages(128, 128) >= 5):
+            and stages_of(pingpong(128)) >= 5):
         # 192x128 loads about a fifth less A/B per multiply-add from L2 than 128x128 (smem
         # reads per WGMMA stay the same), and these kernels run at the H200's 700 W cap,
         # where the clock a kernel holds depends on its work. Measured on H200, one run,
