@@ -331,8 +331,9 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     TILE operand and at most 4 bytes of output an element (one fp32 or two 16-bit outputs) run
     cooperative 128x256 tiles in 2x1 clusters instead where those fill the SMs as well. When
     the epilogue's smem buffers would leave the ping-pong ring fewer than 5 stages even in
-    its smallest subtiles (64x16), or the problem is smaller, the cooperative schedule runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per thread) when they (nearly)
-    fill the SMs, else 128x128 (or 64x128 when even those leave most SMs idle), with a 2x1
+    its smallest subtiles (64x16), or the problem is smaller, the cooperative schedule runs:
+    128x256 tiles (two warpgroups, 128 fp32 accumulators per thread) when they (nearly) fill
+    the SMs, else 128x128 (or 64x128 when even those leave most SMs idle), with a 2x1
     cluster multicasting B when M spans several tiles.
     Large problems walk the tiles in bands of 8 clusters for L2 reuse. Epilogues that do work
     get 64x32 or 64x16 subtiles on ping-pong tiles where those buy the ring stages (192x128
@@ -344,9 +345,6 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
 
     def tiles(tm: int, tn: int) -> int:
         return _tiles(m, n, l, tm, tn)
-
-    def stages(tm: int, tn: int) -> int:
-        return stages_of(GemmConfig(tile_m=tm, tile_n=tn))
 
     def stages_of(cfg: GemmConfig) -> int:
         return pipeline_stages(dataclasses.replace(problem, config=cfg))
@@ -475,7 +473,8 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     # epilogue buffers (outputs and TILE operands) leave >= 3 stages. Measured on H200, bf16
     # 1000x4096x4096 (128 such tiles on 132 SMs; the ping-pong rule above takes it at this
     # K), one run: 0.049 ms against 0.063 ms for cooperative 128x128 (0.99x vs 0.84x XLA).
-    if n >= 256 and tiles(128, 256) >= _ONE_WAVE * sms and stages(128, 256) >= _WIDE_TILE_STAGES:
+    wide_tile = GemmConfig(tile_m=128, tile_n=256)
+    if n >= 256 and tiles(128, 256) >= _ONE_WAVE * sms and stages_of(wide_tile) >= _WIDE_TILE_STAGES:
         tm, tn = 128, 256
     elif tiles(128, 128) >= sms // 2 or m > 64:
         tm, tn = 128, 128
