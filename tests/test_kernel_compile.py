@@ -325,6 +325,32 @@ def test_unsupported_reasons(change, needle):
     assert reason is not None and needle in reason, reason
 
 
+def test_too_few_stages_names_the_subtiles_that_fit():
+    # four fp32 outputs and three TILE operands crowd the A/B ring out of a cooperative
+    # 256x192 tile; the error names the subtiles to pin, and pinning them is accepted
+    pytest.importorskip("cutlass.jax")
+    import jax.numpy as jnp
+
+    from jax_efc.config import GemmConfig
+    from jax_efc.epilogue import trace_epilogue
+    from jax_efc.kernels import KernelProblem, unsupported_reason
+
+    def fn(acc, c, x, w):
+        return {"D": acc + c, "Y": acc * x, "Z": acc * w, "W": acc}
+
+    ir, *_ = trace_epilogue(fn, (4096, 4096), [(4096, 4096)] * 3, [jnp.bfloat16] * 3, {}, {},
+                            jnp.float32, jnp.bfloat16)
+
+    def reason(cfg):
+        return unsupported_reason(KernelProblem(ir, "bfloat16", "float32", "k", "n", False, False,
+                                                False, (False,) * 3, "sm_90a", cfg))
+
+    message = reason(GemmConfig(tile_m=256, tile_n=192))
+    assert message is not None and "4 outputs and 3 tile operands" in message, message
+    assert "(epi_m=128, epi_n=16)" in message
+    assert reason(GemmConfig(tile_m=256, tile_n=192, epi_m=128, epi_n=16)) is None
+
+
 @pytest.mark.parametrize("epilogue, dtype, cfg, mnk, fits, outputs_fit", [
     # 2 operands x 8 subtiles of 4 KiB, eight a stage (16 KiB of A's, 16 KiB of B's): two
     # stages, then the outputs' two of the ring's six

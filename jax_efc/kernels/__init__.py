@@ -228,9 +228,11 @@ def unsupported_reason(problem: KernelProblem, mnkl: tuple[int, int, int, int] |
     stages = pipeline_stages(problem)
     if stages < 2:
         cfg = problem.config
-        return (f"tile {cfg.tile_m}x{cfg.tile_n} with epi_n={cfg.epi_n} and "
-                f"{len(problem.ir.outputs)} outputs leaves shared memory for {stages} pipeline "
-                "stages (2 needed); use a smaller tile or epi_n=32.")
+        epi_m, epi_n = epilogue_tile(cfg)
+        return (f"tile {cfg.tile_m}x{cfg.tile_n} with {epi_m}x{epi_n} epilogue subtiles, "
+                f"{len(problem.ir.outputs)} outputs and {len(tile_operand_indices(problem.ir))} "
+                "tile operands leaves too little shared memory for 2 A/B pipeline stages; use a "
+                f"smaller tile or smaller subtiles (epi_m={64 * mma_warpgroups(cfg)}, epi_n=16).")
     if mnkl is None:
         return None
     m, n, k, _ = mnkl
