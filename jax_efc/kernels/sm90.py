@@ -154,8 +154,9 @@ class Sm90FusedGemm:
         # ping-pong: every epilogue but the CTA's last runs under the other consumer's
         # WGMMAs, which dense fp32 issue slows; those run paced where there is arithmetic
         # (EpilogueVisitor.__call__; benchmarks/FINDINGS.md). Stream-K kernels stay dense,
-        # and so do tiles of 192 accumulators a thread (192x128, 128x192; paced, their
-        # bias+gelu kernel spills registers): paced, neither was faster on the H200.
+        # and so do tiles of 192 accumulators a thread (192x128, 128x192), whose paced
+        # bias+gelu kernel spills registers: paced (the latter in 64x16 subtiles, which do
+        # not spill), neither was faster on the H200.
         self.paced = (self.pingpong and schedule.stream_k is None
                       and self.visitor.pace_link is not None
                       and self.acc_per_thread <= 128)
