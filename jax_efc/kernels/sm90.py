@@ -536,11 +536,9 @@ class Sm90FusedGemm:
                     # the CTA's last tile runs dense (nothing hides it), with its TILE
                     # operands through the ring where they have slots there
                     if j == n_units - 1:
-                        if cutlass.const_expr(self.ring_slots is not None):
-                            subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count,
-                                                           ring=(mainloop, read))
-                        else:
-                            subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count)
+                        ring = None if self.ring_slots is None else (mainloop, read)
+                        subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count,
+                                                       ring=ring)
                     else:
                         subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count,
                                                        paced=self.paced)
