@@ -84,7 +84,7 @@ def _rel_error(got, want) -> float:
 @pytest.mark.parametrize("transpose_a", [False, True])
 @pytest.mark.parametrize("transpose_b", [False, True])
 @pytest.mark.parametrize("config", [(128, 128, 1, 1), (192, 128, 1, 2, {"pingpong": True}),
-                                    (256, 128, 1, 2)])
+                                    (256, 128, 1, 2), (128, 192, 2, 1, {"pingpong": True, "raster": "n"})])
 def test_plain_gemm_majors_odd_shape(transpose_a, transpose_b, config):
     # M, N, K not multiples of the tile: partial tiles on every edge (N, K multiples of 8)
     _run(lambda acc: acc, [], m=1000, n=1000, k=1000, transpose_a=transpose_a,
@@ -326,6 +326,14 @@ def test_pingpong_192x128_batched_fp16_transposed():
     _run(lambda acc, bias: jax.nn.gelu(acc + bias), [((1, 520), "float16")], m=424, n=520, k=328,
          batch=3, b_batched=False, dtype="float16", transpose_a=True,
          config=(192, 128, 1, 2, {"pingpong": True}))
+
+
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("transpose_b", [False, True])
+def test_plain_gemm_by_the_heuristic(transpose_a, transpose_b):
+    # a large plain GEMM: the heuristic's 128x192 ping-pong tiles in 2x1 clusters along N
+    # (test_kernel_compile checks the choice); partial tiles and clusters on every edge
+    _run(lambda acc: acc, [], m=3000, n=6152, k=1032, transpose_a=transpose_a, transpose_b=transpose_b)
 
 
 def test_alpha_beta_fp32_outputs_by_the_heuristic():

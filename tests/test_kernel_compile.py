@@ -53,6 +53,9 @@ VARIANTS = {
     "bf16_pingpong_128x128_c1x2_swizzle8": ("bfloat16", False, False, None,
                                             (128, 128, 1, 2, {"pingpong": True, "swizzle": 8}),
                                             "identity"),
+    "bf16_pingpong_128x192_c2x1_raster_n_mk": ("bfloat16", True, False, None,
+                                               (128, 192, 2, 1, {"pingpong": True, "swizzle": 8, "raster": "n"}),
+                                               "identity"),
     "bf16_pingpong_bias_silu_epi64_c1x2": ("bfloat16", False, False, None,
                                            (128, 128, 1, 2, {"pingpong": True, "swizzle": 8, "epi_n": 64}),
                                            "bias_silu"),
@@ -224,7 +227,8 @@ def test_gelu_tanh_is_rewritten(compiled):
 def test_tiles_use_their_wgmma_shapes(compiled):
     # a 192x128 consumer issues three m64n128 WGMMAs per k-step, a 128x192 one two m64n192
     assert "wgmma.mma_async.sync.aligned.m64n128k16" in compiled["bf16_pingpong_192x128_c1x2_swizzle8"]["ptx"]
-    assert "wgmma.mma_async.sync.aligned.m64n192k16" in compiled["fp16_pingpong_alpha_beta_128x192_mk"]["ptx"]
+    for name in ("fp16_pingpong_alpha_beta_128x192_mk", "bf16_pingpong_128x192_c2x1_raster_n_mk"):
+        assert "wgmma.mma_async.sync.aligned.m64n192k16" in compiled[name]["ptx"]
     # cooperative 256x128: each of the two warpgroups issues two m64n128 per k-step
     ptx = compiled["bf16_256x128_c1x2_swizzle8"]["ptx"]
     assert "wgmma.mma_async.sync.aligned.m64n128k16" in ptx and "m64n256k16" not in ptx
@@ -464,9 +468,17 @@ def test_supported_and_heuristic():
     problem = KernelProblem(ir, "bfloat16", "float32", "k", "n", False, False, False, (), "sm_90a",
                             GemmConfig())
     # large problems: ping-pong in 1x2 clusters, 192x128 tiles unless they fill the SMs'
-    # rounds worse than 128x128; smaller ones: cooperative
+    # rounds worse than 128x128; smaller ones: cooperative. A plain GEMM takes 128x192 tiles
+    # in 2x1 clusters along N where those fill the rounds as well
     cfg = choose_config(problem, 8192, 8192, 8192, 1)
-    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (192, 128, 1, 2, True)
+    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.raster, cfg.pingpong) == \
+        (128, 192, 2, 1, "n", True)
+    for mnk in ((16384, 14336, 4096), (4096, 28672, 8192), (3000, 6152, 1032)):  # the last as the GPU test
+        assert choose_config(problem, *mnk, 1) == cfg
+    transposed = dataclasses.replace(problem, a_major="m", b_major="k")
+    assert choose_config(transposed, 3000, 6152, 1032, 1) == cfg
+    cfg = choose_config(problem, 4096, 14336, 4096, 1)  # 2400 tiles of 128x192: 18.2 per SM
+    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (128, 128, 1, 2, True)
     cfg = choose_config(problem, 8192, 4096, 4096, 1)  # 1376 tiles of 192x128: 10.4 per SM
     assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (128, 128, 1, 2, True)
     # 256 tiles of 128x128 on 132 SMs: ping-pong with K = 4096; a long K keeps one wave of
@@ -490,13 +502,19 @@ def test_supported_and_heuristic():
     assert choose_config(problem, 16384, 4096, 14336, 1).tile_m == 192  # 192x128 fills better
     assert choose_config(problem, 8192, 4096, 8192, 1).pingpong  # K not long enough
 
+    # an fp32 output leaves 128x192 tiles 4 stages: 128x128 ping-pong
+    f32, *_ = trace_epilogue(lambda acc: acc, (8192, 8192), [], [], {}, {}, jnp.float32, jnp.bfloat16)
+    cfg = choose_config(dataclasses.replace(problem, ir=f32), 8192, 8192, 8192, 1)
+    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_n, cfg.pingpong) == (128, 128, 2, True)
+
     # a cooperative epilogue with work gets 64-wide subtiles; four epilogue buffers (two
     # TILE operands, two outputs) would leave too few stages at 64, and fp32 outputs too few
-    # at 128x256
+    # at 128x256. Epilogues with work keep 192x128 ping-pong tiles in 1x2 clusters
     bias, *_ = trace_epilogue(lambda acc, b: acc + b, (8192, 8192), [(1, 8192)], [jnp.bfloat16], {}, {},
                               jnp.bfloat16, jnp.bfloat16)
     p_bias = dataclasses.replace(problem, ir=bias, operand_batched=(False,))
-    assert choose_config(p_bias, 8192, 8192, 8192, 1).pingpong
+    cfg = choose_config(p_bias, 8192, 8192, 8192, 1)
+    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (192, 128, 1, 2, True)
     # a long K: up to two 16-bit outputs and no TILE operand cost little exposed, so 128x256
     # as for plain; more output bytes or a TILE operand keep ping-pong, which hides them
     cfg = choose_config(p_bias, 8192, 4096, 14336, 1)

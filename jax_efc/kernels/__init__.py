@@ -331,7 +331,9 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     multicast to the two CTAs along N. The tiles are 192x128 where those fill the SMs about as
     well as 128x128, else 128x128; with a long K (>= 12288), plain GEMMs and epilogues with no
     TILE operand and at most 4 bytes of output an element (one fp32 or two 16-bit outputs) run
-    cooperative 128x256 tiles in 2x1 clusters instead where those fill the SMs as well. When
+    cooperative 128x256 tiles in 2x1 clusters instead where those fill the SMs as well, and
+    plain GEMMs with a shorter K ping-pong 128x192 tiles in 2x1 clusters along N where those
+    fill them about as well. When
     the epilogue's smem buffers would leave the ping-pong ring fewer than 5 stages even in
     its smallest subtiles (64x16), or the problem is smaller, the cooperative schedule runs:
     128x256 tiles (two warpgroups, 128 fp32 accumulators per thread) when they (nearly) fill
@@ -439,6 +441,25 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
                 and fill(128, 256) >= fill(tm, 128) - _FILL_TIE):
             long_k = GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, swizzle=8)
             return widened(long_k, _WIDE_TILE_STAGES)
+        # A plain GEMM has no epilogue to hide, only its mainloop to run cheaply: 128x192 tiles
+        # in 2x1 clusters walked along N read about a tenth less smem per multiply-add than
+        # 128x128 or 192x128 (an m64n192 WGMMA reads each A fragment for 192 columns, not 128)
+        # and, multicasting B, as little L2 as 192x128 in 1x2. Measured on H200, ms, against the
+        # choice above (192x128 or, at 4096x28672x8192, 128x128): 1.589, 1.620, 1.580 / 1.622,
+        # 1.607, 1.602 at 8192^3; 1.420, 1.415 / 1.412, 1.423 at 8192x14336x4096; 2.806, 2.776,
+        # 2.790 / 2.835, 2.788, 2.792 at 16384x14336x4096; 2.840, 2.828, 2.817 / 2.881, 2.834,
+        # 2.888 at 4096x28672x8192; 5.604, 5.601 / 5.648, 5.714 at 8192x28672x8192; chosen by
+        # this rule, another run: 1.609 / 1.618, 5.678 / 5.701, 2.813 / 2.811, 2.856 / 2.873.
+        # With A or B transposed (the backward's GEMMs) it was faster in all 8 pairs at 8192^3,
+        # 16384x14336x4096, 4096x28672x8192 and 8192x28672x8192 (0.1-3.4%). Where its tiles fill
+        # the SMs' rounds worse it lost: 0.714 / 0.698 at 4096x14336x4096; 0.846 / 0.801 at
+        # 16384x4096x4096 (N padded). Epilogues that do work keep the tiles above: 192
+        # accumulators a thread run their epilogue dense, and bias+gelu_tanh was 0.5-0.9% slower
+        # at three of four shapes.
+        plain = GemmConfig(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, raster="n", swizzle=8,
+                           pingpong=True)
+        if not has_work and fill(128, 192) >= fill(tm, 128) - 0.01 and stages_of(plain) >= 5:
+            return plain
         cfg = tall if fits_tall else pingpong(128)
         # The ring's depth is what the mainloop feeds on: a k-tile takes a 128x128 consumer
         # about 520 SM cycles of WGMMA, and a k-tile's TMA load (L2 to smem, multicast) takes
