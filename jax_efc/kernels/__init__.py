@@ -64,8 +64,14 @@ _BITS = {"bfloat16": 16, "float16": 16, "float32": 32}
 _ONE_WAVE = 0.9
 # fills of two tile shapes closer than this count as equal
 _FILL_TIE = 1e-6
+# a larger ping-pong tile is taken where it fills the SMs' rounds at most this much worse than
+# the tile it replaces
+_FILL_SLACK = 0.01
 # ring stages a cooperative 128x256 tile keeps at least: its epilogue buffers may cost no more
 _WIDE_TILE_STAGES = 3
+# ring stages a ping-pong tile keeps at least (a 128x128 tile of 8192x4096x4096 took 32.9k SM
+# cycles with 6, 33.2k with 5 and 37.0k with 4; see the epilogue subtiles in choose_config)
+_PINGPONG_STAGES = 5
 # GEMMs that XLA's GEMM runs faster than the kernel: short ones (decode steps, small batches)
 # and those with too few tiles to fill the SMs. With M rows per B a GEMM does about M flops per
 # byte of B it reads, under the H200's ridge of about 200 (989 TFLOP/s over 4.8 TB/s) when M is
@@ -395,7 +401,7 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     # 4096x14336x4096, 1.674 / 2.003 at 8192^3 (XLA: 0.574, 0.289, 0.971, 1.900).
     two_waves = 2 * sms if k >= _LONG_K else 2 * _ONE_WAVE * sms
     if (-(-m // 128) >= 8 and -(-n // 128) >= 2 and tiles(128, 128) >= two_waves
-            and stages_of(pingpong(128)) >= 5):
+            and stages_of(pingpong(128)) >= _PINGPONG_STAGES):
         # 192x128 loads about a fifth less A/B per multiply-add from L2 than 128x128 (smem
         # reads per WGMMA stay the same), and these kernels run at the H200's 700 W cap,
         # where the clock a kernel holds depends on its work. Measured on H200, one run,
@@ -417,7 +423,7 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # traffic): one run, plain and bias+gelu_tanh at 8192x4096x4096, 4096x4096x14336,
         # 8192^3 and 4096x14336x4096, 0.3-6% slower than this choice at all 8.
         tall = pingpong(192)
-        fits_tall = stages_of(tall) >= 5 and fill(192, 128) >= fill(128, 128) - 0.01
+        fits_tall = stages_of(tall) >= _PINGPONG_STAGES and fill(192, 128) >= fill(128, 128) - _FILL_SLACK
         tm = 192 if fits_tall else 128
         # A plain GEMM with a long K has little epilogue to hide: a 128x128 tile's takes
         # about 2k SM cycles against 115k of WGMMA at K = 14336. There cooperative 128x256
@@ -458,7 +464,8 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # at three of four shapes.
         plain = GemmConfig(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, raster="n", swizzle=8,
                            pingpong=True)
-        if not has_work and fill(128, 192) >= fill(tm, 128) - 0.01 and stages_of(plain) >= 5:
+        if (not has_work and fill(128, 192) >= fill(tm, 128) - _FILL_SLACK
+                and stages_of(plain) >= _PINGPONG_STAGES):
             return plain
         cfg = tall if fits_tall else pingpong(128)
         # The ring's depth is what the mainloop feeds on: a k-tile takes a 128x128 consumer
