@@ -339,12 +339,11 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     TILE operand and at most 4 bytes of output an element (one fp32 or two 16-bit outputs) run
     cooperative 128x256 tiles in 2x1 clusters instead where those fill the SMs as well, and
     plain GEMMs with a shorter K ping-pong 128x192 tiles in 2x1 clusters along N where those
-    fill them about as well. When
-    the epilogue's smem buffers would leave the ping-pong ring fewer than 5 stages even in
-    its smallest subtiles (64x16), or the problem is smaller, the cooperative schedule runs:
-    128x256 tiles (two warpgroups, 128 fp32 accumulators per thread) when they (nearly) fill
-    the SMs, else 128x128 (or 64x128 when even those leave most SMs idle), with a 2x1
-    cluster multicasting B when M spans several tiles.
+    fill them about as well. When the epilogue's smem buffers would leave the ping-pong ring
+    fewer than 5 stages even in its smallest subtiles (64x16), or the problem is smaller, the
+    cooperative schedule runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per
+    thread) when they (nearly) fill the SMs, else 128x128 (or 64x128 when even those leave
+    most SMs idle), with a 2x1 cluster multicasting B when M spans several tiles.
     Large problems walk the tiles in bands of 8 clusters for L2 reuse. Epilogues that do work
     get 64x32 or 64x16 subtiles on ping-pong tiles where those buy the ring stages (192x128
     tiles qualify when some subtile leaves them 5), else 64-wide ones where the ring keeps

@@ -531,6 +531,7 @@ class Sm90FusedGemm:
                     subtile_count = self._split_epilogue(epi, acc, bSC, u, subtile_count, sk_buffers,
                                                          slot, cta_rank, ctid)
                 elif cutlass.const_expr(self.ring_slots is None and not self.paced):
+                    # every tile's epilogue alike: one call, no branch on the last tile
                     subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count)
                 else:
                     # the CTA's last tile runs dense (nothing hides it), with its TILE
