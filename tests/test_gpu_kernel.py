@@ -336,6 +336,26 @@ def test_plain_gemm_by_the_heuristic(transpose_a, transpose_b):
     _run(lambda acc: acc, [], m=3000, n=6152, k=1032, transpose_a=transpose_a, transpose_b=transpose_b)
 
 
+@pytest.mark.parametrize("epilogue", ["bias_gelu", "alpha_beta"])
+def test_epilogues_on_128x192_by_the_heuristic(epilogue):
+    # where 192x128 tiles fill the SMs worse, epilogues with work take 128x192 ping-pong tiles
+    # in 2x1 clusters along N (test_kernel_compile checks the choice): 128x32 subtiles for
+    # the bias, 64x16 for alpha-beta; 8 rows of the last tile row and 8 columns of the last
+    # tile column are in the output
+    import jax
+    import jax.numpy as jnp
+
+    m, n, k = 1000, 6152, 1032
+    if epilogue == "bias_gelu":
+        _run(lambda acc, bias: jax.nn.gelu(acc + bias), [((1, n), "bfloat16")], m=m, n=n, k=k)
+    else:
+        def fn(acc, c, x):
+            return {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}
+
+        _run(fn, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=k,
+             out_dtypes={"D": jnp.bfloat16, "Y": jnp.bfloat16})
+
+
 def test_alpha_beta_fp32_outputs_by_the_heuristic():
     # two fp32 outputs next to two TILE operands: the heuristic's ping-pong tiles in 64x16
     # subtiles (test_kernel_compile checks the choice); partial tiles on every edge

@@ -64,6 +64,14 @@ VARIANTS = {
                                             "bias_gelu"),
     "fp16_pingpong_alpha_beta_128x192_mk": ("float16", True, False, None,
                                             (128, 192, 1, 1, {"pingpong": True}), "alpha_beta"),
+    # what the heuristic gives epilogues with work where 192x128 tiles fill the SMs worse
+    "bf16_pingpong_bias_gelu_128x192_c2x1_raster_n": ("bfloat16", False, False, None,
+                                                      (128, 192, 2, 1, {"pingpong": True, "swizzle": 8,
+                                                                        "raster": "n"}), "bias_gelu"),
+    "bf16_pingpong_alpha_beta_128x192_epi64x16_c2x1_nk": ("bfloat16", False, True, None,
+                                                          (128, 192, 2, 1, {"pingpong": True, "swizzle": 8,
+                                                                            "raster": "n", "epi_m": 64,
+                                                                            "epi_n": 16}), "alpha_beta"),
     # cooperative 256x128: two warpgroups of 128 rows, two m64n128 WGMMAs each per k-step
     "bf16_256x128_c1x2_swizzle8": ("bfloat16", False, True, None, (256, 128, 1, 2, {"swizzle": 8}),
                                    "bias_gelu"),
@@ -227,7 +235,8 @@ def test_gelu_tanh_is_rewritten(compiled):
 def test_tiles_use_their_wgmma_shapes(compiled):
     # a 192x128 consumer issues three m64n128 WGMMAs per k-step, a 128x192 one two m64n192
     assert "wgmma.mma_async.sync.aligned.m64n128k16" in compiled["bf16_pingpong_192x128_c1x2_swizzle8"]["ptx"]
-    for name in ("fp16_pingpong_alpha_beta_128x192_mk", "bf16_pingpong_128x192_c2x1_raster_n_mk"):
+    for name in ("fp16_pingpong_alpha_beta_128x192_mk", "bf16_pingpong_128x192_c2x1_raster_n_mk",
+                 "bf16_pingpong_bias_gelu_128x192_c2x1_raster_n", "bf16_pingpong_alpha_beta_128x192_epi64x16_c2x1_nk"):
         assert "wgmma.mma_async.sync.aligned.m64n192k16" in compiled[name]["ptx"]
     # cooperative 256x128: each of the two warpgroups issues two m64n128 per k-step
     ptx = compiled["bf16_256x128_c1x2_swizzle8"]["ptx"]
@@ -509,12 +518,21 @@ def test_supported_and_heuristic():
 
     # a cooperative epilogue with work gets 64-wide subtiles; four epilogue buffers (two
     # TILE operands, two outputs) would leave too few stages at 64, and fp32 outputs too few
-    # at 128x256. Epilogues with work keep 192x128 ping-pong tiles in 1x2 clusters
+    # at 128x256. Epilogues with work keep 192x128 ping-pong tiles in 1x2 clusters where those
+    # fill the SMs' rounds as well, else take 128x192 ones in 2x1 clusters along N where
+    # those do (in 128x32 subtiles: 64-wide ones would cost a stage), else 128x128
     bias, *_ = trace_epilogue(lambda acc, b: acc + b, (8192, 8192), [(1, 8192)], [jnp.bfloat16], {}, {},
                               jnp.bfloat16, jnp.bfloat16)
     p_bias = dataclasses.replace(problem, ir=bias, operand_batched=(False,))
     cfg = choose_config(p_bias, 8192, 8192, 8192, 1)
     assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (192, 128, 1, 2, True)
+    wide = choose_config(p_bias, 4096, 28672, 8192, 1)  # 21.3 tiles of 192 rows down M
+    assert (wide.tile_m, wide.tile_n, wide.cluster_m, wide.cluster_n, wide.raster, wide.epi_m, wide.epi_n,
+            wide.pingpong) == (128, 192, 2, 1, "n", 0, 32, True)
+    for mnk in ((8192, 13824, 4096), (1000, 6152, 1032)):  # the last as the GPU test runs it
+        assert choose_config(p_bias, *mnk, 1) == wide
+    cfg = choose_config(p_bias, 4096, 14336, 4096, 1)  # 2400 tiles of 128x192: 18.2 per SM
+    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_n, cfg.pingpong) == (128, 128, 2, True)
     # a long K: up to two 16-bit outputs and no TILE operand cost little exposed, so 128x256
     # as for plain; more output bytes or a TILE operand keep ping-pong, which hides them
     cfg = choose_config(p_bias, 8192, 4096, 14336, 1)
@@ -557,6 +575,11 @@ def test_supported_and_heuristic():
     assert [pipeline_stages(dataclasses.replace(p_ab, config=dataclasses.replace(tall, epi_m=em, epi_n=en)))
             for em, en in ((0, 32), (64, 32), (64, 16))] == [3, 4, 5]
     assert choose_config(p_ab, 3000, 4096, 1032, 1) == tall  # as the GPU tests run it
+    # 128x192 tiles: 64x16 subtiles too, for 5 stages
+    wide = choose_config(p_ab, 1000, 6152, 1032, 1)  # as the GPU test runs it
+    assert (wide.tile_m, wide.tile_n, wide.cluster_m, wide.raster, wide.epi_m, wide.epi_n) == (128, 192, 2, "n", 64, 16)
+    assert pipeline_stages(dataclasses.replace(p_ab, config=wide)) == 5
+    assert choose_config(p_ab, 4096, 28672, 8192, 1) == wide
     assert choose_config(p_ab, 8192, 4096, 14336, 1).pingpong  # ping-pong hides its epilogue
     cfg = choose_config(p_ab, 512, 16384, 8192, 1)
     assert (cfg.tile_n, cfg.epi_n, cfg.pingpong) == (256, 32, False)

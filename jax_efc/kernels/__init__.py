@@ -332,22 +332,23 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
                   sm_count: int = DEFAULT_SM_COUNT) -> GemmConfig:
     """A tile and cluster shape for an M x N x K x L GEMM on a GPU with ``sm_count`` SMs.
 
-    Large problems (two 128x128 tiles per SM, or 1.8 with K under 12288) run ping-pong tiles in
-    1x2 clusters: one consumer's epilogue hides under the other's mainloop, and each A tile is
-    multicast to the two CTAs along N. The tiles are 192x128 where those fill the SMs about as
-    well as 128x128, else 128x128; with a long K (>= 12288), plain GEMMs and epilogues with no
-    TILE operand and at most 4 bytes of output an element (one fp32 or two 16-bit outputs) run
-    cooperative 128x256 tiles in 2x1 clusters instead where those fill the SMs as well, and
-    plain GEMMs with a shorter K ping-pong 128x192 tiles in 2x1 clusters along N where those
-    fill them about as well. When the epilogue's smem buffers would leave the ping-pong ring
-    fewer than 5 stages even in its smallest subtiles (64x16), or the problem is smaller, the
-    cooperative schedule runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per
-    thread) when they (nearly) fill the SMs, else 128x128 (or 64x128 when even those leave
-    most SMs idle), with a 2x1 cluster multicasting B when M spans several tiles.
+    Large problems (two 128x128 tiles per SM, or 1.8 with K under 12288) run ping-pong tiles:
+    one consumer's epilogue hides under the other's mainloop. Of 192x128 tiles in 1x2 clusters
+    (each A tile multicast to the two CTAs along N), 128x192 ones in 2x1 clusters walked along
+    N (each B tile multicast) and 128x128 ones in 1x2, a plain GEMM takes the first of 128x192,
+    192x128, 128x128 that fills the SMs' rounds about as well as those after it, an epilogue
+    with work the first of 192x128, 128x192, 128x128. With a long K (>= 12288), plain GEMMs and
+    epilogues with no TILE operand and at most 4 bytes of output an element (one fp32 or two
+    16-bit outputs) run cooperative 128x256 tiles in 2x1 clusters instead where those fill the
+    SMs as well. When the epilogue's smem buffers would leave the ping-pong ring fewer than 5
+    stages even in its smallest subtiles (64x16), or the problem is smaller, the cooperative
+    schedule runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per thread) when they
+    (nearly) fill the SMs, else 128x128 (or 64x128 when even those leave most SMs idle), with a
+    2x1 cluster multicasting B when M spans several tiles.
     Large problems walk the tiles in bands of 8 clusters for L2 reuse. Epilogues that do work
     get 64x32 or 64x16 subtiles on ping-pong tiles where those buy the ring stages (192x128
-    tiles qualify when some subtile leaves them 5), else 64-wide ones where the ring keeps
-    enough stages (128x128 ping-pong, 128x256).
+    and 128x192 tiles qualify when some subtile leaves them 5), else 64-wide ones where the
+    ring keeps enough stages (128x128 ping-pong, 128x256).
     """
     sms = sm_count
     has_work = bool(problem.ir.instrs) or bool(problem.ir.operands)
@@ -358,10 +359,13 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     def stages_of(cfg: GemmConfig) -> int:
         return pipeline_stages(dataclasses.replace(problem, config=cfg))
 
-    def pingpong(tm: int) -> GemmConfig:
-        """Ping-pong tm x 128 tiles in 1x2 clusters, with the largest epilogue subtile (the
-        tile's height by 32, 64x32, 64x16) that leaves the ring its most stages."""
-        cfg = GemmConfig(tile_m=tm, tile_n=128, cluster_m=1, cluster_n=2, swizzle=8, pingpong=True)
+    def pingpong(tm: int, tn: int = 128) -> GemmConfig:
+        """Ping-pong tm x 128 tiles in 1x2 clusters walked along M, or 128x192 ones in 2x1
+        clusters walked along N, with the largest epilogue subtile (the tile's height by 32,
+        64x32, 64x16) that leaves the ring its most stages."""
+        along_n = tn > 128
+        cfg = GemmConfig(tile_m=tm, tile_n=tn, cluster_m=2 if along_n else 1, cluster_n=1 if along_n else 2,
+                         raster="n" if along_n else "m", swizzle=8, pingpong=True)
         if not has_work:
             return cfg
         return max((cfg, dataclasses.replace(cfg, epi_m=64), dataclasses.replace(cfg, epi_m=64, epi_n=16)),
@@ -458,14 +462,24 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # With A or B transposed (the backward's GEMMs) it was faster in all 8 pairs at 8192^3,
         # 16384x14336x4096, 4096x28672x8192 and 8192x28672x8192 (0.1-3.4%). Where its tiles fill
         # the SMs' rounds worse it lost: 0.714 / 0.698 at 4096x14336x4096; 0.846 / 0.801 at
-        # 16384x4096x4096 (N padded). Epilogues that do work keep the tiles above: 192
-        # accumulators a thread run their epilogue dense, and bias+gelu_tanh was 0.5-0.9% slower
-        # at three of four shapes.
-        plain = GemmConfig(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, raster="n", swizzle=8,
-                           pingpong=True)
-        if (not has_work and fill(128, 192) >= fill(tm, 128) - _FILL_SLACK
-                and stages_of(plain) >= _PINGPONG_STAGES):
-            return plain
+        # 16384x4096x4096 (N padded). Epilogues that do work keep 192x128 tiles where those fit:
+        # 192 accumulators a thread run their epilogue dense either way, and on 128x192
+        # bias+gelu_tanh was 0.5-0.9% slower at three of four shapes, bias+silu and alpha-beta
+        # within 1.2% either way at 8192^3, 8192x14336x4096 and 16384x14336x4096. Elsewhere they
+        # take 128x192 over 128x128 where it fills as well. Measured on H200, ms, 128x192 (128x32
+        # subtiles, alpha-beta 64x16) / 128x128 (128x64, alpha-beta 64x32), bias+gelu_tanh,
+        # bias+gelu, bias+silu, alpha-beta: 2.874 / 2.924, 2.856 / 2.989, 2.858 / 2.969,
+        # 2.897 / 3.045 at 4096x28672x8192; 1.385 / 1.424, 1.390 / 1.441, 1.370 / 1.425, 1.430 /
+        # 1.500 at 8192x13824x4096; 1.085 / 1.118, 1.087 / 1.130, 1.086 / 1.118, 1.133 / 1.173 at
+        # 4096x22016x4096; 0.278 / 0.297, 0.284 / 0.303, 0.280 / 0.303, 0.285 / 0.308 at
+        # 1000x22016x4096 (fill 0.97 against 0.93). Chosen by this rule, another run, the first
+        # shape, then 8192x13824x4096 and 1000x22016x4096: 2.875 / 2.901, 2.904 / 2.899,
+        # 2.880 / 2.914, 2.907 / 2.958; 1.385 / 1.402, 1.377 / 1.420, 1.372 / 1.395, 1.425 /
+        # 1.454; 0.281 / 0.301, 0.288 / 0.303, 0.282 / 0.300, 0.294 / 0.306.
+        wide = pingpong(128, 192)
+        if ((not has_work or not fits_tall) and fill(128, 192) >= fill(tm, 128) - _FILL_SLACK
+                and stages_of(wide) >= _PINGPONG_STAGES):
+            return wide
         cfg = tall if fits_tall else pingpong(128)
         # The ring's depth is what the mainloop feeds on: a k-tile takes a 128x128 consumer
         # about 520 SM cycles of WGMMA, and a k-tile's TMA load (L2 to smem, multicast) takes
