@@ -336,12 +336,12 @@ def test_plain_gemm_by_the_heuristic(transpose_a, transpose_b):
     _run(lambda acc: acc, [], m=3000, n=6152, k=1032, transpose_a=transpose_a, transpose_b=transpose_b)
 
 
-@pytest.mark.parametrize("epilogue", ["bias_gelu", "alpha_beta"])
+@pytest.mark.parametrize("epilogue", ["bias_gelu", "alpha_beta", "alpha_beta_f32_y"])
 def test_epilogues_on_128x192_by_the_heuristic(epilogue):
     # where 192x128 tiles fill the SMs worse, epilogues with work take 128x192 ping-pong tiles
     # in 2x1 clusters along N (test_kernel_compile checks the choice): 128x32 subtiles for
-    # the bias, 64x16 for alpha-beta; 8 rows of the last tile row and 8 columns of the last
-    # tile column are in the output
+    # the bias, 64x16 for alpha-beta (with an fp32 output too); 8 rows of the last tile row
+    # and 8 columns of the last tile column are in the output
     import jax
     import jax.numpy as jnp
 
@@ -352,8 +352,9 @@ def test_epilogues_on_128x192_by_the_heuristic(epilogue):
         def fn(acc, c, x):
             return {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}
 
+        y_dtype = jnp.float32 if epilogue == "alpha_beta_f32_y" else jnp.bfloat16
         _run(fn, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=k,
-             out_dtypes={"D": jnp.bfloat16, "Y": jnp.bfloat16})
+             out_dtypes={"D": jnp.bfloat16, "Y": y_dtype})
 
 
 def test_alpha_beta_fp32_outputs_by_the_heuristic():

@@ -580,6 +580,10 @@ def test_supported_and_heuristic():
     assert (wide.tile_m, wide.tile_n, wide.cluster_m, wide.raster, wide.epi_m, wide.epi_n) == (128, 192, 2, "n", 64, 16)
     assert pipeline_stages(dataclasses.replace(p_ab, config=wide)) == 5
     assert choose_config(p_ab, 4096, 28672, 8192, 1) == wide
+    ab_f32_y, *_ = trace_epilogue(lambda acc, c, x: {"D": acc * 2 + c + x, "Y": acc}, (1000, 6152),
+                                  [(1000, 6152)] * 2, [jnp.bfloat16] * 2, {}, {},
+                                  {"D": jnp.bfloat16, "Y": jnp.float32}, jnp.bfloat16)
+    assert choose_config(dataclasses.replace(p_ab, ir=ab_f32_y), 1000, 6152, 1032, 1) == wide
     assert choose_config(p_ab, 8192, 4096, 14336, 1).pingpong  # ping-pong hides its epilogue
     cfg = choose_config(p_ab, 512, 16384, 8192, 1)
     assert (cfg.tile_n, cfg.epi_n, cfg.pingpong) == (256, 32, False)
