@@ -115,12 +115,14 @@ def test_configs(config):
      False),
     ((128, 128, 1, 1, {"pingpong": True}), 1152, 2048, 1024, 2, "alpha_beta", True),
     ((192, 128, 1, 2, {"pingpong": True, "swizzle": 8}), 2300, 1536, 1288, None, "bias_gelu", False),
+    ((128, 192, 2, 1, {"pingpong": True, "swizzle": 8, "raster": "n", "epi_m": 64, "epi_n": 16}), 2296, 2824,
+     1288, None, "alpha_beta", True),
     ((256, 128, 1, 2, {"swizzle": 8}), 2048, 2304, 1288, None, "bias_gelu", True),
     ((128, 128, 1, 1, {}), 1024, 512, 8192, None, "bias_gelu", False),
     ((128, 128, 1, 2, {"pingpong": True}), 256, 2048, 4104, None, "alpha_beta", True),
 ], ids=["pingpong_bias_gelu", "pingpong_epi64_bias_gelu", "cooperative_alpha_beta",
         "pingpong_epi16_alpha_beta", "pingpong_epi64x32_alpha_beta", "pingpong_alpha_beta_batched_transposed",
-        "pingpong_192x128_bias_gelu",
+        "pingpong_192x128_bias_gelu", "pingpong_128x192_alpha_beta_transposed",
         "cooperative_256x128_bias_gelu_transposed", "split_all_bias_gelu",
         "split_all_pingpong_alpha_beta_transposed"])
 def test_stream_k(config, m, n, k, batch, epilogue, transpose):

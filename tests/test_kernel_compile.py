@@ -109,6 +109,11 @@ VARIANTS = {
     "bf16_alpha_beta_128x256_c2x1_stream_k": ("bfloat16", False, True, None,
                                               (128, 256, 2, 1, {"swizzle": 8}), "alpha_beta",
                                               (8192, 7936, 8192)),
+    "bf16_pingpong_alpha_beta_128x192_c2x1_stream_k": ("bfloat16", True, True, None,
+                                                       (128, 192, 2, 1, {"pingpong": True, "swizzle": 8,
+                                                                         "raster": "n", "epi_m": 64,
+                                                                         "epi_n": 16}), "alpha_beta",
+                                                       (2296, 2824, 1288)),
     # at most half as many tiles as SMs: every tile's k-iterations split over all of them
     "bf16_bias_gelu_128x128_split_all": ("bfloat16", False, False, None, (128, 128, 1, 1), "bias_gelu",
                                          (1024, 512, 8192)),
