@@ -241,7 +241,8 @@ def test_tiles_use_their_wgmma_shapes(compiled):
     # a 192x128 consumer issues three m64n128 WGMMAs per k-step, a 128x192 one two m64n192
     assert "wgmma.mma_async.sync.aligned.m64n128k16" in compiled["bf16_pingpong_192x128_c1x2_swizzle8"]["ptx"]
     for name in ("fp16_pingpong_alpha_beta_128x192_mk", "bf16_pingpong_128x192_c2x1_raster_n_mk",
-                 "bf16_pingpong_bias_gelu_128x192_c2x1_raster_n", "bf16_pingpong_alpha_beta_128x192_epi64x16_c2x1_nk"):
+                 "bf16_pingpong_bias_gelu_128x192_c2x1_raster_n",
+                 "bf16_pingpong_alpha_beta_128x192_epi64x16_c2x1_nk"):
         assert "wgmma.mma_async.sync.aligned.m64n192k16" in compiled[name]["ptx"]
     # cooperative 256x128: each of the two warpgroups issues two m64n128 per k-step
     ptx = compiled["bf16_256x128_c1x2_swizzle8"]["ptx"]
@@ -582,7 +583,8 @@ def test_supported_and_heuristic():
     assert choose_config(p_ab, 3000, 4096, 1032, 1) == tall  # as the GPU tests run it
     # 128x192 tiles: 64x16 subtiles too, for 5 stages
     wide = choose_config(p_ab, 1000, 6152, 1032, 1)  # as the GPU test runs it
-    assert (wide.tile_m, wide.tile_n, wide.cluster_m, wide.raster, wide.epi_m, wide.epi_n) == (128, 192, 2, "n", 64, 16)
+    assert (wide.tile_m, wide.tile_n, wide.cluster_m, wide.raster, wide.epi_m, wide.epi_n) == \
+        (128, 192, 2, "n", 64, 16)
     assert pipeline_stages(dataclasses.replace(p_ab, config=wide)) == 5
     assert choose_config(p_ab, 4096, 28672, 8192, 1) == wide
     ab_f32_y, *_ = trace_epilogue(lambda acc, c, x: {"D": acc * 2 + c + x, "Y": acc}, (1000, 6152),
