@@ -77,6 +77,11 @@ def _run(fn, shapes_dtypes, *, m, n, k, batch=None, a_batched=True, b_batched=Tr
         assert worst < 2 * tol, f"output {o.name}: relative error {worst:.3g} in a 128x128 block"
 
 
+def _alpha_beta(acc, c, x):
+    """The seed's alpha-beta epilogue with alpha, beta and x_factor baked in."""
+    return {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}
+
+
 def _rel_error(got, want) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
@@ -267,11 +272,8 @@ def test_fast_erf_erfc_float32():
 def test_tile_operands_alpha_beta_edges(config):
     import jax.numpy as jnp
 
-    def fn(acc, c, x):
-        return {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}
-
     m, n = 1000, 1000  # partial tiles on both edges (N a multiple of 8 for TMA)
-    _run(fn, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=520, config=config,
+    _run(_alpha_beta, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=520, config=config,
          out_dtypes={"D": jnp.bfloat16, "Y": jnp.float32})
 
 
@@ -287,11 +289,8 @@ def test_tile_operands_fewer_k_tiles_than_stages(config, shape):
     # another phase, or never
     import jax.numpy as jnp
 
-    def fn(acc, c, x):
-        return {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}
-
     m, n, k = shape
-    _run(fn, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=k, config=config,
+    _run(_alpha_beta, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=k, config=config,
          out_dtypes={"D": jnp.bfloat16, "Y": jnp.bfloat16})
 
 
@@ -301,11 +300,8 @@ def test_alpha_beta_heuristic_config(shape):
     # (3000 rows); bf16 outputs staged in the ring on the last tile
     import jax.numpy as jnp
 
-    def fn(acc, c, x):
-        return {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}
-
     m, n, k = shape
-    _run(fn, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=k,
+    _run(_alpha_beta, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=k,
          out_dtypes={"D": jnp.bfloat16, "Y": jnp.bfloat16})
 
 
@@ -313,11 +309,8 @@ def test_cooperative_256x128_tile_operands_batched_fp16():
     # two 128-row warpgroups share the tile's epilogue: TILE operands through 256x32 buffers
     import jax.numpy as jnp
 
-    def fn(acc, c, x):
-        return {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}
-
     L, m, n = 2, 600, 392
-    _run(fn, [((L, m, n), "float16"), ((m, n), "float16")], m=m, n=n, k=520, batch=L,
+    _run(_alpha_beta, [((L, m, n), "float16"), ((m, n), "float16")], m=m, n=n, k=520, batch=L,
          dtype="float16", config=(256, 128, 2, 1), out_dtypes={"D": jnp.float16, "Y": jnp.float16})
 
 
@@ -351,11 +344,8 @@ def test_epilogues_on_128x192_by_the_heuristic(epilogue):
     if epilogue == "bias_gelu":
         _run(lambda acc, bias: jax.nn.gelu(acc + bias), [((1, n), "bfloat16")], m=m, n=n, k=k)
     else:
-        def fn(acc, c, x):
-            return {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}
-
         y_dtype = jnp.float32 if epilogue == "alpha_beta_f32_y" else jnp.bfloat16
-        _run(fn, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=k,
+        _run(_alpha_beta, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=k,
              out_dtypes={"D": jnp.bfloat16, "Y": y_dtype})
 
 
@@ -364,11 +354,8 @@ def test_alpha_beta_fp32_outputs_by_the_heuristic():
     # subtiles (test_kernel_compile checks the choice); partial tiles on every edge
     import jax.numpy as jnp
 
-    def fn(acc, c, x):
-        return {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}
-
     m, n = 2000, 4104
-    _run(fn, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=1032,
+    _run(_alpha_beta, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=1032,
          out_dtypes={"D": jnp.float32, "Y": jnp.float32}, tol=1e-4)
 
 
@@ -409,8 +396,5 @@ def test_pingpong(tile, shape, epilogue):
         _run(lambda acc, bias: jax.nn.gelu(acc + bias), [((1, n), "bfloat16")], m=m, n=n, k=k,
              config=(*config[:4], {"pingpong": True, "epi_n": 64}))
     else:
-        def fn(acc, c, x):
-            return {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}
-
-        _run(fn, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=k, config=config,
+        _run(_alpha_beta, [((m, n), "bfloat16"), ((m, n), "bfloat16")], m=m, n=n, k=k, config=config,
              out_dtypes={"D": jnp.bfloat16, "Y": jnp.float32})

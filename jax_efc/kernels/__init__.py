@@ -476,10 +476,10 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # shape, then 8192x13824x4096 and 1000x22016x4096: 2.875 / 2.901, 2.904 / 2.899,
         # 2.880 / 2.914, 2.907 / 2.958; 1.385 / 1.402, 1.377 / 1.420, 1.372 / 1.395, 1.425 /
         # 1.454; 0.281 / 0.301, 0.288 / 0.303, 0.282 / 0.300, 0.294 / 0.306.
-        wide = pingpong(128, 192)
+        broad = pingpong(128, 192)
         if ((not has_work or not fits_tall) and fill(128, 192) >= fill(tm, 128) - _FILL_SLACK
-                and stages_of(wide) >= _PINGPONG_STAGES):
-            return wide
+                and stages_of(broad) >= _PINGPONG_STAGES):
+            return broad
         cfg = tall if fits_tall else pingpong(128)
         # The ring's depth is what the mainloop feeds on: a k-tile takes a 128x128 consumer
         # about 520 SM cycles of WGMMA, and a k-tile's TMA load (L2 to smem, multicast) takes
