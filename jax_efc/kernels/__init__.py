@@ -453,29 +453,15 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         # A plain GEMM has no epilogue to hide, only its mainloop to run cheaply: 128x192 tiles
         # in 2x1 clusters walked along N read about a tenth less smem per multiply-add than
         # 128x128 or 192x128 (an m64n192 WGMMA reads each A fragment for 192 columns, not 128)
-        # and, multicasting B, as little L2 as 192x128 in 1x2. Measured on H200, ms, against the
-        # choice above (192x128 or, at 4096x28672x8192, 128x128): 1.589, 1.620, 1.580 / 1.622,
-        # 1.607, 1.602 at 8192^3; 1.420, 1.415 / 1.412, 1.423 at 8192x14336x4096; 2.806, 2.776,
-        # 2.790 / 2.835, 2.788, 2.792 at 16384x14336x4096; 2.840, 2.828, 2.817 / 2.881, 2.834,
-        # 2.888 at 4096x28672x8192; 5.604, 5.601 / 5.648, 5.714 at 8192x28672x8192; chosen by
-        # this rule, another run: 1.609 / 1.618, 5.678 / 5.701, 2.813 / 2.811, 2.856 / 2.873.
-        # With A or B transposed (the backward's GEMMs) it was faster in all 8 pairs at 8192^3,
-        # 16384x14336x4096, 4096x28672x8192 and 8192x28672x8192 (0.1-3.4%). Where its tiles fill
-        # the SMs' rounds worse it lost: 0.714 / 0.698 at 4096x14336x4096; 0.846 / 0.801 at
-        # 16384x4096x4096 (N padded). Epilogues that do work keep 192x128 tiles where those fit:
-        # 192 accumulators a thread run their epilogue dense either way, and on 128x192
-        # bias+gelu_tanh was 0.5-0.9% slower at three of four shapes, bias+silu and alpha-beta
-        # within 1.2% either way at 8192^3, 8192x14336x4096 and 16384x14336x4096. Elsewhere they
-        # take 128x192 over 128x128 where it fills as well. Measured on H200, ms, 128x192 (128x32
-        # subtiles, alpha-beta 64x16) / 128x128 (128x64, alpha-beta 64x32), bias+gelu_tanh,
-        # bias+gelu, bias+silu, alpha-beta: 2.874 / 2.924, 2.856 / 2.989, 2.858 / 2.969,
-        # 2.897 / 3.045 at 4096x28672x8192; 1.385 / 1.424, 1.390 / 1.441, 1.370 / 1.425, 1.430 /
-        # 1.500 at 8192x13824x4096; 1.085 / 1.118, 1.087 / 1.130, 1.086 / 1.118, 1.133 / 1.173 at
-        # 4096x22016x4096; 0.278 / 0.297, 0.284 / 0.303, 0.280 / 0.303, 0.285 / 0.308 at
-        # 1000x22016x4096 (fill 0.97 against 0.93). Chosen by this rule, another run, the first
-        # shape, then 8192x13824x4096 and 1000x22016x4096: 2.875 / 2.901, 2.904 / 2.899,
-        # 2.880 / 2.914, 2.907 / 2.958; 1.385 / 1.402, 1.377 / 1.420, 1.372 / 1.395, 1.425 /
-        # 1.454; 0.281 / 0.301, 0.288 / 0.303, 0.282 / 0.300, 0.294 / 0.306.
+        # and, multicasting B, as little L2 as 192x128 in 1x2. On the H200 they were faster
+        # than the choice above in 22 of 25 pairs (up to 3.4%; 8192^3, 8192x14336x4096,
+        # 16384x14336x4096, the N = 28672 shapes, either operand transposed), and slower where
+        # they fill the SMs' rounds worse (2.3% at 4096x14336x4096, 5.6% at 16384x4096x4096).
+        # Epilogues with work keep 192x128 where it fits (192 accumulators a thread run their
+        # epilogue dense either way; 128x192 was no faster there) and elsewhere take 128x192
+        # over 128x128 where it fills as well: faster in 27 of 28 pairs (0.9-7.6%) for four
+        # epilogues at 4096x28672x8192, 8192x13824x4096, 4096x22016x4096 and 1000x22016x4096.
+        # The measurements: benchmarks/FINDINGS.md, "Tile shapes and epilogue subtiles".
         broad = pingpong(128, 192)
         if ((not has_work or not fits_tall) and fill(128, 192) >= fill(tm, 128) - _FILL_SLACK
                 and stages_of(broad) >= _PINGPONG_STAGES):
