@@ -63,7 +63,10 @@ L2_BYTES = 60 * 2**20
 # inputs and outputs that ``calls_per_jit`` may hold on the device at once
 _CHAIN_BYTES = 16 * 2**30
 NO_TRITON_FLAG = "--xla_gpu_enable_triton_gemm=false"
-ROUNDS = 6  # timed rounds by default: one balanced cycle of a config, its baseline and --bound's GEMM
+ROUNDS = 6  # timed rounds by default: whole cycles of timing_order for two to four functions
+# functions timed in one set of rounds at most: configs, their baseline and --bound's GEMM
+# (timing_order's search for larger sets grows from milliseconds to minutes)
+MAX_TIMED = 16
 
 Shape = tuple[int, int, int, int]  # M, N, K, L
 
@@ -358,27 +361,45 @@ def _smi_knows(gpu: str, field: str) -> bool:
     return out.returncode == 0
 
 
-def round_orders(n: int, rounds: int) -> list[list[int]]:
-    """The order of ``n`` functions in each round: a Williams design, in which each function
-    is timed right after every other one equally often within the rounds (a cycle of ``n``
-    rounds for an even ``n``, ``2n`` for an odd one); ``rounds`` is rounded up to whole cycles.
+def timing_order(n: int, rounds: int) -> list[int]:
+    """The order in which the rounds of ``n`` functions are timed, back to back: cycles of
+    ``n - 1`` rounds (``rounds`` is rounded up to whole cycles), each round timing every
+    function once, in which every function is timed right after every other one exactly once,
+    across the seams between rounds too. A cycle ends with the last function, the one warmed
+    up last, which so precedes the first round as it does in every later cycle.
 
     On an H200, of three identical kernels timed in the same rounds, the one timed right after
-    the baseline came out 2-4% faster than the other two at three of four problems. Merely
-    reversing every other round leaves that with three functions or more: of configs A and B
-    timed with their baseline, B would follow the baseline in every reversed round and A
-    never."""
-    first, low, high = [0], 1, n - 1
-    while len(first) < n:
-        first.append(low)
-        low += 1
-        if len(first) < n:
-            first.append(high)
-            high -= 1
-    cycle = [[(f + r) % n for f in first] for r in range(n)]
-    if n % 2:
-        cycle += [order[::-1] for order in cycle]
-    return cycle * -(-rounds // len(cycle))
+    the baseline came out 2-4% faster than the other two at three of four problems; with
+    orders balanced only within rounds, of two identical configs timed with their baseline and
+    the plain GEMM, the one that followed the baseline at more seams came out faster in 9 of
+    10 (benchmarks/FINDINGS.md, "The order of the timed rounds")."""
+    if n > MAX_TIMED:
+        raise ValueError(f"{n} functions in one set of rounds; at most {MAX_TIMED} (configs, their "
+                         "baseline and the plain GEMM): compare fewer configs at a time.")
+    if n == 1:
+        return [0] * rounds
+    total = n * (n - 1)
+    unused = [set(range(n)) - {v} for v in range(n)]  # successors not yet timed after v
+    seq = [n - 1]  # the function warmed up last, then the cycle
+
+    def candidates() -> list[int]:
+        """The functions that may come next, the one with the fewest successors left last."""
+        placed = (len(seq) - 1) % n
+        in_round = set(seq[len(seq) - placed:]) if placed else set()
+        return sorted(unused[seq[-1]] - in_round, key=lambda v: (-len(unused[v]), -v))
+
+    options = [candidates()]
+    while not (len(seq) - 1 == total and seq[-1] == n - 1):
+        if len(seq) - 1 < total and options[-1]:
+            v = options[-1].pop()
+            unused[seq[-1]].discard(v)
+            seq.append(v)
+            options.append(candidates())
+        else:  # a dead end: take the last step back
+            options.pop()
+            v = seq.pop()
+            unused[seq[-1]].add(v)
+    return seq[1:] * -(-rounds // (n - 1))
 
 
 def _time(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tuple], rounds: int,
@@ -386,8 +407,8 @@ def _time(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tuple], rounds
           ) -> tuple[list[float], list[list[tuple[float, float]]]]:
     """For each function, the median over the rounds of the mean time per call, and the
     (start, end) ``perf_counter`` window of each of its rounds. Rounds of the functions
-    interleave, so a drift in clocks hits them alike, in the orders of :func:`round_orders`
-    (at least ``rounds`` of them). ``calls=None`` picks enough calls for a round to last
+    interleave, so a drift in clocks hits them alike, in the order of :func:`timing_order`
+    (at least ``rounds`` rounds each). ``calls=None`` picks enough calls for a round to last
     ``min_round_s``; ``warmup`` (>= 1) calls exclude compilation."""
     counts = []
     for fn in fns:
@@ -398,16 +419,15 @@ def _time(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tuple], rounds
         counts.append(calls or max(1, min(1000, math.ceil(min_round_s / max(time.perf_counter() - t0, 1e-7)))))
     per_call: list[list[float]] = [[] for _ in fns]
     windows: list[list[tuple[float, float]]] = [[] for _ in fns]
-    for order in round_orders(len(fns), rounds):
-        for i in order:
-            fn, n, times, spans = fns[i], counts[i], per_call[i], windows[i]
-            t0 = time.perf_counter()
-            for j in range(n):
-                out = fn(*input_sets[j % len(input_sets)])
-            jax.block_until_ready(out)
-            t1 = time.perf_counter()
-            times.append((t1 - t0) / n)
-            spans.append((t0, t1))
+    for i in timing_order(len(fns), rounds):
+        fn, n, times, spans = fns[i], counts[i], per_call[i], windows[i]
+        t0 = time.perf_counter()
+        for j in range(n):
+            out = fn(*input_sets[j % len(input_sets)])
+        jax.block_until_ready(out)
+        t1 = time.perf_counter()
+        times.append((t1 - t0) / n)
+        spans.append((t0, t1))
     return [statistics.median(t) for t in per_call], windows
 
 
@@ -707,6 +727,9 @@ def run_from_args(args: argparse.Namespace,
     rewritten after every measured problem with ``"complete": false`` until the end, so a
     run that is stopped keeps what it measured."""
     shapes = args.shapes or (QUICK_SHAPES if args.quick else STANDARD_SHAPES)
+    if len(args.configs) + 2 > MAX_TIMED:
+        raise SystemExit(f"--configs: at most {MAX_TIMED - 2} configs are timed in the same rounds "
+                         f"(with their baseline and --bound's GEMM); {len(args.configs)} given.")
     problems = [bench_problem(e, s, args.dtype, c) for s in shapes for e in args.epilogues
                 for c in args.configs]
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,

@@ -254,20 +254,31 @@ def test_measure_together_refuses_mixed_problems():
         bench.measure_together(problems)
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
-def test_round_orders_balance_the_neighbours(n):
-    # within the rounds, every function is timed right after every other one equally often
-    # (the one timed right after the baseline ran faster on an H200), and takes every place
-    orders = bench.round_orders(n, 6)
-    assert len(orders) >= 6 and len(orders) % (n if n % 2 == 0 else 2 * n) == 0
-    assert all(sorted(o) == list(range(n)) for o in orders)
-    follows = collections.Counter((o[k], o[k + 1]) for o in orders for k in range(n - 1))
-    assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1
-    for place in range(n):
-        assert collections.Counter(o[place] for o in orders) == {f: len(orders) // n for f in range(n)}
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 9])
+def test_timing_order_balances_the_neighbours(n):
+    # every function is timed right after every other one equally often, counting the seams
+    # between rounds and the warm-up (last function first) before the first round (the one
+    # timed right after the baseline ran faster on an H200); each round times every function once
+    order = bench.timing_order(n, 6)
+    rounds = len(order) // n
+    assert len(order) % n == 0 and rounds >= 6 and (n == 1 or rounds % (n - 1) == 0)
+    assert all(sorted(order[r * n:(r + 1) * n]) == list(range(n)) for r in range(rounds))
+    seq = [n - 1, *order]
+    follows = collections.Counter(zip(seq, seq[1:]))
+    if n == 1:
+        assert follows == {(0, 0): 6}
+    else:
+        assert len(follows) == n * (n - 1) and set(follows.values()) == {rounds // (n - 1)}
 
 
-def test_rounds_follow_the_balanced_orders():
+def test_timing_order_refuses_too_many_functions():
+    with pytest.raises(ValueError, match="at most 16"):
+        bench.timing_order(bench.MAX_TIMED + 1, 6)
+    with pytest.raises(SystemExit, match="at most 14 configs"):
+        bench.main(["--shapes", "64,64,64", "--configs", *["auto"] * 15])
+
+
+def test_rounds_follow_the_timing_order():
     log = []
 
     def named(name):
@@ -280,8 +291,8 @@ def test_rounds_follow_the_balanced_orders():
     times, windows = bench._time([named("a"), named("b"), named("base")], [(x,)], rounds=3,
                                  calls=1, min_round_s=0.0, warmup=1)
     names = ("a", "b", "base")
-    assert log[6:] == [names[i] for o in bench.round_orders(3, 3) for i in o]  # after 2 warm-up calls each
-    assert len(times) == 3 and all(len(w) == 6 for w in windows)  # 3 rounds made a whole cycle of 6
+    assert log[6:] == [names[i] for i in bench.timing_order(3, 3)]  # after 2 warm-up calls each
+    assert len(times) == 3 and all(len(w) == 4 for w in windows)  # 3 rounds made two cycles of 2
     # each window is the function's own round: rounds follow one another
     assert windows[0][1][0] >= windows[0][0][1]
 
