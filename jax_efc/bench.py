@@ -1,9 +1,9 @@
 """Side-by-side speed and correctness of jax_efc's fused GEMMs against plain JAX.
 
-How: jitted functions, a warm-up, several rounds of many calls (the median round counts),
-blocking only at the end of a round, random normal inputs rotated among several sets when
-they fit in L2, and every variant checked against a float32 reference in the same run. The
-baseline is the same epilogue in plain JAX under ``jax.jit``.
+How: jitted functions, a warm-up, an untimed cycle of rounds, then several rounds of many
+calls (the median round counts), blocking only at the end of a round, random normal inputs
+rotated among several sets when they fit in L2, and every variant checked against a float32
+reference in the same run. The baseline is the same epilogue in plain JAX under ``jax.jit``.
 
     python -m jax_efc.bench [--quick | --shapes M,N,K[,L] ...] [--epilogues gemm,bias+gelu_tanh]
                             [--configs auto 192,128,1,2,pingpong=1 ...] [--clocks]
@@ -409,7 +409,12 @@ def _time(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tuple], rounds
     (start, end) ``perf_counter`` window of each of its rounds. Rounds of the functions
     interleave, so a drift in clocks hits them alike, in the order of :func:`timing_order`
     (at least ``rounds`` rounds each). ``calls=None`` picks enough calls for a round to last
-    ``min_round_s``; ``warmup`` (>= 1) calls exclude compilation."""
+    ``min_round_s``; ``warmup`` (>= 1) calls exclude compilation.
+
+    One cycle of rounds runs untimed first: on an H200, of two identical kernels timed in the
+    same rounds, the one timed first came out 1% faster without it (the GPU, idle while the
+    functions compiled, had not yet reached the clock it holds under load) and as fast with
+    it (benchmarks/FINDINGS.md, "The order of the timed rounds")."""
     counts = []
     for fn in fns:
         for i in range(max(1, warmup)):
@@ -417,17 +422,23 @@ def _time(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tuple], rounds
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*input_sets[-1]))
         counts.append(calls or max(1, min(1000, math.ceil(min_round_s / max(time.perf_counter() - t0, 1e-7)))))
+
+    def run_round(i: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        for j in range(counts[i]):
+            out = fns[i](*input_sets[j % len(input_sets)])
+        jax.block_until_ready(out)
+        return t0, time.perf_counter()
+
+    order = timing_order(len(fns), rounds)
+    for i in order[:len(fns) * max(1, len(fns) - 1)]:  # the untimed cycle
+        run_round(i)
     per_call: list[list[float]] = [[] for _ in fns]
     windows: list[list[tuple[float, float]]] = [[] for _ in fns]
-    for i in timing_order(len(fns), rounds):
-        fn, n, times, spans = fns[i], counts[i], per_call[i], windows[i]
-        t0 = time.perf_counter()
-        for j in range(n):
-            out = fn(*input_sets[j % len(input_sets)])
-        jax.block_until_ready(out)
-        t1 = time.perf_counter()
-        times.append((t1 - t0) / n)
-        spans.append((t0, t1))
+    for i in order:
+        t0, t1 = run_round(i)
+        per_call[i].append((t1 - t0) / counts[i])
+        windows[i].append((t0, t1))
     return [statistics.median(t) for t in per_call], windows
 
 

@@ -291,10 +291,17 @@ def test_rounds_follow_the_timing_order():
     times, windows = bench._time([named("a"), named("b"), named("base")], [(x,)], rounds=3,
                                  calls=1, min_round_s=0.0, warmup=1)
     names = ("a", "b", "base")
-    assert log[6:] == [names[i] for i in bench.timing_order(3, 3)]  # after 2 warm-up calls each
+    order = [names[i] for i in bench.timing_order(3, 3)]
+    assert log[:6] == ["a", "a", "b", "b", "base", "base"]  # a warm-up call and a probe each
+    assert log[6:12] == order[:6]  # one untimed cycle (2 rounds of 3) settles the clock
+    assert log[12:] == order
     assert len(times) == 3 and all(len(w) == 4 for w in windows)  # 3 rounds made two cycles of 2
     # each window is the function's own round: rounds follow one another
     assert windows[0][1][0] >= windows[0][0][1]
+
+    log.clear()  # a lone function settles for one untimed round
+    times, windows = bench._time([named("a")], [(x,)], rounds=2, calls=3, min_round_s=0.0, warmup=1)
+    assert len(log) == 2 + 3 + 2 * 3 and len(windows[0]) == 2
 
 
 _FAKE_SMI = """
