@@ -382,68 +382,30 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
         tiles' padding and the last round's idle SMs count as waste."""
         return m * n * l / (tm * tn * sms * -(-tiles(tm, tn) // sms))
 
-    # Measured on H200 (bf16, one run, ratio to XLA): ping-pong 128x128 1x2 against the
-    # cooperative 128x256 2x1 default at 8192x4096x4096 / 8192x14336x4096 / 8192^3:
-    # plain 1.07/0.99/0.99 vs 1.01/0.95/0.99, bias+gelu_tanh 1.12/1.08/1.06 vs
-    # 1.08/1.02/1.05, bias+silu 1.13/1.07/1.07 vs 1.02/0.95/1.01. Alpha-beta (two TILE
-    # operands, two outputs: 5 stages) at 8192x4096x4096 / 4096x14336x4096: 0.435 / 0.766 ms,
-    # against 0.462 / 0.812 with 4 stages and 0.449 / 0.775 cooperative.
-    # Ping-pong from two full waves of 128x128 tiles, or, with a K under _LONG_K, two waves of
-    # _ONE_WAVE: there a CTA's first epilogue hides under its second mainloop and only half
-    # a 128x256 tile's epilogue is left exposed. Measured on H200, two runs, 128x128 ping-pong
-    # 1x2 against cooperative 128x256 at 1000x4096x4096 and 2048x2048x4096 (256 tiles of
-    # 128x128 on 132 SMs): faster in 13 of 16 pairs (plain, bias+gelu_tanh, bias+gelu,
-    # bias+silu, alpha-beta), 1.1% in the geometric mean; the longest CTA span, SM cycles,
-    # 80.6k against 82.8k for alpha-beta and 73.4k against 75.1k for bias+gelu_tanh at
-    # 1000x4096x4096. At 1000x4096x14336 the mainloop outweighs the epilogue: 4 of 8 pairs
-    # either way, 0.3% in the mean.
-    # The ring's stages are counted with the subtile ping-pong would take: alpha-beta with two
-    # fp32 outputs leaves it 4 at 128x32 but 6 at 64x16. Measured on H200, one run, ms,
-    # ping-pong in 64x16 subtiles (192x128 at 8192^3) against cooperative 128x128 in 2x1
-    # clusters: 0.431 / 0.580 at 8192x4096x4096, 0.223 / 0.289 at 4096^3, 0.804 / 0.992 at
-    # 4096x14336x4096, 1.674 / 2.003 at 8192^3 (XLA: 0.574, 0.289, 0.971, 1.900).
+    # Ping-pong hides one consumer's epilogue under the other's mainloop: it beat cooperative
+    # 128x256 tiles for every epilogue from two full waves of 128x128 tiles, or, with a K under
+    # _LONG_K, from two of _ONE_WAVE (a CTA's first epilogue hides under its second mainloop
+    # and the last one is half a 128x256 tile's). The ring's stages are counted in the subtile
+    # ping-pong would take (alpha-beta with two fp32 outputs keeps 6 in 64x16 subtiles, 4 in
+    # 128x32). Measurements: benchmarks/FINDINGS.md, "Tile shapes and epilogue subtiles".
     two_waves = 2 * sms if k >= _LONG_K else 2 * _ONE_WAVE * sms
     if (-(-m // 128) >= 8 and -(-n // 128) >= 2 and tiles(128, 128) >= two_waves
             and stages_of(pingpong(128)) >= _PINGPONG_STAGES):
         # 192x128 loads about a fifth less A/B per multiply-add from L2 than 128x128 (smem
-        # reads per WGMMA stay the same), and these kernels run at the H200's 700 W cap,
-        # where the clock a kernel holds depends on its work. Measured on H200, one run,
-        # 192x128 against 128x128 (ms): bias+gelu_tanh 1.548 vs 1.627 at 8192^3, 1.417 vs
-        # 1.460 at 8192x14336x4096, 0.802 vs 0.829 at 16384x4096x4096; plain GEMMs within
-        # 1.5%. It is taken unless its tiles fill the SMs' rounds more than 1% worse
-        # (8192x4096: 10.4 tiles per SM, 11 rounds, against 15.5 in 16) or its smem leaves
-        # fewer stages. Where the fill keeps 128x128, two runs with the rounds' order
-        # alternating (ms, bias+gelu_tanh, 128x128 vs 192x128) mostly agree: 0.433 vs 0.435
-        # and 0.423 vs 0.431 at 8192x4096x4096, 0.220 vs 0.242 at 4096^3, 0.728 vs 0.812 at
-        # 4096x4096x14336; they split at 4096x14336x4096 (0.800 vs 0.749, 0.732 vs 0.743)
-        # and 8192x4096x14336 (1.576 vs 1.459 with the 128x128 rounds at a 1275 MHz clock
-        # against 1455, then 1.458 vs 1.461; that run's 192x128 kept two WGMMA batches in
-        # flight). Cooperative 256x128 tiles fill 8192x4096 better (7.8 per SM) but
-        # expose their epilogue; one run at 8192x4096x4096 / 8192x4096x14336, ms, against
-        # this choice: plain 0.419 / 1.431 vs 0.413 / 1.411, bias+gelu_tanh 0.438 / 1.432 vs
-        # 0.423 / 1.445. They stay a config to pin, not a default. So do 64x256 ping-pong
-        # tiles in 2x1 clusters (a sixth less smem read per multiply-add, the same L2
-        # traffic): one run, plain and bias+gelu_tanh at 8192x4096x4096, 4096x4096x14336,
-        # 8192^3 and 4096x14336x4096, 0.3-6% slower than this choice at all 8.
+        # reads per WGMMA stay the same); at the H200's 700 W cap the clock a kernel holds
+        # depends on its work, so it runs faster unless its tiles fill the SMs' rounds more
+        # than _FILL_SLACK worse or its smem leaves fewer stages. Cooperative 256x128 and
+        # 64x256 ping-pong tiles were slower (benchmarks/FINDINGS.md, "Tile shapes and
+        # epilogue subtiles").
         tall = pingpong(192)
         fits_tall = stages_of(tall) >= _PINGPONG_STAGES and fill(192, 128) >= fill(128, 128) - _FILL_SLACK
         tm = 192 if fits_tall else 128
         # A plain GEMM with a long K has little epilogue to hide: a 128x128 tile's takes
         # about 2k SM cycles against 115k of WGMMA at K = 14336. There cooperative 128x256
         # tiles in 2x1 clusters, which read a sixth less smem and a third less L2 per
-        # multiply-add, win where they fill the SMs' rounds as well. Measured on H200, two
-        # runs, ms, against 128x128 ping-pong: 1.410 / 1.528 and 1.415 / 1.451 at
-        # 8192x4096x14336, 0.702 / 0.731 and 0.717 / 0.723 at 4096x4096x14336. At K = 8192
-        # one run split (4096x28672: 2.831 / 2.896; 8192x28672: 5.729 / 5.618; 8192^3:
-        # 1.630 / 1.601 against 192x128). An epilogue that reads only vectors and writes one
-        # output costs little more exposed (ms, 64-wide subtiles, against 128x128 ping-pong,
-        # at the same two shapes: bias+gelu_tanh 1.435 / 1.455 and 0.721 / 0.721 in one run,
-        # 1.445 / 1.482 and 0.723 / 0.741 in another; bias+gelu(erf) 1.477 / 1.501 and
-        # 0.736 / 0.752; bias+silu 1.469 / 1.468 and 0.731 / 0.741), and nor does a second
-        # 16-bit output (a training forward, gelu(acc + bias) and acc, one run, 64-wide
-        # subtiles, which leave it 3 stages: 1.420 / 1.458 and 0.708 / 0.723). Alpha-beta's
-        # two TILE operands and two outputs do not (1.505 / 1.464 and 0.751 / 0.732): it
-        # keeps ping-pong, which hides them.
+        # multiply-add, win where they fill the SMs' rounds as well; so do epilogues that read
+        # only vectors and write at most 4 bytes an element, exposed. Alpha-beta's TILE
+        # operands and two outputs keep ping-pong, which hides them.
         out_bits = sum(_BITS[o.dtype] for o in problem.ir.outputs)
         light = out_bits <= 32 and not tile_operand_indices(problem.ir)
         if (light and k >= _LONG_K and n >= 256
@@ -468,40 +430,22 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
             return broad
         cfg = tall if fits_tall else pingpong(128)
         # The ring's depth is what the mainloop feeds on: a k-tile takes a 128x128 consumer
-        # about 520 SM cycles of WGMMA, and a k-tile's TMA load (L2 to smem, multicast) takes
-        # several of those. Measured on H200 (SM cycles per 8192x4096x4096 tile, in-kernel
-        # clock stamps, plain GEMM, 32-wide subtiles): 32.9k with 6 stages, 33.2k with 5,
-        # 37.0k with 4. So smaller epilogue subtiles when they give the ring a stage: the
-        # alpha-beta epilogue's four buffers (two TILE operands, two outputs) leave it 5 at
-        # 128x32 and 6 at 128x16; its tiles then took 34.5k-35.1k cycles against 35.7k-36.0k
-        # (four paired measurements at 8192x4096x4096 and 4096^3). Of the same size, 64x32
-        # subtiles move 64 bytes per row in each TMA copy of a 16-bit tensor, not 32: while
-        # all CTAs run their first epilogues at once, alpha-beta's second and third tiles no
-        # longer slow down (k cycles, 2048x4096x4096: 34.0 34.2 against 36.6 35.8), and it
-        # ran 3% to 5% faster at eight shapes (one run each, benchmarks/FINDINGS.md). On
-        # 192x128 tiles alpha-beta gets 3 stages at 192x32, 4 at 64x32 and 5 at 64x16, where
-        # its tiles after the first took 49.5k-49.9k cycles, as the plain GEMM's (49.3k-49.5k),
-        # against 51.3k-53.5k with 4 (8192x14336x4096). One run, ms, 64x16 on 192x128 against
-        # 128x128 tiles: 1.500 / 1.528 at 8192x14336x4096, 1.659 / 1.678 at 8192^3, 2.994 /
-        # 3.033 at 16384x14336x4096, 5.822 / 5.929 at 8192x28672x8192, 11.764 / 12.072 at
-        # 16384x28672x8192.
+        # about 520 SM cycles of WGMMA, and its TMA load (L2 to smem, multicast) takes several
+        # of those (_PINGPONG_STAGES). So pingpong() takes smaller epilogue subtiles where they
+        # give the ring a stage: 64x32 rather than 128x16 of the same size, since each TMA
+        # copy of a 16-bit tensor then moves 64 bytes a row, not 32, and alpha-beta's early
+        # tiles no longer slow down while all CTAs run their first epilogues at once
+        # (benchmarks/FINDINGS.md, "Where the SM cycles go"); on 192x128 tiles 64x16, the
+        # subtile that leaves alpha-beta's ring 5 stages ("Tile shapes and epilogue subtiles").
         if cfg.epi_m:  # a shorter subtile bought the ring stages: none to spare for wider ones
             return cfg
-        # 64-wide epilogue subtiles when they cost the ring no stage (a 128x128 tile with one
-        # 16-bit output: 6 stages either way). Measured on H200, 128x128, two runs, ms, 64 against 32:
-        # bias+gelu_tanh 0.420 / 0.426 and 0.418 / 0.426 at 8192x4096x4096, 0.738 / 0.744 and
-        # 0.734 / 0.743 at 4096x14336x4096, 0.372 / 0.379 and 0.376 / 0.381 at
-        # 2048x14336x4096, 0.210 / 0.214 and 0.211 / 0.218 at 4096^3; bias+silu within 1.2%
-        # either way (five of eight faster). 16-wide subtiles, which keep the same 6 stages,
-        # were slower for bias+gelu(erf) (35.9k against 34.9k cycles a tile) and no faster for
-        # bias+silu; for bias+gelu_tanh they were 0.6% faster at 8192x4096x4096 and even at 4096^3.
+        # 64-wide epilogue subtiles (half the barriers and TMA stores) when they cost the ring
+        # no stage: a 128x128 tile with one 16-bit output keeps 6 either way.
         return widened(cfg, stages_of(cfg))
 
     # 128x256 once its tiles fill nearly one wave (a wave of 128x256 tiles beats two of
-    # 128x128: the same work per SM at a higher MMA efficiency), and only while its
-    # epilogue buffers (outputs and TILE operands) leave >= 3 stages. Measured on H200, bf16
-    # 1000x4096x4096 (128 such tiles on 132 SMs; the ping-pong rule above takes it at this
-    # K), one run: 0.049 ms against 0.063 ms for cooperative 128x128 (0.99x vs 0.84x XLA).
+    # 128x128: the same work per SM at a higher MMA efficiency), and only while its epilogue
+    # buffers (outputs and TILE operands) leave _WIDE_TILE_STAGES stages.
     wide_tile = GemmConfig(tile_m=128, tile_n=256)
     if n >= 256 and tiles(128, 256) >= _ONE_WAVE * sms and stages_of(wide_tile) >= _WIDE_TILE_STAGES:
         tm, tn = 128, 256
@@ -510,12 +454,9 @@ def choose_config(problem: KernelProblem, m: int, n: int, k: int, l: int,
     else:
         tm, tn = 64, 128
     big = -(-m // tm) >= 8 and tiles(tm, tn) >= 2 * sms
-    # Measured on H200 (bf16, 128x256): swizzle 8 (bands of 8 clusters) + 2x1 cluster gave
-    # 1.02-1.10x cuBLAS on 8192^3 and 8192x4096x14336, against 0.97-1.03x with swizzle 1.
+    # Large problems walk bands of 8 clusters (L2 reuse) in 2x1 clusters multicasting B.
     cfg = GemmConfig(tile_m=tm, tile_n=tn, cluster_m=2 if big else 1, cluster_n=1,
                      swizzle=8 if big else 1)
-    # 64-wide epilogue subtiles when 3 stages still fit. Measured on H200, 8192x14336x4096,
-    # 128x256 2x1 swizzle 8, one run: bias+gelu_tanh 1.545 vs 1.569 ms, bias+silu 1.709 vs
-    # 1.753, bias+gelu(erf) 1.703 vs 1.713; plain GEMMs were within noise either way, so they
-    # keep 32.
+    # 64-wide epilogue subtiles when _WIDE_TILE_STAGES still fit; plain GEMMs, which gained
+    # nothing from them, keep 32.
     return widened(cfg, _WIDE_TILE_STAGES) if tn == 256 else cfg
