@@ -412,9 +412,9 @@ def _time(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tuple], rounds
     ``min_round_s``; ``warmup`` (>= 1) calls exclude compilation.
 
     One cycle of rounds runs untimed first: on an H200, of two identical kernels timed in the
-    same rounds, the one timed first came out 1% faster without it (the GPU, idle while the
-    functions compiled, had not yet reached the clock it holds under load) and as fast with
-    it (benchmarks/FINDINGS.md, "The order of the timed rounds")."""
+    same rounds, the one timed first came out 1% faster without it and as fast with it: the
+    GPU, idle while the functions compiled, is not yet in the state it holds under load
+    (benchmarks/FINDINGS.md, "The order of the timed rounds")."""
     counts = []
     for fn in fns:
         for i in range(max(1, warmup)):
