@@ -2,8 +2,9 @@
 
 ``jax_efc.flax.linen.FusedMLP`` (two ``FusedDense``, the GELU fused into the first) and the same
 MLP of ``nn.Dense`` start from the same parameters (``FusedDense`` has ``nn.Dense``'s tree)
-and train on the same synthetic regression data; the losses must agree step by step. Prints
-the step times and which backend ran each GEMM of the training step (forward and backward).
+and train on the same synthetic regression data, one step of each in turn; the losses must
+agree step by step. Prints the median step times and which backend ran each GEMM of the
+training step (forward and backward).
 
     python examples/flax_mlp.py [--steps 50] [--batch 256] [--features 64,256,16] [--dtype float32]
 """
@@ -11,6 +12,8 @@ the step times and which backend ran each GEMM of the training step (forward and
 import argparse
 import statistics
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -35,11 +38,10 @@ class PlainMLP(nn.Module):
         return nn.Dense(self.out, dtype=self.dtype, name="down")(h)
 
 
-def train(model: nn.Module, params, data, steps: int) -> tuple[list[float], float, list[str]]:
-    """Adam on the mean squared error; returns the losses, the median step time and the
+def make_step(model: nn.Module, params, data) -> tuple[Callable, Any, list[str]]:
+    """A jitted Adam step on the mean squared error, its first optimizer state, and the
     backend of each GEMM in the step."""
     opt = optax.adam(1e-3)
-    x, y = data
 
     def loss_fn(params, x, y):
         return jnp.mean((model.apply(params, x).astype(jnp.float32) - y) ** 2)
@@ -50,15 +52,25 @@ def train(model: nn.Module, params, data, steps: int) -> tuple[list[float], floa
         return optax.apply_updates(params, updates), opt_state, loss
 
     opt_state = opt.init(params)
-    used = efc.backends(step, params, opt_state, x, y)
-    step = jax.jit(step)
-    losses, times = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        params, opt_state, loss = step(params, opt_state, x, y)
-        losses.append(float(loss))  # blocks: the step time includes the loss transfer
-        times.append(time.perf_counter() - t0)
-    return losses, statistics.median(times[1:] or times), used
+    return jax.jit(step), opt_state, efc.backends(step, params, opt_state, *data)
+
+
+def train_side_by_side(models: Sequence[nn.Module], params, data, steps: int
+                       ) -> tuple[list[list[float]], list[float], list[str]]:
+    """Trains the models from the same parameters, one step of each in turn (the order
+    reversed every step, so that each follows the other equally often and a drift of the
+    GPU's clock hits them alike). Returns each model's losses and median step time, and the
+    first model's GEMM backends."""
+    runs = [make_step(model, params, data) for model in models]
+    states = [[params, opt_state] for _, opt_state, _ in runs]
+    losses, times = [[] for _ in models], [[] for _ in models]
+    for i in range(steps):
+        for j in (range(len(models)) if i % 2 == 0 else reversed(range(len(models)))):
+            t0 = time.perf_counter()
+            *states[j], loss = runs[j][0](*states[j], *data)
+            losses[j].append(float(loss))  # blocks: the step time includes the loss transfer
+            times[j].append(time.perf_counter() - t0)
+    return losses, [statistics.median(t[1:] or t) for t in times], runs[0][2]
 
 
 def main() -> None:
@@ -79,8 +91,8 @@ def main() -> None:
     plain = PlainMLP(hidden, d_out, args.dtype)
     params = plain.init(kp, x)  # the plain model's parameters serve both
     assert jax.tree.structure(fused.init(kp, x)) == jax.tree.structure(params)
-    fused_losses, fused_t, used = train(fused, params, (x, y), args.steps)
-    plain_losses, plain_t, _ = train(plain, params, (x, y), args.steps)
+    (fused_losses, plain_losses), (fused_t, plain_t), used = train_side_by_side(
+        [fused, plain], params, (x, y), args.steps)
 
     rel = np.abs(np.array(fused_losses) - plain_losses) / np.abs(plain_losses)
     tol = 5e-3 if args.dtype == "float32" else 5e-2  # float32: the GPU may use TF32
