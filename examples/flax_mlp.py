@@ -1,10 +1,11 @@
-"""Train a small MLP with Flax and optax, with ``FusedDense`` and with ``nn.Dense``, side by side.
+"""Train a small MLP with Flax and optax, with ``FusedMLP`` and with ``nn.Dense``, side by side.
 
-``jax_efc.flax.linen.FusedMLP`` (two ``FusedDense``, the GELU fused into the first) and the same
-MLP of ``nn.Dense`` start from the same parameters (``FusedDense`` has ``nn.Dense``'s tree)
-and train on the same synthetic regression data, one step of each in turn; the losses must
-agree step by step. Prints the median step times and which backend ran each GEMM of the
-training step (forward and backward).
+``jax_efc.flax.linen.FusedMLP`` (``jax_efc.fused_mlp``: the GELU fused into the first GEMM, its
+derivative into the backward's data-gradient GEMM) and the same MLP of ``nn.Dense`` start from
+the same parameters (``FusedMLP``'s layers keep ``nn.Dense``'s tree) and train on the same
+synthetic regression data, one step of each in turn; the losses must agree step by step.
+Prints the median step times and which backend ran each GEMM of the training step (forward
+and backward).
 
     python examples/flax_mlp.py [--steps 50] [--batch 256] [--features 64,256,16] [--dtype float32]
 """

@@ -18,9 +18,10 @@ if not _os.path.isdir(_os.path.join(__path__[0], "ffi")) and _os.path.isfile(
 from .activations import ACTIVATIONS  # noqa: E402
 from .config import GemmConfig  # noqa: E402
 from .epilogue import EpilogueError  # noqa: E402
+from .mlp import fused_mlp  # noqa: E402
 from .ops import fused_dense, gemm  # noqa: E402
 from .primitive import FallbackError, backends  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["gemm", "fused_dense", "GemmConfig", "ACTIVATIONS", "EpilogueError", "FallbackError",
+__all__ = ["gemm", "fused_dense", "fused_mlp", "GemmConfig", "ACTIVATIONS", "EpilogueError", "FallbackError",
            "backends"]

@@ -167,6 +167,7 @@ _PRIMITIVES: dict[str, str | None] = {
     "copy_p": None,
     "optimization_barrier": None,
     "square": "square",
+    "one_minus_square": "one_minus_square",  # tanh's derivative, as newer JAX writes it
     "reduce_precision": None,
     "add_any": "add",
 }
@@ -325,6 +326,9 @@ class _Builder:
             return args
         if op == "square":
             return [self.emit(Instr("mul", (args[0], args[0]), dtype))]
+        if op == "one_minus_square":
+            square = self.emit(Instr("mul", (args[0], args[0]), dtype))
+            return [self.emit(Instr("sub", (self.const(1.0, dtype), square), dtype))]
         if op == "convert":
             (x,) = args
             if self.dtype_of(x) == dtype:

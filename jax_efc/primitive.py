@@ -142,16 +142,17 @@ _reference_lowering = mlir.lower_fun(fused_gemm_reference, multiple_results=True
 _logged: set[str] = set()
 
 
-def _log_once(level: int, reason: str) -> None:
-    if reason not in _logged:
-        _logged.add(reason)
-        logger.log(level, "jax_efc: using the XLA reference: %s", reason)
+def log_once(level: int, message: str) -> None:
+    """Log ``message`` on the "jax_efc" logger the first time it comes."""
+    if message not in _logged:
+        _logged.add(message)
+        logger.log(level, "jax_efc: %s", message)
 
 
 def _fall_back(reason: str) -> None:
     if _config.strict():
         raise FallbackError(f"jax_efc: no kernel for this GEMM (JAX_EFC_STRICT=1): {reason}")
-    _log_once(logging.WARNING, reason)
+    log_once(logging.WARNING, f"using the XLA reference: {reason}")
 
 
 def kernel_unsupported_reason(avals_in: Sequence[Any], params: dict[str, Any]) -> str | None:
@@ -240,7 +241,7 @@ def _cuda_lowering(ctx, *args, **params):
         return _reference_lowering(ctx, *args, **params)
     reason = xla_faster_reason(ctx.avals_in, params)
     if reason is not None:
-        _log_once(logging.INFO, reason)
+        log_once(logging.INFO, f"using the XLA reference: {reason}")
         return _reference_lowering(ctx, *args, **params)
     from jax_efc import ffi
 

@@ -148,6 +148,15 @@ def test_linen_gated_mlp(rng):
     assert rel_err(mlp.apply(params, x), ref) < 1e-5
 
 
+
+def test_linen_mlp_sharding_metadata(rng):
+    x = _normal(rng, (4, 16))
+    boxed = FusedMLP(32, activation="silu", gated=True, embed_axis="embed", hidden_axis="mlp").init(
+        jax.random.key(0), x)["params"]
+    names = {f"{layer}/{p}": boxed[layer][p].names for layer in boxed for p in boxed[layer]}
+    assert names == {"up/kernel": ("embed", "mlp"), "up/bias": ("mlp",), "gate/kernel": ("embed", "mlp"),
+                     "gate/bias": ("mlp",), "down/kernel": ("mlp", "embed"), "down/bias": ("embed",)}
+
 # nnx -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("use_bias", [True, False])

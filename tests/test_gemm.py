@@ -70,6 +70,17 @@ def test_complex_expression(rng):
     assert rel_err(out, ref) < 1e-5
 
 
+def test_one_minus_square_is_fused(rng):
+    """``one_minus_square`` (how newer JAX writes tanh's derivative) is traced as 1 - x*x."""
+    from jax.extend.core import Primitive
+
+    one_minus_square = Primitive("one_minus_square")
+    one_minus_square.def_abstract_eval(lambda x: x)
+    a, b = arrays(rng, (64, 32), (32, 48))
+    out = efc.gemm(a, b, lambda acc: one_minus_square.bind(jnp.tanh(acc)))
+    assert rel_err(out, 1.0 - jnp.tanh(a @ b) ** 2) < 1e-5
+
+
 @pytest.mark.parametrize("name", sorted(efc.ACTIVATIONS))
 def test_builtin_activations(rng, name):
     x, w, bias = arrays(rng, (3, 20, 32), (32, 48), (48,))

@@ -167,6 +167,34 @@ def test_grads_through_the_kernel(rng):
         assert rel_err(u, v) < 2e-2
 
 
+
+@pytest.mark.parametrize("gated", [False, True], ids=["gelu_tanh", "gated_silu"])
+def test_fused_mlp_output_and_grads_through_the_kernel(rng, gated):
+    """Every GEMM of ``fused_mlp``'s forward and backward on the kernel, the backward's with
+    the activation's derivative fused; the output and all gradients against float32 autodiff
+    of the same MLP."""
+    x = rand(rng, (512, 256))
+    params = [rand(rng, (256, 384), scale=0.06), rand(rng, (384,)), rand(rng, (384, 128), scale=0.05),
+              rand(rng, (128,))] + [rand(rng, (256, 384), scale=0.06), rand(rng, (384,))] * gated
+    act = jax.nn.silu if gated else jax.nn.gelu
+
+    def ours(x, *p):
+        gate = dict(gate_kernel=p[4], gate_bias=p[5]) if gated else {}
+        return efc.fused_mlp(x, *p[:4], activation="silu" if gated else "gelu_tanh", **gate)
+
+    def plain(x, up_k, up_b, down_k, down_b, *gate):
+        hidden = act(x @ up_k + up_b) if not gated else act(x @ gate[0] + gate[1]) * (x @ up_k + up_b)
+        return hidden @ down_k + down_b
+
+    ct = rand(rng, (512, 128))
+    both = (x, *params)
+    assert all(s.startswith("kernel") for s in efc.backends(lambda *a: jax.vjp(ours, *a)[1](ct), *both))
+    y, pullback = jax.vjp(jax.jit(ours), *both)
+    y_ref, pullback_ref = jax.vjp(plain, *[jnp.asarray(t, jnp.float32) for t in both])
+    assert rel_err(y, y_ref) < 1e-2
+    for i, (g, g_ref) in enumerate(zip(pullback(ct), pullback_ref(jnp.asarray(ct, jnp.float32)))):
+        assert g.dtype == jnp.bfloat16 and rel_err(g, g_ref) < 1e-2, i
+
 def test_one_device_shard_map_runs_the_kernel(rng):
     from jax.sharding import PartitionSpec as P
 

@@ -657,6 +657,18 @@ def test_device_arch_from_env(monkeypatch):
     assert F.device_arch() == "sm_90a"
 
 
+def _run_for_sm90(script: str, *args: str, **env: str) -> str:
+    """Runs ``script`` in a fresh CPU-only process that compiles kernels for sm_90a, with the
+    project on its path; returns its stdout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", JAX_PLATFORMS="cpu", **env,
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
 _EXPORT_PUBLIC = """
 import os
 import jax, jax.numpy as jnp
@@ -688,14 +700,43 @@ def test_export_of_the_public_op_holds_the_kernels():
     512-row one (48 tiles of 128x128), go to XLA's GEMM, unless a config is pinned or
     ``JAX_EFC_STRICT=1``."""
     pytest.importorskip("cutlass.jax")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", _EXPORT_PUBLIC], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.split() == ["1", "3", "0", "0", "1", "1"]
+    assert _run_for_sm90(_EXPORT_PUBLIC).split() == ["1", "3", "0", "0", "1", "1"]
 
+
+
+_EXPORT_MLP = """
+import re
+import jax, jax.numpy as jnp
+import jax_efc as efc
+from cutlass.jax import get_export_disabled_safety_checks
+for gated in (False, True):
+    shapes = [(2048, 1024), (1024, 4096), (4096,), (4096, 1024), (1024,)] + [(1024, 4096), (4096,)] * gated
+    def loss(*a):
+        gate = dict(gate_kernel=a[5], gate_bias=a[6]) if gated else {}
+        y = efc.fused_mlp(*a[:5], activation="silu" if gated else "gelu_tanh", **gate)
+        return y.astype(jnp.float32).sum()
+    grads = jax.grad(loss, argnums=tuple(range(len(shapes))))
+    exported = jax.export.export(jax.jit(grads), platforms=["cuda"],
+                                 disabled_checks=get_export_disabled_safety_checks())(
+        *[jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes])
+    calls = [re.search(r"} : \\((.*?)\\) ->", line).group(1).split(", ")
+             for line in exported.mlir_module().splitlines() if "NvJaxCutlassCall" in line]
+    # the backward's fused GEMM: the cotangent and the down kernel, then the saved accumulator,
+    # the bias (and the up projection)
+    head = ["tensor<1x2048x1024xbf16>", "tensor<1x4096x1024xbf16>"]
+    fused = [c for c in calls if len(c) == 4 + gated and c[:2] == head]
+    print(len(calls), len(fused))
+"""
+
+
+def test_export_of_fused_mlp_gradients_holds_the_kernels():
+    """``jax.export`` for CUDA of the gradients of ``fused_mlp`` (plain and gated) compiles
+    every kernel for sm_90a, the backward's GEMM with the activation's derivative among them.
+    Custom calls in the module: the forward's first layer (and up projection), the backward's
+    four GEMMs (gated: six, two of which have the same types and share a function in the
+    module); the forward's down projection is dead in a gradient of a sum."""
+    pytest.importorskip("cutlass.jax")
+    assert _run_for_sm90(_EXPORT_MLP).split() == ["5", "1", "7", "1"]
 
 _EXPORT_TIMELINE = """
 import os, sys
@@ -720,14 +761,8 @@ def test_timeline_build_exports(tmp_path):
     pytest.importorskip("cutlass.jax")
     from jax_efc.kernels import TIMELINE_EVENTS, TIMELINE_UNITS
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", JAX_PLATFORMS="cpu", CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", _EXPORT_TIMELINE, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.split() == [f"132,2,{TIMELINE_UNITS},{len(TIMELINE_EVENTS)}", "int32", "True"]
+    out = _run_for_sm90(_EXPORT_TIMELINE, str(tmp_path), CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    assert out.split() == [f"132,2,{TIMELINE_UNITS},{len(TIMELINE_EVENTS)}", "int32", "True"]
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ and initializers as ``nn.Dense``, so an ``nn.Dense`` checkpoint loads unchanged.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +17,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
-from .. import activations
+from ..mlp import fused_mlp
 from .dense import check_activation, dense
 
 __all__ = ["FusedDense", "FusedMLP"]
@@ -65,35 +64,51 @@ class FusedDense(nn.Module):
 
     @nn.compact
     def __call__(self, inputs: Any, *extra: Any) -> Any:
-        kernel = self.param("kernel", _partitioned(self.kernel_init, self.kernel_axes),
-                            (jnp.shape(inputs)[-1], self.features), self.param_dtype)
-        bias = None
-        if self.use_bias:
-            bias = self.param("bias", _partitioned(self.bias_init, self.bias_axes),
-                              (self.features,), self.param_dtype)
+        kernel, bias = _dense_params(self, jnp.shape(inputs)[-1])
         inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         return dense(inputs, kernel, bias, extra, activation=self.activation,
                      epilogue=self.epilogue, precision=self.precision)
 
 
-@functools.lru_cache(maxsize=None)
-def _gated(activation: str | Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
-    act = activations.resolve(activation)
+def _dense_params(module: nn.Module, in_features: int) -> tuple[Any, Any]:
+    """``nn.Dense``'s parameters, ``kernel`` (in_features, features) and ``bias`` (features,)
+    or None, declared in ``module``'s scope."""
+    kernel = module.param("kernel", _partitioned(module.kernel_init, module.kernel_axes),
+                          (in_features, module.features), module.param_dtype)
+    bias = None
+    if module.use_bias:
+        bias = module.param("bias", _partitioned(module.bias_init, module.bias_axes),
+                            (module.features,), module.param_dtype)
+    return kernel, bias
 
-    def gate(z, up):
-        return act(z) * up
 
-    return gate
+class _DenseParams(nn.Module):
+    """The parameters of one of ``FusedMLP``'s layers, under the layer's name, as ``nn.Dense``
+    keeps them."""
+
+    features: int
+    use_bias: bool
+    param_dtype: Any
+    kernel_init: Callable[..., Any] = nn.initializers.lecun_normal()
+    bias_init: Callable[..., Any] = nn.initializers.zeros_init()
+    kernel_axes: Axes | None = None
+    bias_axes: Axes | None = None
+
+    @nn.compact
+    def __call__(self, in_features: int) -> tuple[Any, Any]:
+        return _dense_params(self, in_features)
 
 
 class FusedMLP(nn.Module):
     """``Dense -> activation -> Dense``, or with ``gated=True`` the gated form
-    ``(act(x @ W_gate) * (x @ W_up)) @ W_down`` (SwiGLU / GeGLU), the activation and the gate
-    product fused into the GEMMs.
+    ``(act(x @ W_gate) * (x @ W_up)) @ W_down`` (SwiGLU / GeGLU), as ``jax_efc.fused_mlp``: the
+    activation and the gate product fused into the first GEMM, and in the backward the
+    activation's derivative into the down projection's data-gradient GEMM.
 
-    Submodules: ``up`` (and ``gate`` when gated), ``down``, each a ``FusedDense``.
-    ``out_features`` defaults to the input's last dimension. ``hidden_axes`` names the hidden
-    axis for sharding (with ``embed_axis`` for the model axis); None adds no metadata.
+    Parameters: ``up`` (and ``gate`` when gated), ``down``, each with ``nn.Dense``'s
+    ``kernel`` and ``bias``. ``out_features`` defaults to the input's last dimension.
+    ``hidden_axis`` names the hidden axis for sharding (with ``embed_axis`` for the model
+    axis); None adds no metadata.
     """
 
     hidden_features: int
@@ -107,19 +122,24 @@ class FusedMLP(nn.Module):
     embed_axis: str | None = None
     hidden_axis: str | None = None
 
+    def __post_init__(self) -> None:
+        check_activation(self.activation)
+        super().__post_init__()
+
     @nn.compact
     def __call__(self, inputs: Any) -> Any:
         named = self.embed_axis is not None or self.hidden_axis is not None
         into = dict(kernel_axes=(self.embed_axis, self.hidden_axis), bias_axes=(self.hidden_axis,)) if named else {}
         out_of = dict(kernel_axes=(self.hidden_axis, self.embed_axis), bias_axes=(self.embed_axis,)) if named else {}
-        common = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
-                      precision=self.precision)
-        if self.gated:
-            up = FusedDense(self.hidden_features, name="up", **common, **into)(inputs)
-            h = FusedDense(self.hidden_features, epilogue=_gated(self.activation), name="gate",
-                           **common, **into)(inputs, up)
-        else:
-            h = FusedDense(self.hidden_features, activation=self.activation, name="up",
-                           **common, **into)(inputs)
-        out = self.out_features or jnp.shape(inputs)[-1]
-        return FusedDense(out, name="down", **common, **out_of)(h)
+        d_in, d_out = jnp.shape(inputs)[-1], self.out_features or jnp.shape(inputs)[-1]
+
+        def layer(name: str, in_features: int, features: int, axes: dict[str, Axes]) -> tuple[Any, Any]:
+            return _DenseParams(features, self.use_bias, self.param_dtype, name=name, **axes)(in_features)
+
+        up = layer("up", d_in, self.hidden_features, into)
+        gate = layer("gate", d_in, self.hidden_features, into) if self.gated else (None, None)
+        down = layer("down", self.hidden_features, d_out, out_of)
+        inputs, up_k, up_b, gate_k, gate_b, down_k, down_b = promote_dtype(inputs, *up, *gate, *down,
+                                                                           dtype=self.dtype)
+        return fused_mlp(inputs, up_k, up_b, down_k, down_b, activation=self.activation,
+                         gate_kernel=gate_k, gate_bias=gate_b, precision=self.precision)

@@ -1,0 +1,183 @@
+"""``fused_mlp``: a two-layer MLP whose backward fuses the activation's derivative into a GEMM.
+
+Differentiated layer by layer, an MLP's backward computes the hidden cotangent with one GEMM
+(the down projection's data gradient), then multiplies it by the activation's derivative in
+an elementwise pass of its own. Here that derivative is the epilogue of the same GEMM, so the
+hidden cotangent is never written; only the bias gradient still reads the result once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import activations
+from .epilogue import EpilogueError
+from .ops import gemm
+from .primitive import log_once
+
+__all__ = ["fused_mlp"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mlp:
+    """The static part of one call."""
+
+    activation: Callable[[Any], Any]
+    precision: Any
+
+
+@functools.lru_cache(maxsize=None)
+def _hidden(activation: Callable[[Any], Any], bias: bool, gated: bool) -> Callable[..., Any]:
+    """``h(acc, [bias], [up]) = activation(acc + bias) [* up]``: the hidden layer's value."""
+
+    def h(acc, *ops):
+        z = acc + ops[0] if bias else acc
+        return activation(z) * ops[-1] if gated else activation(z)
+
+    return h
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_epilogue(activation: Callable[[Any], Any], bias: bool, gated: bool) -> Callable[..., Any]:
+    """The first GEMM's epilogue: the hidden value and the accumulator (the backward's residual)."""
+    h = _hidden(activation, bias, gated)
+
+    def epilogue(acc, *ops):
+        return h(acc, *ops), acc
+
+    return epilogue
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_epilogue(activation: Callable[[Any], Any], bias: bool, gated: bool) -> Callable[..., Any]:
+    """The data-gradient GEMM's epilogue: its product is the hidden cotangent, and it returns the
+    cotangents of the first GEMM's accumulator (and, gated, of the up projection)."""
+    h = _hidden(activation, bias, gated)
+
+    def epilogue(d_hidden, acc, *ops):
+        fixed, up = (ops[:-1], ops[-1:]) if gated else (ops, ())
+        _, pullback = jax.vjp(lambda a, *u: h(a, *fixed, *u), acc, *up)
+        return pullback(d_hidden)
+
+    return epilogue
+
+
+def _add_bias(acc, bias):
+    return acc + bias
+
+
+def _accumulate(acc, partial):
+    return acc + partial
+
+
+def _linear(x, kernel, bias, precision):
+    """``x @ kernel + bias`` (the bias may be None) as one GEMM."""
+    if bias is None:
+        return gemm(x, kernel, precision=precision)
+    return gemm(x, kernel, _add_bias, bias, precision=precision)
+
+
+def _column_sum(x, like):
+    return None if like is None else jnp.sum(x, axis=0, dtype=jnp.float32).astype(like.dtype)
+
+
+def _hidden_cotangents(epilogue: Callable[..., Any], ct, down_kernel, acc, ops: list[Any], precision: Any
+                       ) -> list[Any]:
+    """``epilogue(ct @ down_kernel.T, acc, *ops)``, the cotangents of the first GEMM's
+    accumulator (and of the up projection): one GEMM, or, where the activation's derivative
+    holds an operation the kernel cannot fuse, the GEMM (fp32 out) and then the derivative in
+    XLA."""
+    try:
+        return list(gemm(ct, down_kernel, epilogue, acc, *ops, transpose_b=True, precision=precision))
+    except EpilogueError as e:
+        log_once(logging.WARNING, f"fused_mlp evaluates the activation's derivative unfused: {e}")
+    d_hidden = gemm(ct, down_kernel, transpose_b=True, precision=precision, out_dtypes=jnp.float32)
+    return [g.astype(acc.dtype) for g in epilogue(d_hidden, *(x.astype(jnp.float32) for x in (acc, *ops)))]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _mlp(static: _Mlp, x, first, up, down):
+    return _mlp_fwd(static, x, first, up, down)[0]
+
+
+def _mlp_fwd(static: _Mlp, x, first, up, down):
+    """``first`` is the activation's layer (kernel, bias or None), ``up`` the gated form's
+    other layer (None when not gated), ``down`` the output layer."""
+    p, gated, bias = static.precision, up is not None, first[1] is not None
+    up_value = (_linear(x, *up, p),) if gated else ()
+    ops = [first[1]] * bias + list(up_value)
+    hidden, acc = gemm(x, first[0], _forward_epilogue(static.activation, bias, gated), *ops, precision=p)
+    return _linear(hidden, *down, p), (x, first, up, down, hidden, acc, up_value)
+
+
+def _mlp_bwd(static: _Mlp, residuals, ct):
+    x, first, up, down, hidden, acc, up_value = residuals
+    p, gated, bias = static.precision, up is not None, first[1] is not None
+    d_down = (gemm(hidden, ct, transpose_a=True, precision=p), _column_sum(ct, down[1]))
+    d_acc, *d_up_value = _hidden_cotangents(_backward_epilogue(static.activation, bias, gated), ct, down[0],
+                                            acc, [first[1]] * bias + list(up_value), p)
+    d_first = (gemm(x, d_acc, transpose_a=True, precision=p), _column_sum(d_acc, first[1]))
+    d_x = gemm(d_acc, first[0], transpose_b=True, precision=p)
+    d_up = None
+    if gated:
+        (d_u,) = d_up_value
+        d_up = (gemm(x, d_u, transpose_a=True, precision=p), _column_sum(d_u, up[1]))
+        d_x = gemm(d_u, up[0], _accumulate, d_x, transpose_b=True, precision=p)
+    return d_x, d_first, d_up, d_down
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def _check_layer(name: str, kernel: Any, bias: Any, k: int, n: int | None) -> tuple[Any, Any]:
+    kernel = jnp.asarray(kernel)
+    if kernel.ndim != 2 or kernel.shape[0] != k or (n is not None and kernel.shape[1] != n):
+        want = f"({k}, {'N' if n is None else n})"
+        raise ValueError(f"{name}_kernel has shape {kernel.shape}; expected {want}.")
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != (kernel.shape[1],):
+            raise ValueError(f"{name}_bias has shape {bias.shape}; expected ({kernel.shape[1]},).")
+    return kernel, bias
+
+
+def fused_mlp(
+    x: Any,
+    up_kernel: Any,
+    up_bias: Any,
+    down_kernel: Any,
+    down_bias: Any,
+    *,
+    activation: str | Callable[[Any], Any] = "gelu_tanh",
+    gate_kernel: Any = None,
+    gate_bias: Any = None,
+    precision: Any = None,
+) -> Any:
+    """``activation(x @ up_kernel + up_bias) @ down_kernel + down_bias``, or with a gate
+    ``(activation(x @ gate_kernel + gate_bias) * (x @ up_kernel + up_bias)) @ down_kernel +
+    down_bias`` (SwiGLU, GeGLU). Each bias may be None.
+
+    ``x`` is (..., K), ``up_kernel`` and ``gate_kernel`` (K, H), ``down_kernel`` (H, D). The
+    activation (and the gate's product) is fused into the first GEMM; in the backward, its
+    derivative is fused into the down projection's data-gradient GEMM.
+    """
+    x = jnp.asarray(x)
+    if x.ndim < 1:
+        raise ValueError("x must have at least one dimension (..., K).")
+    lead, k = x.shape[:-1], x.shape[-1]
+    up = _check_layer("up", up_kernel, up_bias, k, None)
+    hidden = up[0].shape[1]
+    gate = None if gate_kernel is None else _check_layer("gate", gate_kernel, gate_bias, k, hidden)
+    if gate is None and gate_bias is not None:
+        raise ValueError("gate_bias given without gate_kernel.")
+    down = _check_layer("down", down_kernel, down_bias, hidden, None)
+    first, other = (up, None) if gate is None else (gate, up)
+    y = _mlp(_Mlp(activations.resolve(activation), precision), x.reshape(-1, k), first, other, down)
+    return y.reshape(*lead, y.shape[-1])
