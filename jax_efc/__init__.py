@@ -23,5 +23,5 @@ from .ops import fused_dense, gemm  # noqa: E402
 from .primitive import FallbackError, backends  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["gemm", "fused_dense", "fused_mlp", "GemmConfig", "ACTIVATIONS", "EpilogueError", "FallbackError",
-           "backends"]
+__all__ = ["gemm", "fused_dense", "fused_mlp", "GemmConfig", "ACTIVATIONS", "EpilogueError",
+           "FallbackError", "backends"]

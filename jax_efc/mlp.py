@@ -9,8 +9,8 @@ hidden cotangent is never written; only the bias gradient still reads the result
 from __future__ import annotations
 
 import dataclasses
-import logging
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
