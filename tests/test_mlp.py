@@ -108,3 +108,21 @@ def test_bad_arguments_are_named(change, message):
     args.update(change)
     with pytest.raises(ValueError, match=message):
         efc.fused_mlp(**args)
+
+
+@pytest.mark.parametrize("per_example_weights", [False, True], ids=["shared_weights", "per_example_weights"])
+def test_vmap(rng, per_example_weights):
+    x = jnp.asarray(rng.standard_normal((3, 8, 16)), jnp.float32)
+    params = _params(rng, 16, 32, 8, False, True)
+    if per_example_weights:
+        params = tuple(jnp.stack([p * (1 + i) for i in range(3)]) for p in params)
+    axes = (0,) + ((0,) if per_example_weights else (None,)) * 4
+
+    def loss(fn):
+        return lambda *a: jnp.sum(jax.vmap(fn, axes)(*a) ** 2)
+
+    ours = loss(lambda *a: efc.fused_mlp(*a, activation="gelu_tanh"))
+    ref = loss(lambda *a: _mlp(*a, act=jax.nn.gelu))
+    assert abs(float(ours(x, *params)) / float(ref(x, *params)) - 1) < 1e-5
+    for g, g_ref in zip(jax.grad(ours, argnums=(0, 1, 4))(x, *params), jax.grad(ref, argnums=(0, 1, 4))(x, *params)):
+        assert rel_err(g, g_ref) < 1e-5
