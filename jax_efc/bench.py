@@ -50,6 +50,7 @@ import numpy as np
 
 from . import activations, seed_epilogues
 from .config import GemmConfig
+from .mlp import fused_mlp
 from .ops import fused_dense, gemm
 from .primitive import backends
 
@@ -81,7 +82,9 @@ EPILOGUES = ("gemm", "bias+gelu_tanh", "bias+gelu", "bias+silu", "alpha-beta")
 # a dense layer's training step: its output and the gradients of x, kernel and bias for a given
 # output cotangent (three GEMMs); measured only when asked for
 TRAIN_EPILOGUES = tuple(f"train:{e}" for e in EPILOGUES if e.startswith("bias+"))
-_NAMED = EPILOGUES + TRAIN_EPILOGUES  # every name --epilogues takes
+# a two-layer MLP's training step (fused_mlp), K -> N -> K over M rows; measured only when asked for
+MLP_STEPS = ("train:mlp+gelu_tanh", "train:gated_mlp+silu")
+_NAMED = EPILOGUES + TRAIN_EPILOGUES + MLP_STEPS  # every name --epilogues takes
 ALPHA_BETA_SCALARS = {"alpha": 2.0, "beta": 1.0, "x_factor": 3.0}
 
 
@@ -209,6 +212,16 @@ def epilogue_problem(
                    jax.jit(ours), jax.jit(baseline), jax.jit(reference))
 
 
+def _training_step(layer: Callable[..., Any]) -> Callable[..., Any]:
+    """``f(*inputs, dy)``: ``layer``'s output and the gradients of all its inputs for the
+    output cotangent ``dy``."""
+    def f(*inputs):
+        *args, dy = inputs
+        y, pullback = jax.vjp(layer, *args)
+        return (y, *pullback(dy))
+    return f
+
+
 def train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
                   config: GemmConfig | None = None) -> Problem:
     """``epilogue`` = "train:bias+<activation>": a dense layer's training step, the output of
@@ -227,12 +240,6 @@ def train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
     fn = _bias_activation(act)
     specs = tuple(jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (n,), (m, n)))
 
-    def step(layer: Callable[..., Any]) -> Callable[..., Any]:
-        def f(x, kernel, bias, dy):
-            y, pullback = jax.vjp(layer, x, kernel, bias)
-            return (y, *pullback(dy))
-        return f
-
     def ours(x, kernel, bias):
         return fused_dense(x, kernel, bias, activation=act, config=config)
 
@@ -243,17 +250,57 @@ def train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
         return fn(jnp.matmul(x, kernel, precision=jax.lax.Precision.HIGHEST), bias)
 
     def reference(*inputs):
-        return step(exact)(*(v.astype(jnp.float32) for v in inputs))
+        return _training_step(exact)(*(v.astype(jnp.float32) for v in inputs))
 
     return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
-                   jax.jit(step(ours)), jax.jit(step(plain)), jax.jit(reference), gemms=3,
-                   stds=(1.0, k ** -0.5))
+                   jax.jit(_training_step(ours)), jax.jit(_training_step(plain)), jax.jit(reference),
+                   gemms=3, stds=(1.0, k ** -0.5))
+
+
+def mlp_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
+                config: GemmConfig | None = None) -> Problem:
+    """``epilogue`` in ``MLP_STEPS``: the training step of a two-layer MLP of width K and
+    hidden width N over M rows, ``fused_mlp`` against the same MLP in plain JAX: its output and,
+    for a random output cotangent, the gradients of x and of every kernel and bias (six GEMMs
+    of M x N x K, nine gated). Kernels are drawn with variance 1 / fan-in, as ``nn.Dense``
+    initializes them."""
+    if config is not None:
+        raise ValueError(f"{epilogue} runs the heuristic's configs: leave --configs at auto.")
+    m, n, k, l = shape
+    if l > 1:
+        raise ValueError(f"{epilogue} is an MLP: give M,N,K without a batch")
+    gated = epilogue.startswith("train:gated_mlp+")
+    act = epilogue.split("+", 1)[1]
+    fn = activations.ACTIVATIONS[act]
+    layers = [(k, n), (n,), (n, k), (k,)] + [(k, n), (n,)] * gated
+    specs = tuple(jax.ShapeDtypeStruct(s, dtype) for s in [(m, k), *layers, (m, k)])
+    stds = (1.0, k ** -0.5, 1.0, n ** -0.5, 1.0) + (k ** -0.5, 1.0) * gated
+
+    def ours(x, up_k, up_b, down_k, down_b, *gate):
+        return fused_mlp(x, up_k, up_b, down_k, down_b, activation=act,
+                         **dict(zip(("gate_kernel", "gate_bias"), gate)))
+
+    def plain(x, up_k, up_b, down_k, down_b, *gate, precision=None):
+        def lin(h, kernel, bias):
+            return jnp.matmul(h, kernel, precision=precision) + bias
+        hidden = fn(lin(x, *gate)) * lin(x, up_k, up_b) if gated else fn(lin(x, up_k, up_b))
+        return lin(hidden, down_k, down_b)
+
+    def reference(*inputs):
+        exact = functools.partial(plain, precision=jax.lax.Precision.HIGHEST)
+        return _training_step(exact)(*(v.astype(jnp.float32) for v in inputs))
+
+    return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
+                   jax.jit(_training_step(ours)), jax.jit(_training_step(plain)), jax.jit(reference),
+                   gemms=9 if gated else 6, stds=stds)
 
 
 def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
                   config: GemmConfig | None = None) -> Problem:
-    """One of the benchmark epilogues (``EPILOGUES``, ``TRAIN_EPILOGUES``) at one shape;
-    ``config`` pins the kernel's configuration (None: the heuristic's)."""
+    """One of the benchmark epilogues (``EPILOGUES``, ``TRAIN_EPILOGUES``, ``MLP_STEPS``) at
+    one shape; ``config`` pins the kernel's configuration (None: the heuristic's)."""
+    if epilogue in MLP_STEPS:
+        return mlp_problem(epilogue, shape, dtype, config)
     if epilogue.startswith("train:"):
         return train_problem(epilogue, shape, dtype, config)
     if epilogue == "gemm":

@@ -248,6 +248,31 @@ def test_bench_training_step(capsys):
         bench.bench_problem("train:bias+silu", (64, 64, 64, 2))
 
 
+
+@pytest.mark.parametrize("name,gated", [("train:mlp+gelu_tanh", False), ("train:gated_mlp+silu", True)])
+def test_bench_mlp_training_step(name, gated):
+    # an MLP's output and the gradients of x and every parameter, ours and plain JAX's, each
+    # checked against float32 math; the TFLOP/s count its six (gated: nine) GEMMs
+    import numpy as np
+
+    m, n, k = 256, 384, 128
+    problem = bench.bench_problem(name, (m, n, k, 1))
+    layers = [(k, n), (n,), (n, k), (k,)] + [(k, n), (n,)] * gated
+    assert problem.gemms == (9 if gated else 6)
+    assert [s.shape for s in problem.specs] == [(m, k), *layers, (m, k)]
+    inputs = bench.random_inputs(problem.specs, jax.random.key(1), problem.stds)
+    assert np.std(np.asarray(inputs[3], np.float32)) == pytest.approx(n ** -0.5, rel=0.05)
+    ours, ref = problem.ours(*inputs), problem.reference(*inputs)
+    assert [o.shape for o in ours] == [(m, k), (m, k), *layers]
+    for o, r in zip(ours, ref):
+        o, r = np.asarray(o, np.float32), np.asarray(r)
+        assert np.linalg.norm(o - r) / np.linalg.norm(r) < 2e-2
+    (r,) = bench.run([problem], rounds=2, calls=1, bound=True)
+    assert r.plain_s is None and r.err < 2e-2 and r.baseline_err < 2e-2
+    assert r.tflops == pytest.approx(2 * problem.gemms * m * n * k / r.ours_s / 1e12)
+    with pytest.raises(ValueError, match="leave --configs at auto"):
+        bench.bench_problem(name, (m, n, k, 1), config=bench.parse_config("128,128"))
+
 def test_measure_together_refuses_mixed_problems():
     problems = [bench.bench_problem("gemm", (32, 64, 48, 1)), bench.bench_problem("gemm", (64, 64, 48, 1))]
     with pytest.raises(ValueError, match="one epilogue, shape and dtype"):
