@@ -14,6 +14,7 @@ from flax import nnx  # noqa: E402
 
 from jax_efc.flax.linen import FusedDense, FusedMLP  # noqa: E402
 from jax_efc.flax.nnx import FusedLinear  # noqa: E402
+from jax_efc.flax.nnx import FusedMLP as NnxFusedMLP  # noqa: E402
 
 from conftest import rel_err  # noqa: E402
 
@@ -202,3 +203,45 @@ def test_nnx_sharding_metadata():
     assert layer.bias.get_metadata() == ref.bias.get_metadata()
     spec = nnx.get_partition_spec(nnx.state(layer))
     assert tuple(spec["kernel"].get_value()) == ("embed", "mlp")
+
+
+class _NnxMLP(nnx.Module):
+    """The MLP of nnx.Linear, its layers made in FusedMLP's order."""
+
+    def __init__(self, d, hidden, gated, rngs):
+        kw = dict(bias_init=nnx.initializers.normal(1.0), rngs=rngs)
+        self.up = nnx.Linear(d, hidden, **kw)
+        self.gate = nnx.Linear(d, hidden, **kw) if gated else nnx.data(None)
+        self.down = nnx.Linear(hidden, d, **kw)
+        self.gated = gated
+
+    def __call__(self, x):
+        if self.gated:
+            return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["gelu_tanh", "gated_silu"])
+def test_nnx_mlp_matches_linear_layers(rng, gated):
+    x = _normal(rng, (3, 5, 16))
+    ours = NnxFusedMLP(16, 48, activation="silu" if gated else "gelu_tanh", gated=gated,
+                       bias_init=nnx.initializers.normal(1.0), rngs=nnx.Rngs(3))
+    plain = _NnxMLP(16, 48, gated, nnx.Rngs(3))
+    _same_tree(nnx.state(ours), nnx.state(plain))  # same Rngs, same layers, same values
+
+    def loss(model, x):
+        return jnp.sum(jnp.sin(model(x)))
+
+    assert rel_err(ours(x), plain(x)) < 1e-5
+    for o, r in zip(jax.tree.leaves(nnx.grad(loss)(ours, x)), jax.tree.leaves(nnx.grad(loss)(plain, x))):
+        assert rel_err(o, r) < 1e-5
+
+
+def test_nnx_mlp_sharding_metadata():
+    with jax.set_mesh(jax.make_mesh((1, 1), ("embed", "mlp"))):
+        mlp = NnxFusedMLP(8, 16, gated=True, embed_axis="embed", hidden_axis="mlp", rngs=nnx.Rngs(0))
+    spec = nnx.get_partition_spec(nnx.state(mlp))
+    got = {f"{layer}/{p}": tuple(spec[layer][p].get_value()) for layer in ("up", "gate", "down")
+           for p in ("kernel", "bias")}
+    assert got == {"up/kernel": ("embed", "mlp"), "up/bias": ("mlp",), "gate/kernel": ("embed", "mlp"),
+                   "gate/bias": ("mlp",), "down/kernel": ("mlp", "embed"), "down/bias": ("embed",)}

@@ -3,6 +3,7 @@
 ``jax_efc.flax.linen.FusedDense`` is a drop-in for ``flax.linen.Dense`` and
 ``jax_efc.flax.nnx.FusedLinear`` one for ``flax.nnx.Linear``: same attributes, same parameter
 names, shapes and initializers (checkpoints load unchanged), plus an ``activation`` or a
-general ``epilogue`` fused into the GEMM. The submodules need Flax
+general ``epilogue`` fused into the GEMM; each submodule's ``FusedMLP`` runs
+``jax_efc.fused_mlp`` on such layers' parameters. The submodules need Flax
 (``pip install 'jax_efc[flax]'``); ``jax_efc.flax.dense`` holds the computation they share.
 """
