@@ -703,7 +703,6 @@ def test_export_of_the_public_op_holds_the_kernels():
     assert _run_for_sm90(_EXPORT_PUBLIC).split() == ["1", "3", "0", "0", "1", "1"]
 
 
-
 _EXPORT_MLP = """
 import re
 import jax, jax.numpy as jnp
@@ -737,6 +736,7 @@ def test_export_of_fused_mlp_gradients_holds_the_kernels():
     module); the forward's down projection is dead in a gradient of a sum."""
     pytest.importorskip("cutlass.jax")
     assert _run_for_sm90(_EXPORT_MLP).split() == ["5", "1", "7", "1"]
+
 
 _EXPORT_TIMELINE = """
 import os, sys
