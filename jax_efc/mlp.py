@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from . import activations
 from .epilogue import EpilogueError
-from .ops import gemm
+from .ops import fused_dense, gemm
 from .primitive import log_once
 
 __all__ = ["fused_mlp"]
@@ -69,19 +69,8 @@ def _backward_epilogue(activation: Callable[[Any], Any], bias: bool, gated: bool
     return epilogue
 
 
-def _add_bias(acc, bias):
-    return acc + bias
-
-
 def _accumulate(acc, partial):
     return acc + partial
-
-
-def _linear(x, kernel, bias, precision):
-    """``x @ kernel + bias`` (the bias may be None) as one GEMM."""
-    if bias is None:
-        return gemm(x, kernel, precision=precision)
-    return gemm(x, kernel, _add_bias, bias, precision=precision)
 
 
 def _column_sum(x, like):
@@ -111,10 +100,10 @@ def _mlp_fwd(static: _Mlp, x, first, up, down):
     """``first`` is the activation's layer (kernel, bias or None), ``up`` the gated form's
     other layer (None when not gated), ``down`` the output layer."""
     p, gated, bias = static.precision, up is not None, first[1] is not None
-    up_value = (_linear(x, *up, p),) if gated else ()
+    up_value = (fused_dense(x, *up, precision=p),) if gated else ()
     ops = [first[1]] * bias + list(up_value)
     hidden, acc = gemm(x, first[0], _forward_epilogue(static.activation, bias, gated), *ops, precision=p)
-    return _linear(hidden, *down, p), (x, first, up, down, hidden, acc, up_value)
+    return fused_dense(hidden, *down, precision=p), (x, first, up, down, hidden, acc, up_value)
 
 
 def _mlp_bwd(static: _Mlp, residuals, ct):
