@@ -55,7 +55,7 @@ from .ops import fused_dense, gemm
 from .primitive import backends
 
 __all__ = ["Problem", "Result", "ROUNDS", "STANDARD_SHAPES", "QUICK_SHAPES", "EPILOGUES", "TRAIN_EPILOGUES",
-           "epilogue_problem", "train_problem", "bench_problem", "random_inputs", "measure", "measure_together", "run", "format_table",
+           "SCAN_EPILOGUES", "epilogue_problem", "train_problem", "bench_problem", "random_inputs", "measure", "measure_together", "run", "format_table",
            "fixed_width", "ClockSampler",
            "add_arguments", "run_from_args", "text_progress", "main"]
 
@@ -84,7 +84,10 @@ EPILOGUES = ("gemm", "bias+gelu_tanh", "bias+gelu", "bias+silu", "alpha-beta")
 TRAIN_EPILOGUES = tuple(f"train:{e}" for e in EPILOGUES if e.startswith("bias+"))
 # a two-layer MLP's training step (fused_mlp), K -> N -> K over M rows; measured only when asked for
 MLP_STEPS = ("train:mlp+gelu_tanh", "train:gated_mlp+silu")
-_NAMED = EPILOGUES + TRAIN_EPILOGUES + MLP_STEPS  # every name --epilogues takes
+# L dense layers of width K under lax.scan over stacked kernels and biases (shape M,K,K,L), as
+# models that scan their layers run them: the forward, or with "train:" the training step
+SCAN_EPILOGUES = tuple(f"{step}scan:{e}" for step in ("", "train:") for e in EPILOGUES if e.startswith("bias+"))
+_NAMED = EPILOGUES + TRAIN_EPILOGUES + MLP_STEPS + SCAN_EPILOGUES  # every name --epilogues takes
 ALPHA_BETA_SCALARS = {"alpha": 2.0, "beta": 1.0, "x_factor": 3.0}
 
 
@@ -295,12 +298,49 @@ def mlp_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
                    gemms=9 if gated else 6, stds=stds)
 
 
+def scan_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
+                 config: GemmConfig | None = None) -> Problem:
+    """``epilogue`` in ``SCAN_EPILOGUES``: L dense layers ``activation(h @ kernel + bias)`` of
+    width K (shape M,K,K,L) applied by ``lax.scan`` over kernels stacked (L, K, K) and biases
+    (L, K); with "train:", their training step (the output and, for a random output
+    cotangent, the gradients of x and of both stacks). Ours is ``fused_dense`` in the scanned
+    body, the baseline the same layer in plain JAX. Kernels are drawn with variance 1/K."""
+    m, n, k, l = shape
+    if n != k or l < 2:
+        raise ValueError(f"{epilogue} stacks L >= 2 layers of width K: give M,K,K,L")
+    train = epilogue.startswith("train:")
+    act = epilogue.split("bias+", 1)[1]
+    fn = _bias_activation(act)
+    specs = tuple(jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (l, k, k), (l, k), (m, k))[:4 if train else 3])
+
+    def scanned(layer):
+        def f(x, kernels, biases):
+            y, _ = jax.lax.scan(lambda h, params: (layer(h, *params), None), x, (kernels, biases))
+            return y
+        return f
+
+    ours = scanned(lambda h, kernel, bias: fused_dense(h, kernel, bias, activation=act, config=config))
+    plain = scanned(lambda h, kernel, bias: fn(h @ kernel, bias))
+    exact = scanned(lambda h, kernel, bias: fn(jnp.matmul(h, kernel, precision=jax.lax.Precision.HIGHEST), bias))
+    step = _training_step if train else (lambda f: f)
+
+    def reference(*inputs):
+        return step(exact)(*(v.astype(jnp.float32) for v in inputs))
+
+    return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
+                   jax.jit(step(ours)), jax.jit(step(plain)), jax.jit(reference),
+                   gemms=3 if train else 1, stds=(1.0, k ** -0.5))
+
+
 def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
                   config: GemmConfig | None = None) -> Problem:
-    """One of the benchmark epilogues (``EPILOGUES``, ``TRAIN_EPILOGUES``, ``MLP_STEPS``) at
-    one shape; ``config`` pins the kernel's configuration (None: the heuristic's)."""
+    """One of the benchmark epilogues (``EPILOGUES``, ``TRAIN_EPILOGUES``, ``MLP_STEPS``,
+    ``SCAN_EPILOGUES``) at one shape; ``config`` pins the kernel's configuration (None: the
+    heuristic's)."""
     if epilogue in MLP_STEPS:
         return mlp_problem(epilogue, shape, dtype, config)
+    if epilogue in SCAN_EPILOGUES:
+        return scan_problem(epilogue, shape, dtype, config)
     if epilogue.startswith("train:"):
         return train_problem(epilogue, shape, dtype, config)
     if epilogue == "gemm":
@@ -520,7 +560,7 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
     GPU's clock between rounds hits them all alike and their times compare directly. With an
     entered ``clocks`` sampler, each result also holds the clock and power of its rounds; with
     ``bound``, the time of our plain GEMM (``jax_efc.gemm(a, b)``, no epilogue) in the same
-    rounds (not for training steps, whose three GEMMs it does not match).
+    rounds (only for the single GEMMs of ``EPILOGUES``, not for steps of several).
 
     ``calls_per_jit`` > 1 times that many calls inside one jitted function, each on inputs of
     its own (nothing for XLA to share between them, nothing left in L2 by the previous one),
@@ -548,7 +588,7 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
         errs = [_rel_err(p.ours(*first_inputs), ref) for p in problems]
         base_err = _rel_err(first.baseline(*first_inputs), ref)
         del ref
-    bound = bound and first.gemms == 1
+    bound = bound and first.epilogue in EPILOGUES
     plain = [jax.jit(lambda a, b, *_: gemm(a, b))] if bound else []
     fns = [p.ours for p in problems] + [first.baseline] + plain
     if calls_per_jit > 1:

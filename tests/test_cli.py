@@ -460,3 +460,35 @@ def test_progress_keeps_long_labels(capsys):
     label = "8192x4096x4096 alpha-beta 128,128,1,2,swizzle=8,epi_n=16,pingpong=1 1.09x"
     text_progress(3, 4, label)
     assert label in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["scan:bias+gelu_tanh", "train:scan:bias+silu"])
+def test_bench_scanned_layers(name):
+    # L layers under lax.scan over stacked kernels and biases, ours and plain JAX's, each
+    # checked against float32 math; the TFLOP/s count L GEMMs a pass (3 L for the step)
+    import numpy as np
+
+    m, k, l = 96, 64, 3
+    train = name.startswith("train:")
+    problem = bench.bench_problem(name, (m, k, k, l))
+    assert [s.shape for s in problem.specs] == [(m, k), (l, k, k), (l, k)] + [(m, k)] * train
+    inputs = bench.random_inputs(problem.specs, jax.random.key(2), problem.stds)
+    assert np.std(np.asarray(inputs[1], np.float32)) == pytest.approx(k ** -0.5, rel=0.05)
+    ours, ref = problem.ours(*inputs), problem.reference(*inputs)
+    expected = [(m, k), (m, k), (l, k, k), (l, k)] if train else [(m, k)]
+    assert [o.shape for o in jax.tree.leaves(ours)] == expected
+    for o, r in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        o, r = np.asarray(o, np.float32), np.asarray(r)
+        assert np.linalg.norm(o - r) / np.linalg.norm(r) < 2e-2
+    if not train:  # the scan applies the layers in turn
+        h, (kernels, biases) = inputs[0].astype(np.float32), (v.astype(np.float32) for v in inputs[1:])
+        for i in range(l):
+            h = jax.nn.gelu(h @ kernels[i] + biases[i])
+        np.testing.assert_allclose(np.asarray(ref), np.asarray(h), rtol=1e-4, atol=1e-4)
+    (r,) = bench.run([problem], rounds=2, calls=1, bound=True)
+    assert r.plain_s is None and r.err < 2e-2 and r.baseline_err < 2e-2
+    assert r.tflops == pytest.approx(2 * problem.gemms * m * k * k * l / r.ours_s / 1e12)
+    with pytest.raises(ValueError, match="give M,K,K,L"):
+        bench.bench_problem(name, (m, 2 * k, k, l))
+    with pytest.raises(ValueError, match="give M,K,K,L"):
+        bench.bench_problem(name, (m, k, k, 1))
