@@ -311,7 +311,8 @@ def scan_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
     train = epilogue.startswith("train:")
     act = epilogue.split("bias+", 1)[1]
     fn = _bias_activation(act)
-    specs = tuple(jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (l, k, k), (l, k), (m, k))[:4 if train else 3])
+    shapes = [(m, k), (l, k, k), (l, k)] + [(m, k)] * train  # x, the stacks, and the cotangent
+    specs = tuple(jax.ShapeDtypeStruct(s, dtype) for s in shapes)
 
     def scanned(layer):
         def f(x, kernels, biases):

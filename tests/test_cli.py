@@ -481,7 +481,7 @@ def test_bench_scanned_layers(name):
         o, r = np.asarray(o, np.float32), np.asarray(r)
         assert np.linalg.norm(o - r) / np.linalg.norm(r) < 2e-2
     if not train:  # the scan applies the layers in turn
-        h, (kernels, biases) = inputs[0].astype(np.float32), (v.astype(np.float32) for v in inputs[1:])
+        h, kernels, biases = (v.astype(np.float32) for v in inputs)
         for i in range(l):
             h = jax.nn.gelu(h @ kernels[i] + biases[i])
         np.testing.assert_allclose(np.asarray(ref), np.asarray(h), rtol=1e-4, atol=1e-4)
