@@ -60,6 +60,40 @@ def test_linen_outputs_and_grads_match_dense(rng, activation, plain):
         assert rel_err(o, r) < 1e-5
 
 
+class _ScanBlock(nn.Module):
+    """One layer of a stack that ``nn.scan`` repeats, an ``nn.Dense`` or its drop-in."""
+
+    fused: bool
+
+    @nn.compact
+    def __call__(self, h, _):
+        if self.fused:
+            return FusedDense(32, activation="gelu_tanh", name="layer")(h), None
+        return nn.gelu(nn.Dense(32, name="layer")(h)), None
+
+
+def test_linen_layers_under_nn_scan_match_dense(rng):
+    # nn.scan stacks each layer's kernel and bias along a leading axis, for FusedDense as for
+    # nn.Dense: the same params, outputs and gradients
+    x = _normal(rng, (6, 32))
+
+    def stack(fused):
+        return nn.scan(_ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                       length=3)(fused)
+
+    params = stack(False).init(jax.random.key(2), x, None)
+    _same_tree(stack(True).init(jax.random.key(2), x, None), params)
+
+    def loss(fused, params, x):
+        return jnp.sum(jnp.sin(stack(fused).apply(params, x, None)[0]))
+
+    ours = jax.value_and_grad(functools.partial(loss, True), argnums=(0, 1))(params, x)
+    ref = jax.value_and_grad(functools.partial(loss, False), argnums=(0, 1))(params, x)
+    assert jax.tree.leaves(ours)[2].shape == (3, 32, 32)  # the kernels' gradient, stacked
+    for o, r in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        assert rel_err(o, r) < 1e-5
+
+
 @pytest.mark.parametrize("in_dtype,dtype", [(jnp.bfloat16, None), (jnp.float32, jnp.bfloat16),
                                             (jnp.bfloat16, jnp.bfloat16)])
 def test_linen_dtype_promotion_matches_dense(rng, in_dtype, dtype):
