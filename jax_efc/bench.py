@@ -225,6 +225,13 @@ def _training_step(layer: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
+def _in_float32(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` on float32 copies of its inputs: the reference a step problem is checked against."""
+    def f(*inputs):
+        return fn(*(v.astype(jnp.float32) for v in inputs))
+    return f
+
+
 def train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
                   config: GemmConfig | None = None) -> Problem:
     """``epilogue`` = "train:bias+<activation>": a dense layer's training step, the output of
@@ -252,12 +259,9 @@ def train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
     def exact(x, kernel, bias):
         return fn(jnp.matmul(x, kernel, precision=jax.lax.Precision.HIGHEST), bias)
 
-    def reference(*inputs):
-        return _training_step(exact)(*(v.astype(jnp.float32) for v in inputs))
-
     return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
-                   jax.jit(_training_step(ours)), jax.jit(_training_step(plain)), jax.jit(reference),
-                   gemms=3, stds=(1.0, k ** -0.5))
+                   jax.jit(_training_step(ours)), jax.jit(_training_step(plain)),
+                   jax.jit(_in_float32(_training_step(exact))), gemms=3, stds=(1.0, k ** -0.5))
 
 
 def mlp_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
@@ -289,12 +293,10 @@ def mlp_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
         hidden = fn(lin(x, *gate)) * lin(x, up_k, up_b) if gated else fn(lin(x, up_k, up_b))
         return lin(hidden, down_k, down_b)
 
-    def reference(*inputs):
-        exact = functools.partial(plain, precision=jax.lax.Precision.HIGHEST)
-        return _training_step(exact)(*(v.astype(jnp.float32) for v in inputs))
-
+    exact = functools.partial(plain, precision=jax.lax.Precision.HIGHEST)
     return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
-                   jax.jit(_training_step(ours)), jax.jit(_training_step(plain)), jax.jit(reference),
+                   jax.jit(_training_step(ours)), jax.jit(_training_step(plain)),
+                   jax.jit(_in_float32(_training_step(exact))),
                    gemms=9 if gated else 6, stds=stds)
 
 
@@ -324,12 +326,8 @@ def scan_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
     plain = scanned(lambda h, kernel, bias: fn(h @ kernel, bias))
     exact = scanned(lambda h, kernel, bias: fn(jnp.matmul(h, kernel, precision=jax.lax.Precision.HIGHEST), bias))
     step = _training_step if train else (lambda f: f)
-
-    def reference(*inputs):
-        return step(exact)(*(v.astype(jnp.float32) for v in inputs))
-
     return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
-                   jax.jit(step(ours)), jax.jit(step(plain)), jax.jit(reference),
+                   jax.jit(step(ours)), jax.jit(step(plain)), jax.jit(_in_float32(step(exact))),
                    gemms=3 if train else 1, stds=(1.0, k ** -0.5))
 
 
