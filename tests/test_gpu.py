@@ -251,3 +251,45 @@ def test_flax_training_on_the_kernel_matches_plain_flax(rng):
     ours, ref = losses(fused), losses(Plain())
     np.testing.assert_allclose(ours, ref, rtol=2e-2)
     assert ours[-1] < ours[0]
+
+
+
+_CACHED_LAYER = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+cache, inputs, out = sys.argv[1:]
+jax.config.update("jax_compilation_cache_dir", cache)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+import jax_efc as efc
+x, w, b = (jnp.asarray(v, jnp.bfloat16) for v in np.load(inputs).values())
+layer = lambda x, w, b: efc.fused_dense(x, w, b, activation="gelu_tanh")
+np.save(out, np.asarray(jax.jit(layer)(x, w, b), np.float32))
+print(efc.backends(layer, x, w, b))
+"""
+
+
+def test_persistent_compilation_cache_round_trip(rng, tmp_path):
+    """A second process finds the executable in JAX's persistent compilation cache: the
+    kernel rides inside the custom call, so the cached program runs it and computes what the
+    process that compiled it did."""
+    import os
+    import subprocess
+    import sys
+
+    x, w, bias = rand(rng, (512, 256)), rand(rng, (256, 384), scale=0.06), rand(rng, (384,))
+    inputs, cache = tmp_path / "inputs.npz", tmp_path / "cache"
+    np.savez(inputs, x=f64(x), w=f64(w), bias=f64(bias))
+    outs, entries = [], []
+    for run in range(2):
+        out = tmp_path / f"y{run}.npy"
+        proc = subprocess.run([sys.executable, "-c", _CACHED_LAYER, str(cache), str(inputs), str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "['kernel (sm_90a)']" in proc.stdout
+        outs.append(np.load(out))
+        entries.append(sorted(os.listdir(cache)))
+    assert entries[0], "the first process wrote no cache entry"
+    assert entries[1] == entries[0], "the second process compiled anew instead of reading the cache"
+    np.testing.assert_array_equal(outs[1], outs[0])
+    assert rel_err(outs[0], jax.nn.gelu(f64(x) @ f64(w) + f64(bias))) < tol(jnp.bfloat16)
