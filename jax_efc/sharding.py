@@ -8,7 +8,10 @@ The primitive lowers through ``jax.experimental.custom_partitioning`` with a Sha
   of every row vector and tile operand;
 - K sharded on both ``a`` and ``b`` (row-parallel): each device computes a partial product,
   the partials are summed with ``psum`` and only then is the epilogue applied, in XLA,
-  because a nonlinear epilogue cannot run on partial sums;
+  because a nonlinear epilogue cannot run on partial sums. The partials travel in the
+  outputs' dtype where they all share one narrower than the accumulator's, as XLA sums a
+  dot's partial products in the dot's output dtype (bf16 outputs: half the bytes of fp32);
+  otherwise in the accumulator's;
 - K sharded on one side only: that operand is gathered along K (the least communication
   that gives the right answer); shardings that conflict (one mesh axis on two dimensions)
   keep the first and replicate the other.
@@ -22,6 +25,7 @@ import dataclasses
 from functools import partial
 from typing import Any
 
+import numpy as np
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
@@ -130,11 +134,20 @@ def _partition(key, mesh, arg_shapes, result_shape):
         return mesh, partial(_local, params), out, args
 
     def row_parallel(a, b, ops):
-        plain = identity_ir(params["acc_dtype"], params["ir"].epi_dtype)
-        (acc,) = _local({**params, "ir": plain}, a, b, ())
-        return evaluate(params["ir"], lax.psum(acc, plan.k), ops)
+        plain = identity_ir(_partial_sum_dtype(params), params["ir"].epi_dtype)
+        (part,) = _local({**params, "ir": plain}, a, b, ())
+        return evaluate(params["ir"], lax.psum(part, plan.k), ops)
 
     return mesh, row_parallel, out, args
+
+
+def _partial_sum_dtype(params: dict[str, Any]) -> np.dtype:
+    """The dtype the row-parallel partial products are stored, sent and summed in."""
+    acc = np.dtype(params["acc_dtype"])
+    outs = {np.dtype(o.dtype) for o in params["ir"].outputs}
+    if len(outs) == 1 and (out := outs.pop()).itemsize < acc.itemsize:
+        return out
+    return acc
 
 
 def _infer(key, mesh, arg_shapes, result_shape):

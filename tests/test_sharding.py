@@ -1,5 +1,7 @@
 """Partitioning like a dot: sharded jit, shard_map and pmap on 8 host devices."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,6 +62,28 @@ def test_sharded_jit(rng, mesh, case):
     r = jax.grad(loss(plain_layer), argnums=(0, 1, 2, 3))(*args)
     for u, v in zip(g, r):
         assert rel_err(u, v) < 1e-5
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+def test_row_parallel_partials_travel_in_the_output_dtype(rng, mesh, out_dtype, tmp_path):
+    """K sharded on both sides: the partial products are summed in the output's dtype, as XLA
+    sums a dot's (bf16 outputs send half the bytes of fp32 partials). Read from the program as
+    partitioned: the CPU compiler widens bf16 all-reduces afterwards."""
+    x, w, bias = (jnp.asarray(rng.standard_normal(s) * f, jnp.bfloat16)
+                  for s, f in (((64, 32), 1.0), ((32, 48), 32**-0.5), ((48,), 1.0)))
+    specs = (P(None, "model"), P("model", None), P(None))
+    sharded = [jax.device_put(t, NamedSharding(mesh, s)) for t, s in zip((x, w, bias), specs)]
+    f = jax.jit(lambda x, w, b: efc.fused_dense(x, w, b, activation="gelu_tanh", out_dtype=out_dtype))
+    y = f(*sharded)
+    assert y.dtype == out_dtype
+    as32 = [np.asarray(t, np.float32) for t in (x, w, bias)]
+    assert rel_err(np.asarray(y, np.float32), jax.nn.gelu(as32[0] @ as32[1] + as32[2])) < 1e-2
+    f.lower(*sharded).compile({"xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    (dump,) = tmp_path.glob("*after_spmd-partitioning*.txt")
+    reduces = [line for line in dump.read_text().splitlines() if re.search(r" all-reduce\(", line)]
+    assert len(reduces) == 1
+    assert re.findall(r"\b(bf16|f16|f32)\[", reduces[0].split("all-reduce(")[0]) == \
+        [{"bfloat16": "bf16", "float32": "f32"}[out_dtype]]
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["gelu", "gated_silu"])
