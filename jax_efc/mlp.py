@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -168,5 +169,5 @@ def fused_mlp(
         raise ValueError("gate_bias given without gate_kernel.")
     down = _check_layer("down", down_kernel, down_bias, hidden, None)
     first, other = (up, None) if gate is None else (gate, up)
-    y = _mlp(_Mlp(activations.resolve(activation), precision), x.reshape(-1, k), first, other, down)
+    y = _mlp(_Mlp(activations.resolve(activation), precision), x.reshape(math.prod(lead), k), first, other, down)
     return y.reshape(*lead, y.shape[-1])

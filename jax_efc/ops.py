@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -363,6 +364,7 @@ def fused_dense(
             f"kernel's first (K={kernel.shape[0]})."
         )
     lead, (k, n) = x.shape[:-1], kernel.shape
+    rows = math.prod(lead)  # not -1: a reshape cannot infer it when K or N is 0
     ops = []
     if bias is not None:
         bias = jnp.asarray(bias)
@@ -373,8 +375,8 @@ def fused_dense(
         residual = jnp.asarray(residual)
         if residual.shape != (*lead, n):
             raise ValueError(f"residual has shape {residual.shape}; expected {(*lead, n)}.")
-        ops.append(residual.reshape(-1, n))
+        ops.append(residual.reshape(rows, n))
     epilogue = _dense_epilogue(activations.resolve(activation), bias is not None, residual is not None)
-    y = gemm(x.reshape(-1, k), kernel, epilogue, *ops, out_dtypes=out_dtype, precision=precision,
+    y = gemm(x.reshape(rows, k), kernel, epilogue, *ops, out_dtypes=out_dtype, precision=precision,
              recompute_acc=recompute_acc, config=config)
     return y.reshape(*lead, n)

@@ -299,10 +299,11 @@ def _batching_rule(args, dims, *, ir, transpose_a, transpose_b, **params):
         and all((d is not None) == ms for d, ms in zip(dops, m_side))
     )
     if fold_m:
-        folded = [x.reshape(-1, x.shape[-1]) if d is not None else x for x, d in zip(ops, dops)]
-        outs = fused_gemm_p.bind(a.reshape(-1, a.shape[-1]), b, *folded, ir=ir,
+        rows = size * a.shape[1]
+        folded = [x.reshape(rows, x.shape[-1]) if d is not None else x for x, d in zip(ops, dops)]
+        outs = fused_gemm_p.bind(a.reshape(rows, a.shape[-1]), b, *folded, ir=ir,
                                  transpose_a=transpose_a, transpose_b=transpose_b, **params)
-        return [o.reshape(size, -1, o.shape[-1]) for o in outs], [0] * len(outs)
+        return [o.reshape(size, a.shape[1], o.shape[-1]) for o in outs], [0] * len(outs)
 
     inner = None if two_d else (a.shape[1] if da is not None else a.shape[0])
 

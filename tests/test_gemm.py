@@ -128,6 +128,25 @@ def test_odd_shapes(rng, shape):
     assert rel_err(y, jax.nn.silu(f32(a) @ f32(b) + f32(bias))) < 1e-5
 
 
+@pytest.mark.parametrize("m, n, k", [(0, 24, 16), (8, 24, 0), (8, 0, 16)])
+def test_zero_sized_dimensions(rng, m, n, k):
+    """An empty M, N or K gives what the dot gives (with K = 0 the epilogue of a zero
+    accumulator), through gemm, fused_dense with leading dimensions and a residual, vmap,
+    fused_mlp and the gradients."""
+    x, w, bias, r = arrays(rng, (2, m, k), (k, n), (n,), (2, m, n))
+    want = jax.nn.silu(f32(x) @ f32(w) + f32(bias)) + f32(r)
+    y = efc.fused_dense(x, w, bias, activation="silu", residual=r)
+    assert y.shape == (2, m, n) and np.allclose(y, want, atol=1e-6)
+    assert np.allclose(jax.vmap(lambda x, r: efc.gemm(x, w, lambda acc, r: acc + r, r))(x, r), f32(x) @ f32(w) + f32(r))
+    grads = jax.grad(lambda x, w: jnp.sum(efc.fused_dense(x, w, bias, activation="silu") ** 2), (0, 1))(x, w)
+    want_grads = jax.grad(lambda x, w: jnp.sum(jax.nn.silu(x @ w + bias) ** 2), (0, 1))(x, w)
+    for g, v in zip(grads, want_grads):
+        assert g.shape == v.shape and np.allclose(g, v, atol=1e-5)
+    (down,) = arrays(rng, (n, 8))
+    mlp = efc.fused_mlp(x, w, bias, down, None, activation="silu")
+    assert mlp.shape == (2, m, 8) and np.allclose(mlp, jax.nn.silu(f32(x) @ f32(w) + f32(bias)) @ f32(down), atol=1e-5)
+
+
 @pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("ta", [False, True])
 @pytest.mark.parametrize("tb", [False, True])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,7 @@ def _flatten_extra(x: Any, lead: tuple[int, ...]) -> Any:
     a row vector (N,) or a scalar is passed as is."""
     x = jnp.asarray(x)
     if x.ndim == len(lead) + 1 and x.shape[:-1] == lead:
-        return x.reshape(-1, x.shape[-1])
+        return x.reshape(math.prod(lead), x.shape[-1])
     return x
 
 
@@ -62,7 +63,7 @@ def dense(
     fn = epilogue
     if bias is not None:
         fn, ops = _with_bias(epilogue), [bias, *ops]
-    out = gemm(inputs.reshape(-1, k), kernel, fn, *ops, precision=precision)
+    out = gemm(inputs.reshape(math.prod(lead), k), kernel, fn, *ops, precision=precision)
     return jax.tree.map(lambda y: y.reshape(*lead, n), out)
 
 
