@@ -15,6 +15,7 @@ if not _os.path.isdir(_os.path.join(__path__[0], "ffi")) and _os.path.isfile(
 ):
     __path__.append(_root)
 
+from . import checkpoint_policies  # noqa: E402
 from .activations import ACTIVATIONS  # noqa: E402
 from .config import GemmConfig  # noqa: E402
 from .epilogue import EpilogueError  # noqa: E402
@@ -24,4 +25,4 @@ from .primitive import FallbackError, backends  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["gemm", "fused_dense", "fused_mlp", "GemmConfig", "ACTIVATIONS", "EpilogueError",
-           "FallbackError", "backends"]
+           "FallbackError", "backends", "checkpoint_policies"]

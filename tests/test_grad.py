@@ -165,6 +165,35 @@ def test_scan_remat_and_loops(rng):
     assert rel_err(looped(x), want) < 1e-5
 
 
+@pytest.mark.parametrize("policy", ["dots_saveable", "dots_with_no_batch_dims_saveable"])
+def test_checkpoint_policies_save_the_fused_gemm(rng, policy):
+    """Under jax.checkpoint with jax_efc's dot policies the backward pass reuses the forward
+    GEMM's output and accumulator, as JAX's policies reuse a dot's; under JAX's own it runs
+    the GEMM again. Batched GEMMs count as dots with batch dimensions."""
+    x, w, bias, w2 = arrays(rng, (16, 8), (8, 24), (24,), (24, 4))
+    xb, wb = arrays(rng, (2, 16, 8), (2, 8, 24))
+
+    def fused_gemms_in_grad(pol, *args):
+        def layer(x, w):
+            if x.ndim == 3:
+                return efc.gemm(x, w, jnp.tanh).sum(0) @ w2
+            return efc.fused_dense(x, w, bias, activation="gelu") @ w2
+        f = jax.checkpoint(layer, policy=pol)
+        jaxpr = jax.make_jaxpr(jax.grad(lambda *a: loss(f(*a)), (0, 1)))(*args)
+        return len(fused_gemm_eqns(jaxpr))
+
+    ours, theirs = getattr(efc.checkpoint_policies, policy), getattr(jax.checkpoint_policies, policy)
+    everything = jax.checkpoint_policies.everything_saveable
+    assert fused_gemms_in_grad(ours, x, w) == fused_gemms_in_grad(everything, x, w) == 3
+    assert fused_gemms_in_grad(theirs, x, w) == 4
+    assert fused_gemms_in_grad(ours, xb, wb) == (4 if "batch" in policy else 3)
+    g = jax.grad(lambda x, w: loss(jax.checkpoint(lambda x, w: efc.fused_dense(x, w, bias, activation="gelu"),
+                                                  policy=ours)(x, w)), (0, 1))(x, w)
+    want = jax.grad(lambda x, w: loss(jax.nn.gelu(x @ w + bias, approximate=False)), (0, 1))(x, w)
+    for u, v in zip(g, want):
+        assert rel_err(u, v) < 1e-5
+
+
 def test_forward_mode_is_refused_clearly(rng):
     x, w = arrays(rng, (4, 8), (8, 8))
     with pytest.raises(TypeError, match="forward-mode"):
