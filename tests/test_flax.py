@@ -12,11 +12,13 @@ flax = pytest.importorskip("flax")
 import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import jax_efc as efc  # noqa: E402
 from jax_efc.flax.linen import FusedDense, FusedMLP  # noqa: E402
 from jax_efc.flax.nnx import FusedLinear  # noqa: E402
 from jax_efc.flax.nnx import FusedMLP as NnxFusedMLP  # noqa: E402
 
 from conftest import rel_err  # noqa: E402
+from jax_efc.primitive import fused_gemm_eqns  # noqa: E402
 
 
 def _normal(rng, shape, dtype=jnp.float32):
@@ -91,6 +93,20 @@ def test_linen_layers_under_nn_scan_match_dense(rng):
     ref = jax.value_and_grad(functools.partial(loss, False), argnums=(0, 1))(params, x)
     assert jax.tree.leaves(ours)[2].shape == (3, 32, 32)  # the kernels' gradient, stacked
     for o, r in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        assert rel_err(o, r) < 1e-5
+
+
+def test_linen_remat_with_efc_policy_keeps_the_gemm(rng):
+    """nn.remat with jax_efc's dots policy: the backward reuses the forward GEMM (three fused
+    GEMMs in the gradient, as without remat), and the gradients match nn.Dense's."""
+    x = _normal(rng, (8, 16))
+    dense = nn.Dense(24)
+    params = dense.init(jax.random.key(0), x)
+    remat = nn.remat(FusedDense, policy=efc.checkpoint_policies.dots_saveable)(24, activation="gelu_tanh")
+    grads = jax.grad(lambda p: jnp.sum(jnp.sin(remat.apply(p, x))))
+    assert len(fused_gemm_eqns(jax.make_jaxpr(grads)(params))) == 3
+    want = jax.grad(lambda p: jnp.sum(jnp.sin(jax.nn.gelu(dense.apply(p, x)))))(params)
+    for o, r in zip(jax.tree.leaves(grads(params)), jax.tree.leaves(want)):
         assert rel_err(o, r) < 1e-5
 
 
