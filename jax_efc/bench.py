@@ -185,7 +185,7 @@ def epilogue_problem(
     scalars: dict[str, Any] | None = None,
     out_dtypes: Any = None,
     acc_dtype: Any = None,
-    epi_dtype: Any = jnp.float32,
+    epi_dtype: Any = None,
     config: GemmConfig | None = None,
     ours: Callable[..., Any] | None = None,
 ) -> Problem:

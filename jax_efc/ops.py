@@ -50,7 +50,7 @@ def gemm(
     *operands: Any,
     out_dtypes: Any = None,
     acc_dtype: Any = None,
-    epi_dtype: Any = jnp.float32,
+    epi_dtype: Any = None,
     transpose_a: bool = False,
     transpose_b: bool = False,
     precision: Any = None,
@@ -68,6 +68,9 @@ def gemm(
     time. The result has the structure the epilogue returns (an array, tuple or dict), with
     dtypes from ``out_dtypes`` (one dtype, or one per output; default: ``a``'s dtype).
 
+    The GEMM accumulates in ``acc_dtype`` and the epilogue runs in ``epi_dtype``: by default
+    float32, or float64 for float64 inputs.
+
     ``recompute_acc=True`` recomputes ``op(a) @ op(b)`` in the backward pass instead of saving
     it as a residual.
     """
@@ -78,6 +81,7 @@ def gemm(
     if a.dtype != b.dtype:
         raise TypeError(f"a is {a.dtype} but b is {b.dtype}; cast one so both have the same dtype.")
     acc_dtype = np.dtype(acc_dtype or jnp.promote_types(a.dtype, jnp.float32))
+    epi_dtype = np.dtype(epi_dtype or jnp.promote_types(acc_dtype, jnp.float32))
     a, b = _broadcast_batch(a, b, transpose_a)
     batch, m, n, _ = problem_shape(a.shape, b.shape, transpose_a, transpose_b)
     acc_shape = (m, n) if batch is None else (batch, m, n)
@@ -97,7 +101,7 @@ def gemm(
         epilogue, acc_shape, tuple(x.shape for x in operands), tuple(x.dtype for x in operands),
         tuple(sorted(static_kw.items())),
         tuple((k, jnp.shape(v), jnp.result_type(v).name) for k, v in sorted(dynamic_kw.items())),
-        _hashable_dtypes(out_dtypes), a.dtype.name, np.dtype(epi_dtype).name,
+        _hashable_dtypes(out_dtypes), a.dtype.name, epi_dtype.name,
     )
     arrays = operands + [_as_float(dynamic_kw[k], ir.epi_dtype) for k in sorted(dynamic_kw)]
     arrays = [

@@ -212,6 +212,18 @@ def test_static_scalars_are_baked(rng):
     assert rel_err(efc.gemm(a, b, lambda acc, *, s: acc * s, s=3.0), 3 * (f32(a) @ f32(b))) < 1e-6
 
 
+def test_float64_epilogue_runs_in_float64(rng):
+    """With x64 on, float64 inputs accumulate and run their epilogue in float64 (not the
+    float32 default of narrower inputs), operands and run-time scalars included."""
+    with jax.enable_x64(True):
+        a, b, c = (jnp.asarray(rng.standard_normal(s)) for s in [(64, 32), (32, 48), (64, 48)])
+        y = efc.gemm(a, b, lambda acc, c, *, s: jnp.tanh(acc * s) + c, c, s=jnp.float64(0.3))
+        want = np.tanh((np.asarray(a) @ np.asarray(b)) * 0.3) + np.asarray(c)
+        assert y.dtype == jnp.float64 and rel_err(y, want) < 1e-13
+        g = efc.fused_dense(a, b, activation="gelu")
+        assert rel_err(g, jax.nn.gelu(a @ b, approximate=False)) < 1e-13
+
+
 def test_jit_matches_eager(rng):
     a, b, c, x = arrays(rng, (48, 32), (32, 40), (48, 40), (48, 40))
     kw = dict(alpha=1.5, beta=-0.5, x_factor=2.0)
