@@ -169,5 +169,6 @@ def fused_mlp(
         raise ValueError("gate_bias given without gate_kernel.")
     down = _check_layer("down", down_kernel, down_bias, hidden, None)
     first, other = (up, None) if gate is None else (gate, up)
-    y = _mlp(_Mlp(activations.resolve(activation), precision), x.reshape(math.prod(lead), k), first, other, down)
+    rows = x.reshape(math.prod(lead), k)  # not -1: a reshape cannot infer it when K is 0
+    y = _mlp(_Mlp(activations.resolve(activation), precision), rows, first, other, down)
     return y.reshape(*lead, y.shape[-1])

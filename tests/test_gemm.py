@@ -137,14 +137,16 @@ def test_zero_sized_dimensions(rng, m, n, k):
     want = jax.nn.silu(f32(x) @ f32(w) + f32(bias)) + f32(r)
     y = efc.fused_dense(x, w, bias, activation="silu", residual=r)
     assert y.shape == (2, m, n) and np.allclose(y, want, atol=1e-6)
-    assert np.allclose(jax.vmap(lambda x, r: efc.gemm(x, w, lambda acc, r: acc + r, r))(x, r), f32(x) @ f32(w) + f32(r))
+    mapped = jax.vmap(lambda x, r: efc.gemm(x, w, lambda acc, r: acc + r, r))(x, r)
+    assert np.allclose(mapped, f32(x) @ f32(w) + f32(r))
     grads = jax.grad(lambda x, w: jnp.sum(efc.fused_dense(x, w, bias, activation="silu") ** 2), (0, 1))(x, w)
     want_grads = jax.grad(lambda x, w: jnp.sum(jax.nn.silu(x @ w + bias) ** 2), (0, 1))(x, w)
     for g, v in zip(grads, want_grads):
         assert g.shape == v.shape and np.allclose(g, v, atol=1e-5)
     (down,) = arrays(rng, (n, 8))
     mlp = efc.fused_mlp(x, w, bias, down, None, activation="silu")
-    assert mlp.shape == (2, m, 8) and np.allclose(mlp, jax.nn.silu(f32(x) @ f32(w) + f32(bias)) @ f32(down), atol=1e-5)
+    assert mlp.shape == (2, m, 8)
+    assert np.allclose(mlp, jax.nn.silu(f32(x) @ f32(w) + f32(bias)) @ f32(down), atol=1e-5)
 
 
 @pytest.mark.parametrize("batched", [False, True])

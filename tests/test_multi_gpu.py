@@ -115,7 +115,8 @@ def check_steps(parallel, axis, *args):
 
 def test_shard_map_training_step(rng, mesh):
     def parallel(fn):
-        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P())))
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                                     out_specs=(P(), P())))
 
     check_steps(parallel, "data", *params_and_batch(rng))
 
@@ -127,6 +128,7 @@ def test_pmap_training_step(rng):
     params, x, y = params_and_batch(rng, m=256 * n)
 
     def parallel(fn):  # every device holds the same averages: keep the first's
-        return lambda *args: jax.tree.map(lambda t: t[0], jax.pmap(fn, axis_name="i", in_axes=(None, 0, 0))(*args))
+        mapped = jax.pmap(fn, axis_name="i", in_axes=(None, 0, 0))
+        return lambda *args: jax.tree.map(lambda t: t[0], mapped(*args))
 
     check_steps(parallel, "i", params, x.reshape(n, -1, x.shape[1]), y.reshape(n, -1, y.shape[1]))
