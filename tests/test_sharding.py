@@ -176,6 +176,20 @@ def test_shard_map_training_step(rng, mesh):
         assert rel_err(got[k], want[k]) < 1e-5
 
 
+def test_shard_map_program_exports(rng):
+    """A shard_map program holding the op goes through jax.export and runs from it (a sharded
+    jit that leaves the op to the partitioner does not: custom_partitioning's rule is a
+    Python callback)."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    specs = (P("data", None), P(None, "model"), P("model"), P("data", "model"))
+    f = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=specs, out_specs=P("data", "model")))
+    args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(data(rng), specs)]
+    exported = jax.export.export(f)(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in args))
+    assert exported.nr_devices == 8
+    y = exported.call(*args)
+    assert rel_err(y, plain_layer(*args)) < 1e-5
+
+
 def test_shard_map_tensor_parallel_local_shapes(rng, mesh):
     x, w, bias, r = data(rng)
     f = jax.shard_map(layer, mesh=mesh, in_specs=(P("data"), P(None, "model"), P("model"), P("data", "model")),
