@@ -9,9 +9,9 @@ The primitive lowers through ``jax.experimental.custom_partitioning`` with a Sha
 - K sharded on both ``a`` and ``b`` (row-parallel): each device computes a partial product,
   the partials are summed with ``psum`` and only then is the epilogue applied, in XLA,
   because a nonlinear epilogue cannot run on partial sums. The partials travel in the
-  outputs' dtype where they all share one narrower than the accumulator's, as XLA sums a
-  dot's partial products in the dot's output dtype (bf16 outputs: half the bytes of fp32);
-  otherwise in the accumulator's;
+  outputs' dtype where they all share one 16-bit float, as XLA sums a dot's partial
+  products in the dot's output dtype (bf16 outputs: half the bytes of fp32); otherwise in
+  the accumulator's;
 - K sharded on one side only: that operand is gathered along K (the least communication
   that gives the right answer); shardings that conflict (one mesh axis on two dimensions)
   keep the first and replicate the other.
@@ -25,6 +25,7 @@ import dataclasses
 from functools import partial
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -142,11 +143,15 @@ def _partition(key, mesh, arg_shapes, result_shape):
 
 
 def _partial_sum_dtype(params: dict[str, Any]) -> np.dtype:
-    """The dtype the row-parallel partial products are stored, sent and summed in."""
+    """The dtype the row-parallel partial products are stored, sent and summed in: the
+    outputs' one dtype when it is a 16-bit float (a narrower float or an integer would lose
+    the sum), else the accumulator's."""
     acc = np.dtype(params["acc_dtype"])
     outs = {np.dtype(o.dtype) for o in params["ir"].outputs}
-    if len(outs) == 1 and (out := outs.pop()).itemsize < acc.itemsize:
-        return out
+    if len(outs) == 1:
+        out = outs.pop()
+        if jnp.issubdtype(out, jnp.floating) and 2 <= out.itemsize < acc.itemsize:
+            return out
     return acc
 
 
