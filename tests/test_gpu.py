@@ -2,6 +2,9 @@
 dispatch. JAX_EFC_STRICT makes any fallback an error, so a pass means the kernel ran."""
 
 import logging
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -273,10 +276,6 @@ def test_persistent_compilation_cache_round_trip(rng, tmp_path):
     """A second process finds the executable in JAX's persistent compilation cache: the
     kernel rides inside the custom call, so the cached program runs it and computes what the
     process that compiled it did."""
-    import os
-    import subprocess
-    import sys
-
     x, w, bias = rand(rng, (512, 256)), rand(rng, (256, 384), scale=0.06), rand(rng, (384,))
     inputs, cache = tmp_path / "inputs.npz", tmp_path / "cache"
     np.savez(inputs, x=f64(x), w=f64(w), bias=f64(bias))
