@@ -10,6 +10,7 @@ Importing this module is cheap: cutlass is imported only inside the functions th
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
@@ -24,7 +25,9 @@ from jax_efc.kernels import DEFAULT_SM_COUNT, TIMELINE_EVENTS, TIMELINE_UNITS, a
 
 __all__ = ["device_arch", "unsupported_reason", "xla_faster_reason", "fused_gemm"]
 
-_KERNELS: dict[tuple, Any] = {}  # compile key -> kernel object (re-lowering reuses it)
+# compile key -> kernel object, so that re-lowering reuses it; the least recently used go first
+_KERNELS: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+KERNEL_CACHE_SIZE = 256
 
 
 def device_arch() -> str | None:
@@ -54,8 +57,8 @@ def _sm_count() -> int:
         return DEFAULT_SM_COUNT
 
 
-def _query_max_active_clusters(cluster_size: int) -> int:
-    """Clusters of ``cluster_size`` one-CTA-per-SM blocks the first CUDA device runs at once,
+def _query_max_active_clusters(cluster_size: int, ordinal: int = 0) -> int:
+    """Clusters of ``cluster_size`` one-CTA-per-SM blocks CUDA device ``ordinal`` runs at once,
     asked of the driver's occupancy calculator in the device's primary context (which JAX
     shares). Raises without a driver or a device."""
     from cuda.bindings import driver
@@ -68,7 +71,7 @@ def _query_max_active_clusters(cluster_size: int) -> int:
         return value[0] if value else None
 
     check(driver.cuInit(0))
-    device = check(driver.cuDeviceGet(0))
+    device = check(driver.cuDeviceGet(ordinal))
     check(driver.cuCtxPushCurrent(check(driver.cuDevicePrimaryCtxRetain(device))))
     try:
         return int(HardwareInfo().get_max_active_clusters(cluster_size))
@@ -78,17 +81,63 @@ def _query_max_active_clusters(cluster_size: int) -> int:
 
 
 @functools.cache
-def _max_active_clusters(cluster_size: int) -> int:
-    """The persistent grid's size in clusters: the device's answer, or without a device
-    (compiling for export on a CPU machine) :func:`~jax_efc.kernels.assumed_max_clusters`."""
+def _measured_clusters(cluster_size: int, ordinal: int) -> int | None:
     try:
-        return _query_max_active_clusters(cluster_size)
-    except Exception:
-        return assumed_max_clusters(cluster_size, _sm_count())
+        return _query_max_active_clusters(cluster_size, ordinal)
+    except Exception:  # no driver, or no such device
+        return None
+
+
+def _residency(cluster_size: int, devices: Sequence[int] | None) -> tuple[int, bool]:
+    """The persistent grid's size in clusters, and whether all of it is known to be resident at
+    once on the devices the call runs on: ``devices`` lists their ordinals; empty means
+    unknown (an exported program may run on any GPU: a smaller one, a MIG slice); None means
+    the process's first CUDA device or, with none (compiling on a CPU for a test), the GPU
+    :func:`~jax_efc.kernels.assumed_max_clusters` describes.
+
+    Measured, the grid is the smallest of the devices' answers. Unknown, or with MPS limiting
+    the SMs a process may use, it is the assumed one, and not resident: a grid larger than the
+    GPU then runs in two waves, which only costs time, but the schedule must not make CTAs
+    wait on one another (stream-K), since a waiting CTA can hold the SM a waited-for one needs."""
+    assumed = assumed_max_clusters(cluster_size, _sm_count())
+    mps = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip()
+    if mps and mps not in ("100", "100.0"):
+        return assumed, False
+    if devices is None:
+        measured = _measured_clusters(cluster_size, 0)
+        return (assumed, True) if measured is None else (measured, True)
+    answers = [_measured_clusters(cluster_size, d) for d in devices]
+    if not answers or None in answers:
+        return assumed, False
+    return min(answers), True
+
+
+def _max_active_clusters(cluster_size: int) -> int:
+    """The persistent grid's size in clusters on the first CUDA device (see :func:`_residency`)."""
+    return _residency(cluster_size, None)[0]
+
+
+def _use_private_dsl_cache() -> None:
+    """Point the DSL's on-disk cache (else a predictable path under /tmp) into jax_efc's
+    per-user cache directory, made owner-only; a ``CUTE_DSL_CACHE_DIR`` the user set wins.
+    Must run before cutlass is first imported: the DSL reads the variable then."""
+    if "CUTE_DSL_CACHE_DIR" in os.environ:
+        return
+    from jax_efc.config import private_cache_dir
+
+    try:
+        os.environ["CUTE_DSL_CACHE_DIR"] = private_cache_dir("cute_dsl")
+    except OSError as e:
+        import logging
+
+        from jax_efc.primitive import log_once
+
+        log_once(logging.WARNING, f"the CuTe DSL keeps its default cache directory: {e}")
 
 
 @functools.cache
 def _dsl_reason() -> str | None:
+    _use_private_dsl_cache()
     try:
         import cutlass.jax as cjax
     except Exception as e:  # not installed, or broken
@@ -173,34 +222,44 @@ def _as3d(x):
     return x.reshape((1,) * (3 - x.ndim) + tuple(x.shape)) if x.ndim < 3 else x
 
 
-def _kernel(problem, mnkl, timeline):
+def _kernel(problem, mnkl, timeline, devices):
     from jax_efc.kernels.schedule import plan_schedule
 
     cfg = problem.config
-    schedule = plan_schedule(cfg, *mnkl, _max_active_clusters(cfg.cluster_m * cfg.cluster_n))
+    clusters, resident = _residency(cfg.cluster_m * cfg.cluster_n, devices)
+    schedule = plan_schedule(cfg if resident else dataclasses.replace(cfg, stream_k=False), *mnkl, clusters)
     key = (problem.compile_key, dataclasses.astuple(schedule)) + (("timeline",) if timeline else ())
     kernel = _KERNELS.get(key)
     if kernel is None:
         from jax_efc.kernels.sm90 import Sm90FusedGemm
 
-        kernel = _KERNELS[key] = Sm90FusedGemm(problem, schedule, timeline)
+        kernel = Sm90FusedGemm(problem, schedule, timeline)
+    _KERNELS[key] = kernel
+    _KERNELS.move_to_end(key)
+    while len(_KERNELS) > KERNEL_CACHE_SIZE:
+        _KERNELS.popitem(last=False)
     return key, kernel
 
 
 def fused_gemm(a, b, *operands, ir: EpilogueIR, transpose_a: bool, transpose_b: bool,
                acc_dtype: Any, config: GemmConfig | None, arch: str | None,
-               timeline: bool = False) -> list:
+               devices: Sequence[int] | None = None, timeline: bool = False) -> list:
     """``ir``'s outputs of ``epilogue(op(a) @ op(b), *operands)``, one array per output in
     shape (M, N), or (L, M, N) when a or b is batched.
 
     Emits one ``cutlass_call`` custom call; call it under ``jit`` (or inside a lowering).
-    Raise ``ValueError`` with the reason when :func:`unsupported_reason` refuses the call.
+    Raise ``ValueError`` with the reason when :func:`unsupported_reason` refuses the call,
+    ``TypeError`` when ``a`` and ``b`` differ in dtype. ``devices``, the ordinals of the CUDA
+    devices the call will run on, size the persistent grid (see :func:`_residency`).
     ``timeline=True`` runs the kernel's diagnostic build and appends its SM-clock stamps to
     the outputs: int32 (CTAs, consumer groups, ``TIMELINE_UNITS``, ``TIMELINE_EVENTS``) of
     :mod:`jax_efc.kernels`, zero where no unit ran (read by :mod:`jax_efc.timeline`).
     """
     import jax
     import jax.numpy as jnp
+    if np.dtype(a.dtype) != np.dtype(b.dtype):
+        raise TypeError(f"a is {np.dtype(a.dtype).name} but b is {np.dtype(b.dtype).name}; the kernel "
+                        "takes A and B of one dtype: cast one of them.")
     from cutlass.jax import TensorSpec, cutlass_call
 
     reason, problem, mnkl = _checked_problem(ir, a, b, operands, transpose_a, transpose_b, acc_dtype,
@@ -208,7 +267,7 @@ def fused_gemm(a, b, *operands, ir: EpilogueIR, transpose_a: bool, transpose_b: 
     if reason:
         raise ValueError(f"jax_efc kernel cannot run this GEMM: {reason}")
     m, n, _, batch = mnkl
-    key, kernel = _kernel(problem, mnkl, timeline)
+    key, kernel = _kernel(problem, mnkl, timeline, devices)
 
     # (L, r, c) row-major -> the kernel's (r|c, c|r, L) views: (1, 2, 0) keeps the rows
     # first, (2, 1, 0) swaps them.

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ACTIVATIONS", "resolve"]
+__all__ = ["ACTIVATIONS", "resolve", "is_builtin"]
 
 
 def identity(x: Any) -> Any:
@@ -52,12 +52,19 @@ ACTIVATIONS: dict[str, Callable[[Any], Any]] = {
 }
 
 
+def is_builtin(fn: Any) -> bool:
+    """Whether ``fn`` is one of the built-in activations (pure: it reads no Python state)."""
+    return any(fn is f for f in ACTIVATIONS.values())
+
+
 def resolve(activation: str | Callable[[Any], Any] | None) -> Callable[[Any], Any]:
     """The function for a name, a callable as is, ``None`` for the identity."""
     if activation is None:
         return identity
     if callable(activation):
         return activation
+    if not isinstance(activation, str):
+        raise TypeError(f"activation must be a name, a callable or None, got {type(activation).__name__}.")
     try:
         return ACTIVATIONS[activation]
     except KeyError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-__all__ = ["GemmConfig", "disabled", "strict"]
+__all__ = ["GemmConfig", "disabled", "strict", "cache_dir", "private_cache_dir"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,3 +91,31 @@ def strict() -> bool:
     """``JAX_EFC_STRICT=1``: the kernel runs wherever it can (GEMMs the heuristic would hand
     to XLA included), and a fallback to the reference is an error naming the reason."""
     return os.environ.get("JAX_EFC_STRICT", "0") not in ("", "0")
+
+
+def cache_dir() -> str:
+    """jax_efc's per-user cache directory: ``JAX_EFC_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/jax_efc``, else ``~/.cache/jax_efc``."""
+    path = os.environ.get("JAX_EFC_CACHE_DIR")
+    if not path:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = os.path.join(base, "jax_efc")
+    return os.path.abspath(path)
+
+
+def private_cache_dir(*parts: str) -> str:
+    """``cache_dir()/parts``, created owner-only (0700), and made so if it is this user's but
+    open to others. Raises ``PermissionError`` where a directory on the way is a link or
+    another user's, rather than write into a directory someone else could have planted."""
+    path = cache_dir()
+    for part in ("", *parts):
+        path = os.path.join(path, part) if part else path
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+        if os.path.islink(path) or st.st_uid != os.getuid():
+            raise PermissionError(
+                f"jax_efc's cache directory {path} is a link or another user's; set "
+                "JAX_EFC_CACHE_DIR to a directory of your own.")
+        if st.st_mode & 0o077:
+            os.chmod(path, 0o700)
+    return path

@@ -34,6 +34,8 @@ __all__ = [
     "evaluate",
     "canonical_shape",
     "identity_ir",
+    "exact",
+    "with_acc_output",
 ]
 
 
@@ -58,12 +60,30 @@ class Input:
     name: str  # the user's name for it: "acc", "operand 0", "scalar 'alpha'"
 
 
-@dataclasses.dataclass(frozen=True)
+def exact(value: Any) -> Any:
+    """A key for a constant that tells apart what ``==`` does not (-0.0 from 0.0; 1 from 1.0
+    from True) and holds NaN equal to itself, so programs that differ only there neither share
+    a trace nor a compiled kernel."""
+    if isinstance(value, (float, np.floating)):
+        return ("float", float(value).hex())
+    return (type(value).__name__, value)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Instr:
     op: str  # a key of OPS
     args: tuple[int, ...]  # value ids
     dtype: str  # result dtype
     attr: Any = None  # "const": the value; "integer_pow": the exponent; "convert": unused
+
+    def _key(self) -> tuple:
+        return (self.op, self.args, self.dtype, exact(self.attr))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Instr) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -487,3 +507,9 @@ def identity_ir(out_dtype: Any, epi_dtype: Any = jnp.float32) -> EpilogueIR:
     """The plain GEMM: the accumulator, converted to ``out_dtype``."""
     epi = np.dtype(epi_dtype).name
     return EpilogueIR((Input(Role.ACC, epi, "acc"),), (), (Output("0", 0, np.dtype(out_dtype).name),), epi)
+
+
+def with_acc_output(ir: EpilogueIR, dtype: Any) -> EpilogueIR:
+    """``ir`` with the accumulator appended as an extra output in ``dtype`` (a residual that the
+    backward pass reads)."""
+    return ir.with_outputs(ir.outputs + (Output("__acc__", 0, np.dtype(dtype).name),))

@@ -34,7 +34,7 @@ class _Mlp:
     precision: Any
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=256)
 def _hidden(activation: Callable[[Any], Any], bias: bool, gated: bool) -> Callable[..., Any]:
     """``h(acc, [bias], [up]) = activation(acc + bias) [* up]``: the hidden layer's value."""
 
@@ -45,7 +45,7 @@ def _hidden(activation: Callable[[Any], Any], bias: bool, gated: bool) -> Callab
     return h
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=256)
 def _forward_epilogue(activation: Callable[[Any], Any], bias: bool, gated: bool) -> Callable[..., Any]:
     """The first GEMM's epilogue: the hidden value and the accumulator (the backward's residual)."""
     h = _hidden(activation, bias, gated)
@@ -53,10 +53,11 @@ def _forward_epilogue(activation: Callable[[Any], Any], bias: bool, gated: bool)
     def epilogue(acc, *ops):
         return h(acc, *ops), acc
 
+    epilogue.__efc_builtin__ = activations.is_builtin(activation)
     return epilogue
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=256)
 def _backward_epilogue(activation: Callable[[Any], Any], bias: bool, gated: bool) -> Callable[..., Any]:
     """The data-gradient GEMM's epilogue: its product is the hidden cotangent, and it returns the
     cotangents of the first GEMM's accumulator (and, gated, of the up projection)."""
@@ -67,11 +68,15 @@ def _backward_epilogue(activation: Callable[[Any], Any], bias: bool, gated: bool
         _, pullback = jax.vjp(lambda a, *u: h(a, *fixed, *u), acc, *up)
         return pullback(d_hidden)
 
+    epilogue.__efc_builtin__ = activations.is_builtin(activation)
     return epilogue
 
 
 def _accumulate(acc, partial):
     return acc + partial
+
+
+_accumulate.__efc_builtin__ = True
 
 
 def _column_sum(x, like):

@@ -15,8 +15,9 @@ import numpy as np
 
 from . import activations
 from .config import GemmConfig
-from .epilogue import EpilogueIR, Output, Role, canonical_shape, evaluate, identity_ir, trace_epilogue
-from .primitive import fused_gemm, match_varying, problem_shape
+from .epilogue import (EpilogueIR, Role, canonical_shape, evaluate, exact, identity_ir,
+                       trace_epilogue, with_acc_output)
+from .primitive import fused_gemm, gemm_cotangents, match_varying, problem_shape
 
 __all__ = ["gemm", "fused_dense"]
 
@@ -36,11 +37,10 @@ class _Static:
     recompute_acc: bool
     save_acc: bool  # whether the backward pass reads the accumulator
 
-    def bind(self, a, b, ops, ir=None, **overrides):
-        kw = dict(transpose_a=self.transpose_a, transpose_b=self.transpose_b)
-        kw.update(overrides)
-        return fused_gemm(a, b, *ops, ir=ir or self.ir, acc_dtype=self.acc_dtype,
-                          precision=self.precision, config=self.config, **kw)
+    def bind(self, a, b, ops, ir=None):
+        return fused_gemm(a, b, *ops, ir=ir or self.ir, transpose_a=self.transpose_a,
+                          transpose_b=self.transpose_b, acc_dtype=self.acc_dtype,
+                          precision=self.precision, config=self.config)
 
 
 def gemm(
@@ -74,66 +74,189 @@ def gemm(
     ``recompute_acc=True`` recomputes ``op(a) @ op(b)`` in the backward pass instead of saving
     it as a residual.
     """
-    a, b = jnp.asarray(a), jnp.asarray(b)
+    a, b = _array("a", a), _array("b", b)
     for name, x in (("a", a), ("b", b)):
         if x.dtype not in _FLOATS:
             raise TypeError(f"{name} has dtype {x.dtype}; gemm takes float32, bfloat16, float16 or float64.")
     if a.dtype != b.dtype:
         raise TypeError(f"a is {a.dtype} but b is {b.dtype}; cast one so both have the same dtype.")
-    acc_dtype = np.dtype(acc_dtype or jnp.promote_types(a.dtype, jnp.float32))
-    epi_dtype = np.dtype(epi_dtype or jnp.promote_types(acc_dtype, jnp.float32))
-    a, b = _broadcast_batch(a, b, transpose_a)
-    batch, m, n, _ = problem_shape(a.shape, b.shape, transpose_a, transpose_b)
+    transpose_a, transpose_b, recompute_acc = (
+        _flag(name, v) for name, v in
+        (("transpose_a", transpose_a), ("transpose_b", transpose_b), ("recompute_acc", recompute_acc)))
+    acc_dtype = _acc_dtype(acc_dtype, a.dtype)
+    epi_dtype = _dtype("epi_dtype", epi_dtype or jnp.promote_types(acc_dtype, jnp.float32), floating=True)
+    out_dtypes = _out_dtypes(out_dtypes)
+    _check_config(config)
+    precision = _precision(precision)
+    batch, m, n, _ = problem_shape(*_batched_shapes(a.shape, b.shape), transpose_a, transpose_b)
     acc_shape = (m, n) if batch is None else (batch, m, n)
 
     static_kw, dynamic_kw = {}, {}
     for k, v in scalars.items():
         if isinstance(v, (numbers.Number, np.number, np.bool_)):
+            if isinstance(v, (complex, np.complexfloating)):
+                raise TypeError(f"scalar {k!r} is complex ({v!r}); epilogue scalars are real numbers.")
             static_kw[k] = v
         else:
-            dynamic_kw[k] = v
-    operands = [jnp.asarray(x) for x in operands]
+            dynamic_kw[k] = _array(f"scalar {k!r}", v)
+            if jnp.issubdtype(dynamic_kw[k].dtype, jnp.complexfloating):
+                raise TypeError(f"scalar {k!r} is complex ({dynamic_kw[k].dtype}); epilogue scalars "
+                                "are real numbers.")
+    operands = [_array(f"epilogue operand {i}", x) for i, x in enumerate(operands)]
     if epilogue is None:
         if operands or scalars:
             raise ValueError("operands and scalars need an epilogue to use them.")
         epilogue = _identity
-    ir, structure, roles, batched = _trace(
+    elif not callable(epilogue):
+        raise TypeError(f"epilogue must be a callable (acc, *operands, **scalars) -> outputs, got "
+                        f"{type(epilogue).__name__}.")
+    trace = _trace if _is_builtin(epilogue) else _trace.__wrapped__
+    ir, structure, roles, batched = trace(
         epilogue, acc_shape, tuple(x.shape for x in operands), tuple(x.dtype for x in operands),
-        tuple(sorted(static_kw.items())),
+        tuple((k, exact(v), v) for k, v in sorted(static_kw.items())),
         tuple((k, jnp.shape(v), jnp.result_type(v).name) for k, v in sorted(dynamic_kw.items())),
-        _hashable_dtypes(out_dtypes), a.dtype.name, epi_dtype.name,
+        out_dtypes, a.dtype.name, epi_dtype.name,
     )
+    _check_x64(acc_dtype, epi_dtype, *(o.dtype for o in ir.outputs))
     arrays = operands + [_as_float(dynamic_kw[k], ir.epi_dtype) for k in sorted(dynamic_kw)]
     arrays = [
         jnp.reshape(x, canonical_shape(r, batch if bt else None, m, n))
         for x, r, bt in zip(arrays, roles, batched)
     ]
-    static = _Static(ir, bool(transpose_a), bool(transpose_b), acc_dtype, precision, config,
-                     bool(recompute_acc), _backward_reads_acc(ir, acc_shape))
+    static = _Static(ir, transpose_a, transpose_b, acc_dtype, precision, config, recompute_acc,
+                     _backward_reads_acc(ir, acc_shape))
+    a, b, arrays, unfold = _fold_batch(a, b, arrays, static, batch)
     # under shard_map, differentiable inputs are made alike outside the VJP, so that the
     # gradient of an input that varies over fewer mesh axes is summed over the others
     a, b, *arrays = match_varying((a, b, *arrays))
-    outs = _fused(static, a, b, tuple(arrays))
+    try:
+        outs = [unfold(o) for o in _fused(static, a, b, tuple(arrays))]
+    except TypeError as e:
+        if "forward-mode autodiff" not in str(e):
+            raise
+        raise TypeError(_NO_FORWARD_MODE) from None
     return _restructure(structure, [o.name for o in ir.outputs], outs)
+
+
+_NO_FORWARD_MODE = (
+    "jax_efc's ops are differentiable in reverse mode only (jax.grad, jax.vjp, jax.jacrev, and "
+    "their compositions, Hessians included); forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) "
+    "is not supported. A Jacobian-vector product J @ t is the VJP of the VJP: with "
+    "y, vjp = jax.vjp(f, x), it is jax.vjp(vjp, y)[1]((t,))[0].")
+
+
+# Argument checks: each names the argument and what it may be -------------------------------
+
+def _array(name: str, x: Any) -> Any:
+    if isinstance(x, (str, bytes, dict, type(None))) or callable(x):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}.")
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name} must be an array, got {type(x).__name__} ({e}).") from None
+
+
+def _flag(name: str, value: Any) -> bool:
+    """A Python bool that decides the kernel at trace time: a traced value cannot."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name} must be a Python bool (it is fixed when the call is traced), got "
+                    f"{type(value).__name__}.")
+
+
+def _dtype(name: str, value: Any, floating: bool = False) -> np.dtype:
+    if isinstance(value, jax.Array) or (isinstance(value, np.ndarray) and value.ndim):
+        raise TypeError(f"{name} must be a dtype, got an array; pass its .dtype.")
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a dtype (e.g. jnp.float32), got {value!r}.") from None
+    if floating and not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype, got {dtype.name}.")
+    if jnp.issubdtype(dtype, jnp.complexfloating) or dtype.kind not in "biuf" and not \
+            jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a real numeric dtype, got {dtype.name}.")
+    return dtype
+
+
+def _acc_dtype(value: Any, ab_dtype: np.dtype) -> np.dtype:
+    """The accumulator dtype: float32 by default (float64 for float64 inputs); float16 inputs
+    may accumulate in float16, any inputs in float64. Nothing narrower than the inputs, and
+    nothing that is not a float: GEMMs do not accumulate floats in integers."""
+    default = np.dtype(jnp.promote_types(ab_dtype, jnp.float32))
+    if value is None:
+        return default
+    acc = _dtype("acc_dtype", value)
+    allowed = ["float32", "float64"] if ab_dtype.itemsize <= 4 else ["float64"]
+    if ab_dtype == np.dtype(jnp.float16):
+        allowed.insert(0, "float16")
+    if acc.name not in allowed:
+        raise TypeError(f"acc_dtype={acc.name} cannot accumulate {ab_dtype.name} inputs; allowed: "
+                        f"{', '.join(allowed)}.")
+    return acc
+
+
+def _out_dtypes(out_dtypes: Any) -> Any:
+    """``out_dtypes`` in a hashable form, each entry checked."""
+    if out_dtypes is None:
+        return None
+    if isinstance(out_dtypes, dict):
+        return ("dict", tuple((str(k), _dtype(f"out_dtypes[{k!r}]", v).name) for k, v in out_dtypes.items()))
+    if isinstance(out_dtypes, (tuple, list)):
+        return ("tuple", tuple(_dtype(f"out_dtypes[{i}]", v).name for i, v in enumerate(out_dtypes)))
+    return _dtype("out_dtypes", out_dtypes).name
+
+
+def _check_x64(*dtypes: Any) -> None:
+    if jax.config.jax_enable_x64:
+        return
+    wide = sorted({np.dtype(d).name for d in dtypes if np.dtype(d).itemsize == 8})
+    if wide:
+        raise TypeError(f"{', '.join(wide)} needs 64-bit types, which are off: enable them with "
+                        "jax.config.update('jax_enable_x64', True), or use 32-bit dtypes.")
+
+
+def _check_config(config: Any) -> None:
+    if config is not None and not isinstance(config, GemmConfig):
+        raise TypeError(f"config must be a jax_efc.GemmConfig or None, got {type(config).__name__}.")
+
+
+def _precision(precision: Any) -> Any:
+    """``precision`` as ``lax.dot_general`` takes it (None, a ``lax.Precision``, or a pair),
+    names converted; anything else is a ``TypeError``."""
+    def one(p):
+        if p is None or isinstance(p, jax.lax.Precision):
+            return p
+        if isinstance(p, str):
+            try:
+                return jax.lax.Precision(p)
+            except (ValueError, KeyError):
+                pass
+        raise TypeError(f"precision must be None, a jax.lax.Precision, its name, or a pair of them; "
+                        f"got {precision!r}.")
+
+    if isinstance(precision, (tuple, list)) and len(precision) == 2:
+        return tuple(one(p) for p in precision)
+    return one(precision)
 
 
 def _identity(acc: Any) -> Any:
     return acc
 
 
+_identity.__efc_builtin__ = True
+
+
+def _is_builtin(fn: Any) -> bool:
+    """Epilogues jax_efc builds from its own pure functions: their traces are cached by
+    function. A user's function is traced at every call, since what it computes may change
+    with the Python state it reads (a closure, an attribute, a global)."""
+    return getattr(fn, "__efc_builtin__", False) is True
+
+
 def _as_float(x: Any, dtype: str) -> Any:
     x = jnp.asarray(x)
     return x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(dtype)
-
-
-def _hashable_dtypes(out_dtypes: Any) -> Any:
-    if out_dtypes is None:
-        return None
-    if isinstance(out_dtypes, dict):
-        return ("dict", tuple((str(k), np.dtype(v).name) for k, v in out_dtypes.items()))
-    if isinstance(out_dtypes, (tuple, list)):
-        return ("tuple", tuple(np.dtype(v).name for v in out_dtypes))
-    return np.dtype(out_dtypes).name
 
 
 @functools.lru_cache(maxsize=512)
@@ -143,7 +266,8 @@ def _trace(fn, acc_shape, shapes, dtypes, static_items, dyn_scalars, out_dtypes,
         kind, items = out_dtypes
         out_dtypes = dict(items) if kind == "dict" else list(items)
     dynamic = {k: jax.ShapeDtypeStruct(shape, dt) for k, shape, dt in dyn_scalars}
-    return trace_epilogue(fn, acc_shape, shapes, dtypes, dict(static_items), dynamic, out_dtypes,
+    static = {k: v for k, _, v in static_items}
+    return trace_epilogue(fn, acc_shape, shapes, dtypes, static, dynamic, out_dtypes,
                           default_dtype, epi_dtype)
 
 
@@ -157,14 +281,34 @@ def _restructure(structure: Any, names: list[str], outs: list[Any]) -> Any:
     return outs[0]
 
 
-def _broadcast_batch(a: Any, b: Any, transpose_a: bool) -> tuple[Any, Any]:
-    """A batched ``a`` against a 2-D ``b`` folds L into M (a free reshape); a 2-D ``a``
-    against a batched ``b`` shares ``a`` across the batch."""
+def _batched_shapes(a_shape: tuple, b_shape: tuple) -> tuple[tuple, tuple]:
+    """The shapes of ``a`` and ``b`` with a batch dimension that only one of them has given to
+    both (as a shared operand has it)."""
+    if len(a_shape) == 3 and len(b_shape) == 2:
+        return a_shape, (a_shape[0], *b_shape)
+    if len(a_shape) == 2 and len(b_shape) == 3:
+        return (b_shape[0], *a_shape), b_shape
+    return a_shape, b_shape
+
+
+def _fold_batch(a: Any, b: Any, ops: list[Any], static: _Static, batch: int | None):
+    """Batched ``a`` against a 2-D ``b``: fold L into M (free reshapes, and B is read once)
+    when the operands that vary per row (tiles, columns) vary per batch and the others (rows,
+    scalars) do not; else ``b`` is shared across
+    the batch by broadcasting. A 2-D ``a`` against a batched ``b`` broadcasts ``a``. Returns the
+    inputs and how to give an output its batch dimension back."""
+    keep = lambda o: o  # noqa: E731
     if a.ndim == 3 and b.ndim == 2:
-        return a, jnp.broadcast_to(b, (a.shape[0], *b.shape))
+        per_row = all((x.ndim == 3) == (r.role in (Role.TILE, Role.COL))
+                      for x, r in zip(ops, static.ir.operands))
+        if not static.transpose_a and per_row:
+            _, m, k = a.shape
+            ops = [x.reshape(batch * m, x.shape[-1]) if x.ndim == 3 else x for x in ops]
+            return a.reshape(batch * m, k), b, ops, lambda o: o.reshape(batch, m, o.shape[-1])
+        return a, jnp.broadcast_to(b, (batch, *b.shape)), ops, keep
     if a.ndim == 2 and b.ndim == 3:
-        return jnp.broadcast_to(a, (b.shape[0], *a.shape)), b
-    return a, b
+        return jnp.broadcast_to(a, (batch, *a.shape)), b, ops, keep
+    return a, b, ops, keep
 
 
 # Autodiff ---------------------------------------------------------------------------------
@@ -197,35 +341,21 @@ def _fused(static: _Static, a, b, ops):
 
 def _fused_fwd(static: _Static, a, b, ops):
     if static.save_acc and not static.recompute_acc:
-        saved = _with_saved_acc(static.ir, a.dtype)
-        *outs, acc = static.bind(a, b, ops, ir=saved)
+        *outs, acc = static.bind(a, b, ops, ir=with_acc_output(static.ir, a.dtype))
     else:
         outs, acc = static.bind(a, b, ops), None
     return outs, (a, b, ops, acc)
 
 
-def _with_saved_acc(ir: EpilogueIR, dtype: Any) -> EpilogueIR:
-    """``ir`` with the accumulator appended as an extra output (the saved residual)."""
-    return ir.with_outputs(ir.outputs + (Output("__acc__", 0, np.dtype(dtype).name),))
-
-
 def _fused_bwd(static: _Static, residuals, cts):
     a, b, ops, acc = residuals
+    epi = static.ir.epi_dtype
     if acc is None and static.save_acc:
-        (acc,) = static.bind(a, b, (), ir=identity_ir(static.ir.epi_dtype))
+        (acc,) = static.bind(a, b, (), ir=identity_ir(epi, epi))
     d_acc, d_ops = _epilogue_vjp(static.ir, acc, ops, list(cts))
-    d_acc = d_acc.astype(a.dtype)
-    ta, tb = static.transpose_a, static.transpose_b
-    plain_a, plain_b = identity_ir(a.dtype), identity_ir(b.dtype)
-    # d op(a) = d_acc @ op(b)^T and d op(b) = op(a)^T @ d_acc, each read in place.
-    if ta:
-        (da,) = static.bind(b, d_acc, (), ir=plain_a, transpose_a=tb, transpose_b=True)
-    else:
-        (da,) = static.bind(d_acc, b, (), ir=plain_a, transpose_a=False, transpose_b=not tb)
-    if tb:
-        (db,) = static.bind(d_acc, a, (), ir=plain_b, transpose_a=True, transpose_b=ta)
-    else:
-        (db,) = static.bind(a, d_acc, (), ir=plain_b, transpose_a=not ta, transpose_b=False)
+    da, db = gemm_cotangents(d_acc, a, b, True, True, epi_dtype=epi,
+                             transpose_a=static.transpose_a, transpose_b=static.transpose_b,
+                             acc_dtype=static.acc_dtype, precision=static.precision, config=static.config)
     d_ops = tuple(g.astype(x.dtype) for g, x in zip(d_ops, ops))
     return da, db, d_ops
 
@@ -328,7 +458,7 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 # The dense layer --------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=256)
 def _dense_epilogue(activation: Callable[[Any], Any], has_bias: bool, has_residual: bool):
     def epilogue(acc, *ops):
         i = 0
@@ -338,6 +468,7 @@ def _dense_epilogue(activation: Callable[[Any], Any], has_bias: bool, has_residu
         y = activation(acc)
         return y + ops[i] if has_residual else y
 
+    epilogue.__efc_builtin__ = activations.is_builtin(activation)
     return epilogue
 
 
@@ -359,7 +490,10 @@ def fused_dense(
     is a name from ``jax_efc.activations.ACTIVATIONS`` (``"gelu"`` is the exact erf form,
     ``"gelu_tanh"`` the approximation) or a callable of elementwise JAX ops.
     """
-    x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+    x, kernel = _array("x", x), _array("kernel", kernel)
+    if x.dtype != kernel.dtype:
+        raise TypeError(f"x is {x.dtype} but kernel is {kernel.dtype}; cast one so both have the same "
+                        "dtype (the Flax modules do, as nn.Dense does).")
     if kernel.ndim != 2:
         raise ValueError(f"kernel must be 2-D (K, N), got shape {kernel.shape}.")
     if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:

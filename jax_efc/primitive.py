@@ -20,15 +20,15 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 from jax._src import dispatch
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import config as _config
-from .epilogue import EpilogueIR, Role, canonical_shape
+from .epilogue import EpilogueIR, Role, canonical_shape, evaluate, identity_ir, with_acc_output
 from .reference import fused_gemm_reference
 
 __all__ = ["fused_gemm_p", "fused_gemm", "FallbackError", "fused_gemm_eqns", "backends",
-           "match_varying", "kernel_params"]
+           "match_varying", "kernel_params", "gemm_cotangents"]
 
 logger = logging.getLogger("jax_efc")
 
@@ -83,7 +83,16 @@ def problem_shape(a_shape: Sequence[int], b_shape: Sequence[int], transpose_a: b
 
 def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, precision, config,
                    local):
-    del acc_dtype, precision, config, local
+    del precision, config, local
+    if a.dtype != b.dtype:
+        raise TypeError(f"a is {a.dtype} but b is {b.dtype}; the fused GEMM takes A and B of one "
+                        "dtype: cast one of them.")
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        raise TypeError(f"a and b are {a.dtype}; the fused GEMM takes floating inputs.")
+    if not jnp.issubdtype(acc_dtype, jnp.floating) or jnp.promote_types(a.dtype, acc_dtype) != acc_dtype:
+        raise TypeError(f"acc_dtype={np.dtype(acc_dtype).name} cannot accumulate {a.dtype} inputs: "
+                        "take a floating dtype at least as wide as the inputs (float32 for 16-bit "
+                        "inputs).")
     batch, m, n, _ = problem_shape(a.shape, b.shape, transpose_a, transpose_b)
     if len(operands) != len(ir.operands):
         raise ValueError(f"the epilogue takes {len(ir.operands)} operands, got {len(operands)}.")
@@ -229,13 +238,50 @@ def backends(fn: Any, *args: Any, **kwargs: Any) -> list[str]:
     out = []
     for eqn in eqns:
         avals = [v.aval for v in eqn.invars]
-        reason = kernel_unsupported_reason(avals, eqn.params) or xla_faster_reason(avals, eqn.params)
+        reason = (empty_reason(avals) or symbolic_reason(avals)
+                  or kernel_unsupported_reason(avals, eqn.params) or xla_faster_reason(avals, eqn.params))
         out.append(f"kernel ({ffi.device_arch()})" if reason is None else f"reference: {reason}")
     return out
 
 
+def symbolic_reason(avals_in: Sequence[Any]) -> str | None:
+    """Why no kernel runs a call with symbolic dimensions (``jax.export`` with shape
+    polymorphism): its tiles and grid are fixed when it is compiled."""
+    shapes = [tuple(x.shape) for x in avals_in[:2]]
+    if all(isinstance(d, (int, np.integer)) for shape in shapes for d in shape):
+        return None
+    return (f"a and b have symbolic dimensions {shapes}; the kernel is compiled for static shapes "
+            "(export with concrete M, N, K and batch sizes to run it).")
+
+
+def empty_reason(avals_in: Sequence[Any]) -> str | None:
+    """A GEMM with a zero dimension has nothing for a kernel to compute: the reference gives
+    the empty result, or (K = 0) the epilogue of a zero accumulator. Not a fallback."""
+    a, b = avals_in[:2]
+    if 0 in tuple(a.shape) or 0 in tuple(b.shape):
+        return f"the GEMM is empty (a {tuple(a.shape)}, b {tuple(b.shape)})"
+    return None
+
+
+def _lowering_devices(ctx) -> tuple[int, ...] | None:
+    """The local hardware ordinals of the CUDA devices the lowered call will run on; ``()``
+    when that is not known (exporting: the program may run on any GPU)."""
+    if ctx.module_context.lowering_parameters.for_export:
+        return ()
+    axis = ctx.module_context.axis_context
+    devices = getattr(axis, "device_assignment", None)
+    if devices is None and getattr(axis, "mesh", None) is not None:
+        devices = tuple(axis.mesh.devices.flat)
+    if not devices:
+        return None
+    ordinals = [getattr(d, "local_hardware_id", None) for d in devices if d.platform == "gpu"]
+    return tuple(ordinals) if ordinals and None not in ordinals else ()
+
+
 def _cuda_lowering(ctx, *args, **params):
-    reason = kernel_unsupported_reason(ctx.avals_in, params)
+    if empty_reason(ctx.avals_in) is not None:
+        return _reference_lowering(ctx, *args, **params)
+    reason = symbolic_reason(ctx.avals_in) or kernel_unsupported_reason(ctx.avals_in, params)
     if reason is not None:
         _fall_back(reason)
         return _reference_lowering(ctx, *args, **params)
@@ -245,8 +291,18 @@ def _cuda_lowering(ctx, *args, **params):
         return _reference_lowering(ctx, *args, **params)
     from jax_efc import ffi
 
-    kernel = partial(ffi.fused_gemm, arch=ffi.device_arch(), **kernel_params(params))
-    return mlir.lower_fun(kernel, multiple_results=True)(ctx, *args)
+    kernel = partial(ffi.fused_gemm, arch=ffi.device_arch(), devices=_lowering_devices(ctx),
+                     **kernel_params(params))
+    try:
+        return mlir.lower_fun(kernel, multiple_results=True)(ctx, *args)
+    except Exception as e:  # noqa: BLE001 - any failure to build the kernel falls back
+        _fall_back(f"building the kernel failed ({type(e).__name__}: {_first_line(e)})")
+        return _reference_lowering(ctx, *args, **params)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else "no message"
 
 
 def kernel_params(params: dict[str, Any]) -> dict[str, Any]:
@@ -278,6 +334,74 @@ def _partitioned_first(local_lowering):
 
 mlir.register_lowering(fused_gemm_p, _partitioned_first(_default_lowering))
 mlir.register_lowering(fused_gemm_p, _partitioned_first(_cuda_lowering), platform="cuda")
+
+
+# Differentiation -----------------------------------------------------------------------------
+# The public ops differentiate the fused GEMM with their own VJP (``ops``), which keeps the
+# residuals and fusions a training step wants. These rules make that VJP itself differentiable:
+# a JVP for any epilogue, and a transpose for the plain GEMMs a JVP or VJP is made of, so
+# second-order derivatives (Hessians, Hessian-vector products) work.
+
+def gemm_cotangents(ct, a, b, need_a: bool, need_b: bool, *, epi_dtype: Any, transpose_a: bool,
+                    transpose_b: bool, **params: Any) -> tuple[Any, Any]:
+    """The cotangents of ``a`` and ``b`` (in their storage layouts; None where not needed) of
+    ``op(a) @ op(b)`` for the cotangent ``ct`` of the product: d op(a) = ct @ op(b)^T and
+    d op(b) = op(a)^T @ ct, each a plain GEMM that reads its operands in place (``ct`` in the
+    dtype of the operand it meets)."""
+    def plain(x, y, dtype, ta, tb):
+        return fused_gemm(x, y, ir=identity_ir(dtype, epi_dtype), transpose_a=ta, transpose_b=tb, **params)[0]
+
+    def dtype(x):
+        return x.aval.dtype if ad.is_undefined_primal(x) else x.dtype
+
+    da = db = None
+    if need_a:
+        c = ct.astype(b.dtype)
+        da = plain(b, c, dtype(a), transpose_b, True) if transpose_a else plain(c, b, dtype(a), False, not transpose_b)
+    if need_b:
+        c = ct.astype(a.dtype)
+        db = plain(c, a, dtype(b), True, transpose_a) if transpose_b else plain(a, c, dtype(b), not transpose_a, False)
+    return da, db
+
+
+def _jvp_rule(primals, tangents, *, ir, transpose_a, transpose_b, acc_dtype, precision, config, local):
+    a, b, *operands = primals
+    ta, tb, *t_ops = tangents
+    params = dict(transpose_a=transpose_a, transpose_b=transpose_b, acc_dtype=acc_dtype,
+                  precision=precision, config=config, local=local)
+    epi = ir.epi_dtype
+    *outs, acc = fused_gemm_p.bind(a, b, *operands, ir=with_acc_output(ir, epi), **params)
+    plain = dict(params, ir=identity_ir(epi, epi))
+    t_acc = None
+    for x, y, tangent in ((ta, b, ta), (a, tb, tb)):
+        if type(tangent) is not ad.Zero:
+            (term,) = fused_gemm_p.bind(*match_varying((x, y)), **plain)
+            t_acc = term if t_acc is None else t_acc + term
+    t_acc = jnp.zeros_like(acc) if t_acc is None else t_acc
+    t_ops = [jnp.zeros(x.shape, x.dtype) if type(t) is ad.Zero else t for x, t in zip(operands, t_ops)]
+    _, t_outs = jax.jvp(lambda acc, *ops: evaluate(ir, acc, ops), (acc, *operands), (t_acc, *t_ops))
+    return outs, list(t_outs)
+
+
+def _transpose_rule(cts, a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, precision,
+                    config, local):
+    """Only the plain GEMMs of a JVP are linear (the accumulator converted, nothing else), in
+    whichever of ``a`` and ``b`` is the tangent."""
+    del local
+    if operands or ir.instrs or len(ir.outputs) != 1 or ir.outputs[0].value != 0:
+        raise NotImplementedError("jax_efc: only a plain fused GEMM is linear, and transposable.")
+    (ct,) = cts
+    if type(ct) is ad.Zero:
+        return [None, None]
+    da, db = gemm_cotangents(ct, a, b, ad.is_undefined_primal(a),
+                             ad.is_undefined_primal(b), epi_dtype=ir.epi_dtype, transpose_a=transpose_a,
+                             transpose_b=transpose_b, acc_dtype=acc_dtype, precision=precision,
+                             config=config)
+    return [da, db]
+
+
+ad.primitive_jvps[fused_gemm_p] = _jvp_rule
+ad.primitive_transposes[fused_gemm_p] = _transpose_rule
 
 
 # Batching ----------------------------------------------------------------------------------

@@ -1,5 +1,9 @@
 """Shared fixtures; GPU tests skip cleanly where no CUDA device is present."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -41,3 +45,15 @@ def rel_err(x, ref) -> float:
     ref = np.asarray(ref, dtype=np.float64)
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
+
+
+def run_for_sm90(script: str, *args: str, **env: str) -> str:
+    """Runs ``script`` in a fresh CPU-only process that compiles kernels for sm_90a, with the
+    project on its path; returns its stdout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", JAX_PLATFORMS="cpu", **env,
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout

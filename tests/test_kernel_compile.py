@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from conftest import run_for_sm90
+
 # name -> (dtype, transpose_a, transpose_b, batch, config (tile_m, tile_n, cluster_m, cluster_n
 # [, other GemmConfig fields as a dict]), epilogue[, (M, N, K)])
 VARIANTS = {
@@ -657,18 +659,6 @@ def test_device_arch_from_env(monkeypatch):
     assert F.device_arch() == "sm_90a"
 
 
-def _run_for_sm90(script: str, *args: str, **env: str) -> str:
-    """Runs ``script`` in a fresh CPU-only process that compiles kernels for sm_90a, with the
-    project on its path; returns its stdout."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", JAX_PLATFORMS="cpu", **env,
-               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout
-
-
 _EXPORT_PUBLIC = """
 import os
 import jax, jax.numpy as jnp
@@ -700,7 +690,7 @@ def test_export_of_the_public_op_holds_the_kernels():
     512-row one (48 tiles of 128x128), go to XLA's GEMM, unless a config is pinned or
     ``JAX_EFC_STRICT=1``."""
     pytest.importorskip("cutlass.jax")
-    assert _run_for_sm90(_EXPORT_PUBLIC).split() == ["1", "3", "0", "0", "1", "1"]
+    assert run_for_sm90(_EXPORT_PUBLIC).split() == ["1", "3", "0", "0", "1", "1"]
 
 
 _EXPORT_MLP = """
@@ -735,7 +725,7 @@ def test_export_of_fused_mlp_gradients_holds_the_kernels():
     four GEMMs (gated: six, two of which have the same types and share a function in the
     module); the forward's down projection is dead in a gradient of a sum."""
     pytest.importorskip("cutlass.jax")
-    assert _run_for_sm90(_EXPORT_MLP).split() == ["5", "1", "7", "1"]
+    assert run_for_sm90(_EXPORT_MLP).split() == ["5", "1", "7", "1"]
 
 
 _EXPORT_TIMELINE = """
@@ -761,7 +751,7 @@ def test_timeline_build_exports(tmp_path):
     pytest.importorskip("cutlass.jax")
     from jax_efc.kernels import TIMELINE_EVENTS, TIMELINE_UNITS
 
-    out = _run_for_sm90(_EXPORT_TIMELINE, str(tmp_path), CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    out = run_for_sm90(_EXPORT_TIMELINE, str(tmp_path), CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
     assert out.split() == [f"132,2,{TIMELINE_UNITS},{len(TIMELINE_EVENTS)}", "int32", "True"]
 
 

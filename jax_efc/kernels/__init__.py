@@ -28,6 +28,8 @@ _OPERAND_DTYPES = ("bfloat16", "float16", "float32")
 _VALUE_DTYPES = ("float32", "bfloat16", "float16", "bool")
 _TILE_M = (64, 128, 192, 256)
 _TILE_N = (64, 128, 192, 256)
+# the most elements one tensor may hold: the kernels' offsets are 32-bit signed integers
+_MAX_ELEMENTS = 2**31 - 1
 # SM90 clusters: up to 8 CTAs are portable (schedulable on every SM90 part), but the
 # multicast benefit flattens past 2; we allow at most 4 CTAs, 1, 2 or 4 along each side (the
 # compile tests build 1x1, 2x1, 1x2 and 2x2).
@@ -241,9 +243,16 @@ def unsupported_reason(problem: KernelProblem, mnkl: tuple[int, int, int, int] |
                 f"smaller tile or smaller subtiles (epi_m={64 * mma_warpgroups(cfg)}, epi_n=16).")
     if mnkl is None:
         return None
-    m, n, k, _ = mnkl
-    if min(m, n, k) <= 0:
-        return f"empty GEMM {m}x{n}x{k}; nothing to run."
+    m, n, k, l = mnkl
+    if min(m, n, k, l) <= 0:
+        return f"empty GEMM {m}x{n}x{k} (batch {l}); nothing to run."
+    # the kernels index their tensors in 32 bits
+    tensors = {"A": m * k * (l if problem.a_batched else 1), "B": k * n * (l if problem.b_batched else 1),
+               "the outputs": m * n * l}
+    for what, size in tensors.items():
+        if size > _MAX_ELEMENTS:
+            return (f"{what} would hold {size} elements, more than the {_MAX_ELEMENTS} the kernel's "
+                    "32-bit indexing reaches; split the GEMM (e.g. over the batch or M).")
     ab = _align_elems(problem.ab_dtype)
     contiguous_a = ("K", k) if problem.a_major == "k" else ("M", m)
     contiguous_b = ("K", k) if problem.b_major == "k" else ("N", n)

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_efc.epilogue import EpilogueIR, Instr, trace_epilogue
+from jax_efc.epilogue import EpilogueIR, Instr, exact, trace_epilogue
 
 __all__ = ["rewrite"]
 
@@ -61,7 +61,7 @@ def _match(template: EpilogueIR, ir: EpilogueIR, value: int) -> int | None:
         if u < len(ir.inputs):
             return False
         ti, ui = template.instrs[t - len(template.inputs)], ir.instrs[u - len(ir.inputs)]
-        return ((ti.op, ti.dtype, ti.attr, len(ti.args)) == (ui.op, ui.dtype, ui.attr, len(ui.args))
+        return ((ti.op, ti.dtype, exact(ti.attr), len(ti.args)) == (ui.op, ui.dtype, exact(ui.attr), len(ui.args))
                 and all(same(a, b) for a, b in zip(ti.args, ui.args)))
 
     return bound.get(0) if same(template.outputs[0].value, value) else None
