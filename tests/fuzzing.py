@@ -126,6 +126,9 @@ def cases(draw, *, kernel: bool = False) -> Case:
     else:
         m, n, k = (draw(st.integers(1, 48)) for _ in range(3))
         ab = draw(st.sampled_from(sorted(DTYPES)))
+    transpose_a, transpose_b = draw(st.booleans()), draw(st.booleans())
+    if kernel and transpose_a:  # M is then A's contiguous dimension
+        m = 8 * -(-m // 8)
     batch = draw(st.sampled_from([None, None, 1, 3]))
     roles = draw(st.lists(st.sampled_from(["tile", "row", "col", "scalar"]), max_size=3))
     operands = [(r, draw(st.sampled_from(sorted(DTYPES)))) for r in roles]
@@ -135,7 +138,7 @@ def cases(draw, *, kernel: bool = False) -> Case:
     tree = _tree(len(operands), sorted(static), dynamic)
     outputs = {f"o{i}": draw(tree) for i in range(n_out)}
     out_dtypes = {name: draw(st.sampled_from(sorted(DTYPES))) for name in outputs}
-    return Case(m, n, k, batch, ab, draw(st.booleans()), draw(st.booleans()), operands, static, dynamic,
+    return Case(m, n, k, batch, ab, transpose_a, transpose_b, operands, static, dynamic,
                 outputs, out_dtypes, draw(st.booleans()), draw(st.integers(0, 2**31 - 1)), draw(st.booleans()))
 
 
