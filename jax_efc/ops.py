@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import activations
+from . import activations, arguments
 from .config import GemmConfig
 from .epilogue import (EpilogueIR, Role, canonical_shape, evaluate, exact, identity_ir,
                        trace_epilogue, with_acc_output)
@@ -74,20 +74,21 @@ def gemm(
     ``recompute_acc=True`` recomputes ``op(a) @ op(b)`` in the backward pass instead of saving
     it as a residual.
     """
-    a, b = _array("a", a), _array("b", b)
+    a, b = arguments.array("a", a), arguments.array("b", b)
     for name, x in (("a", a), ("b", b)):
         if x.dtype not in _FLOATS:
             raise TypeError(f"{name} has dtype {x.dtype}; gemm takes float32, bfloat16, float16 or float64.")
     if a.dtype != b.dtype:
         raise TypeError(f"a is {a.dtype} but b is {b.dtype}; cast one so both have the same dtype.")
     transpose_a, transpose_b, recompute_acc = (
-        _flag(name, v) for name, v in
+        arguments.flag(name, v) for name, v in
         (("transpose_a", transpose_a), ("transpose_b", transpose_b), ("recompute_acc", recompute_acc)))
-    acc_dtype = _acc_dtype(acc_dtype, a.dtype)
-    epi_dtype = _dtype("epi_dtype", epi_dtype or jnp.promote_types(acc_dtype, jnp.float32), floating=True)
-    out_dtypes = _out_dtypes(out_dtypes)
-    _check_config(config)
-    precision = _precision(precision)
+    acc_dtype = arguments.acc_dtype(acc_dtype, a.dtype)
+    epi_dtype = arguments.dtype("epi_dtype", epi_dtype or jnp.promote_types(acc_dtype, jnp.float32),
+                                floating=True)
+    out_dtypes = arguments.out_dtypes(out_dtypes)
+    arguments.check_config(config)
+    precision = arguments.precision(precision)
     batch, m, n, _ = problem_shape(*_batched_shapes(a.shape, b.shape), transpose_a, transpose_b)
     acc_shape = (m, n) if batch is None else (batch, m, n)
 
@@ -98,11 +99,11 @@ def gemm(
                 raise TypeError(f"scalar {k!r} is complex ({v!r}); epilogue scalars are real numbers.")
             static_kw[k] = v
         else:
-            dynamic_kw[k] = _array(f"scalar {k!r}", v)
+            dynamic_kw[k] = arguments.array(f"scalar {k!r}", v)
             if jnp.issubdtype(dynamic_kw[k].dtype, jnp.complexfloating):
                 raise TypeError(f"scalar {k!r} is complex ({dynamic_kw[k].dtype}); epilogue scalars "
                                 "are real numbers.")
-    operands = [_array(f"epilogue operand {i}", x) for i, x in enumerate(operands)]
+    operands = [arguments.array(f"epilogue operand {i}", x) for i, x in enumerate(operands)]
     if epilogue is None:
         if operands or scalars:
             raise ValueError("operands and scalars need an epilogue to use them.")
@@ -117,7 +118,7 @@ def gemm(
         tuple((k, jnp.shape(v), jnp.result_type(v).name) for k, v in sorted(dynamic_kw.items())),
         out_dtypes, a.dtype.name, epi_dtype.name,
     )
-    _check_x64(acc_dtype, epi_dtype, *(o.dtype for o in ir.outputs))
+    arguments.check_x64(acc_dtype, epi_dtype, *(o.dtype for o in ir.outputs))
     arrays = operands + [_as_float(dynamic_kw[k], ir.epi_dtype) for k in sorted(dynamic_kw)]
     arrays = [
         jnp.reshape(x, canonical_shape(r, batch if bt else None, m, n))
@@ -143,101 +144,6 @@ _NO_FORWARD_MODE = (
     "their compositions, Hessians included); forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) "
     "is not supported. A Jacobian-vector product J @ t is the VJP of the VJP: with "
     "y, vjp = jax.vjp(f, x), it is jax.vjp(vjp, y)[1]((t,))[0].")
-
-
-# Argument checks: each names the argument and what it may be -------------------------------
-
-def _array(name: str, x: Any) -> Any:
-    if isinstance(x, (str, bytes, dict, type(None))) or callable(x):
-        raise TypeError(f"{name} must be an array, got {type(x).__name__}.")
-    try:
-        return jnp.asarray(x)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{name} must be an array, got {type(x).__name__} ({e}).") from None
-
-
-def _flag(name: str, value: Any) -> bool:
-    """A Python bool that decides the kernel at trace time: a traced value cannot."""
-    if isinstance(value, (bool, np.bool_)) or (isinstance(value, int) and value in (0, 1)):
-        return bool(value)
-    raise TypeError(f"{name} must be a Python bool (it is fixed when the call is traced), got "
-                    f"{type(value).__name__}.")
-
-
-def _dtype(name: str, value: Any, floating: bool = False) -> np.dtype:
-    if isinstance(value, jax.Array) or (isinstance(value, np.ndarray) and value.ndim):
-        raise TypeError(f"{name} must be a dtype, got an array; pass its .dtype.")
-    try:
-        dtype = np.dtype(value)
-    except TypeError:
-        raise TypeError(f"{name} must be a dtype (e.g. jnp.float32), got {value!r}.") from None
-    if floating and not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{name} must be a floating dtype, got {dtype.name}.")
-    if jnp.issubdtype(dtype, jnp.complexfloating) or dtype.kind not in "biuf" and not \
-            jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{name} must be a real numeric dtype, got {dtype.name}.")
-    return dtype
-
-
-def _acc_dtype(value: Any, ab_dtype: np.dtype) -> np.dtype:
-    """The accumulator dtype: float32 by default (float64 for float64 inputs); float16 inputs
-    may accumulate in float16, any inputs in float64. Nothing narrower than the inputs, and
-    nothing that is not a float: GEMMs do not accumulate floats in integers."""
-    default = np.dtype(jnp.promote_types(ab_dtype, jnp.float32))
-    if value is None:
-        return default
-    acc = _dtype("acc_dtype", value)
-    allowed = ["float32", "float64"] if ab_dtype.itemsize <= 4 else ["float64"]
-    if ab_dtype == np.dtype(jnp.float16):
-        allowed.insert(0, "float16")
-    if acc.name not in allowed:
-        raise TypeError(f"acc_dtype={acc.name} cannot accumulate {ab_dtype.name} inputs; allowed: "
-                        f"{', '.join(allowed)}.")
-    return acc
-
-
-def _out_dtypes(out_dtypes: Any) -> Any:
-    """``out_dtypes`` in a hashable form, each entry checked."""
-    if out_dtypes is None:
-        return None
-    if isinstance(out_dtypes, dict):
-        return ("dict", tuple((str(k), _dtype(f"out_dtypes[{k!r}]", v).name) for k, v in out_dtypes.items()))
-    if isinstance(out_dtypes, (tuple, list)):
-        return ("tuple", tuple(_dtype(f"out_dtypes[{i}]", v).name for i, v in enumerate(out_dtypes)))
-    return _dtype("out_dtypes", out_dtypes).name
-
-
-def _check_x64(*dtypes: Any) -> None:
-    if jax.config.jax_enable_x64:
-        return
-    wide = sorted({np.dtype(d).name for d in dtypes if np.dtype(d).itemsize == 8})
-    if wide:
-        raise TypeError(f"{', '.join(wide)} needs 64-bit types, which are off: enable them with "
-                        "jax.config.update('jax_enable_x64', True), or use 32-bit dtypes.")
-
-
-def _check_config(config: Any) -> None:
-    if config is not None and not isinstance(config, GemmConfig):
-        raise TypeError(f"config must be a jax_efc.GemmConfig or None, got {type(config).__name__}.")
-
-
-def _precision(precision: Any) -> Any:
-    """``precision`` as ``lax.dot_general`` takes it (None, a ``lax.Precision``, or a pair),
-    names converted; anything else is a ``TypeError``."""
-    def one(p):
-        if p is None or isinstance(p, jax.lax.Precision):
-            return p
-        if isinstance(p, str):
-            try:
-                return jax.lax.Precision(p)
-            except (ValueError, KeyError):
-                pass
-        raise TypeError(f"precision must be None, a jax.lax.Precision, its name, or a pair of them; "
-                        f"got {precision!r}.")
-
-    if isinstance(precision, (tuple, list)) and len(precision) == 2:
-        return tuple(one(p) for p in precision)
-    return one(precision)
 
 
 def _identity(acc: Any) -> Any:
@@ -490,7 +396,7 @@ def fused_dense(
     is a name from ``jax_efc.activations.ACTIVATIONS`` (``"gelu"`` is the exact erf form,
     ``"gelu_tanh"`` the approximation) or a callable of elementwise JAX ops.
     """
-    x, kernel = _array("x", x), _array("kernel", kernel)
+    x, kernel = arguments.array("x", x), arguments.array("kernel", kernel)
     if x.dtype != kernel.dtype:
         raise TypeError(f"x is {x.dtype} but kernel is {kernel.dtype}; cast one so both have the same "
                         "dtype (the Flax modules do, as nn.Dense does).")

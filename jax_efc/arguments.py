@@ -1,0 +1,106 @@
+"""Argument checks shared by the public ops: each names the argument and what it may be, and
+returns the argument in the form the ops keep (hashable, canonical)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import GemmConfig
+
+__all__ = ["array", "flag", "dtype", "acc_dtype", "out_dtypes", "check_x64", "check_config", "precision"]
+
+
+def array(name: str, x: Any) -> Any:
+    if isinstance(x, (str, bytes, dict, type(None))) or callable(x):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}.")
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name} must be an array, got {type(x).__name__} ({e}).") from None
+
+
+def flag(name: str, value: Any) -> bool:
+    """A Python bool that decides the kernel at trace time: a traced value cannot."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name} must be a Python bool (it is fixed when the call is traced), got "
+                    f"{type(value).__name__}.")
+
+
+def dtype(name: str, value: Any, floating: bool = False) -> np.dtype:
+    if isinstance(value, jax.Array) or (isinstance(value, np.ndarray) and value.ndim):
+        raise TypeError(f"{name} must be a dtype, got an array; pass its .dtype.")
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a dtype (e.g. jnp.float32), got {value!r}.") from None
+    if floating and not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype, got {dtype.name}.")
+    if not (dtype.kind in "biu" or jnp.issubdtype(dtype, jnp.floating)):
+        raise TypeError(f"{name} must be a real numeric dtype, got {dtype.name}.")
+    return dtype
+
+
+def acc_dtype(value: Any, ab_dtype: np.dtype) -> np.dtype:
+    """The accumulator dtype: float32 by default (float64 for float64 inputs); float16 inputs
+    may accumulate in float16, any inputs in float64. Nothing narrower than the inputs, and
+    nothing that is not a float: GEMMs do not accumulate floats in integers."""
+    default = np.dtype(jnp.promote_types(ab_dtype, jnp.float32))
+    if value is None:
+        return default
+    acc = dtype("acc_dtype", value)
+    allowed = ["float32", "float64"] if ab_dtype.itemsize <= 4 else ["float64"]
+    if ab_dtype == np.dtype(jnp.float16):
+        allowed.insert(0, "float16")
+    if acc.name not in allowed:
+        raise TypeError(f"acc_dtype={acc.name} cannot accumulate {ab_dtype.name} inputs; allowed: "
+                        f"{', '.join(allowed)}.")
+    return acc
+
+
+def out_dtypes(out_dtypes: Any) -> Any:
+    """``out_dtypes`` in a hashable form, each entry checked."""
+    if out_dtypes is None:
+        return None
+    if isinstance(out_dtypes, dict):
+        return ("dict", tuple((str(k), dtype(f"out_dtypes[{k!r}]", v).name) for k, v in out_dtypes.items()))
+    if isinstance(out_dtypes, (tuple, list)):
+        return ("tuple", tuple(dtype(f"out_dtypes[{i}]", v).name for i, v in enumerate(out_dtypes)))
+    return dtype("out_dtypes", out_dtypes).name
+
+
+def check_x64(*dtypes: Any) -> None:
+    if jax.config.jax_enable_x64:
+        return
+    wide = sorted({np.dtype(d).name for d in dtypes if np.dtype(d).itemsize == 8})
+    if wide:
+        raise TypeError(f"{', '.join(wide)} needs 64-bit types, which are off: enable them with "
+                        "jax.config.update('jax_enable_x64', True), or use 32-bit dtypes.")
+
+
+def check_config(config: Any) -> None:
+    if config is not None and not isinstance(config, GemmConfig):
+        raise TypeError(f"config must be a jax_efc.GemmConfig or None, got {type(config).__name__}.")
+
+
+def precision(precision: Any) -> Any:
+    """``precision`` as ``lax.dot_general`` takes it (None, a ``lax.Precision``, or a pair),
+    names converted; anything else is a ``TypeError``."""
+    def one(p):
+        if p is None or isinstance(p, jax.lax.Precision):
+            return p
+        if isinstance(p, str):
+            try:
+                return jax.lax.Precision(p)
+            except (ValueError, KeyError):
+                pass
+        raise TypeError(f"precision must be None, a jax.lax.Precision, its name, or a pair of them; "
+                        f"got {precision!r}.")
+
+    if isinstance(precision, (tuple, list)) and len(precision) == 2:
+        return tuple(one(p) for p in precision)
+    return one(precision)
