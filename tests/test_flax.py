@@ -295,3 +295,39 @@ def test_nnx_mlp_sharding_metadata():
            for p in ("kernel", "bias")}
     assert got == {"up/kernel": ("embed", "mlp"), "up/bias": ("mlp",), "gate/kernel": ("embed", "mlp"),
                    "gate/bias": ("mlp",), "down/kernel": ("mlp", "embed"), "down/bias": ("embed",)}
+
+
+def test_unnamed_layers_take_dense_names_and_load_a_plain_checkpoint(rng):
+    """A model of unnamed nn.Dense layers and the same model with FusedDense: the same parameter
+    tree (Dense_0, Dense_1, and under nn.remat CheckpointDense_0), so the plain model's
+    checkpoint (Flax's msgpack serialization of params and optimizer state) loads into the fused
+    one and gives the same outputs."""
+    import optax
+    from flax import serialization
+
+    import jax_efc.flax as efc_flax
+
+    def model(dense):
+        class Model(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                x = dense(16)(x)
+                x = nn.remat(dense)(16)(x)
+                return dense(4)(x)
+
+        return Model()
+
+    x = jnp.asarray(rng.standard_normal((8, 12)), jnp.float32)
+    plain, fused = model(nn.Dense), model(efc_flax.FusedDense)
+    params = plain.init(jax.random.PRNGKey(0), x)
+    assert set(params["params"]) == {"Dense_0", "CheckpointDense_0", "Dense_1"}
+    opt = optax.adamw(1e-3)
+    state = {"params": params, "opt": opt.init(params)}
+    blob = serialization.to_bytes(state)
+    template = {"params": fused.init(jax.random.PRNGKey(1), x), "opt": opt.init(params)}
+    assert jax.tree.structure(template["params"]) == jax.tree.structure(params)
+    restored = serialization.from_bytes(template, blob)
+    assert efc_flax.FusedDense is FusedDense and efc_flax.FusedMLP is FusedMLP
+    assert rel_err(fused.apply(restored["params"], x), plain.apply(params, x)) < 1e-6
+    for leaf_a, leaf_b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(leaf_a), np.asarray(leaf_b))

@@ -4,8 +4,9 @@
     y = FusedDense(4096, activation="gelu_tanh")(x)                  # gelu_tanh(x @ W + b)
     y = FusedDense(4096, epilogue=lambda z, r: jax.nn.silu(z) + r)(x, residual)
 
-Same attributes, parameter names (``kernel`` (in, features), ``bias`` (features,)), dtypes
-and initializers as ``nn.Dense``, so an ``nn.Dense`` checkpoint loads unchanged.
+Same attributes, parameter names (``kernel`` (in, features), ``bias`` (features,)), dtypes,
+initializers and auto-names (an unnamed one is ``Dense_0``, as an ``nn.Dense`` would be) as
+``nn.Dense``, so an ``nn.Dense`` model's checkpoint loads unchanged.
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ class FusedDense(nn.Module):
         inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         return dense(inputs, kernel, bias, extra, activation=self.activation,
                      epilogue=self.epilogue, precision=self.precision)
+
+
+# Flax names an unnamed submodule after its class's __name__ (``Dense_0``), and so do its
+# transforms (``nn.remat(nn.Dense)`` is ``CheckpointDense``): under the name "Dense", an unnamed
+# FusedDense takes the name an nn.Dense would, so a plain model's checkpoint loads unchanged.
+FusedDense.__name__ = "Dense"
 
 
 def _dense_params(module: nn.Module, in_features: int) -> tuple[Any, Any]:
