@@ -1,4 +1,4 @@
-"""The seed's alpha-beta epilogue: D = acc*alpha + C*beta + X*x_factor, and Y = acc.
+"""The alpha-beta epilogue of CUTLASS's custom-epilogue example: D = acc*alpha + C*beta + X*x_factor, and Y = acc.
 
 Runs it through jax_efc, checks it against the same math in plain JAX, and says which backend
 ran (the CuTe DSL kernel on Hopper, the XLA reference elsewhere).
@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 import jax_efc as efc
-from jax_efc.seed_epilogues import alpha_beta
+from jax_efc.example_epilogues import alpha_beta
 
 
 def main() -> None:

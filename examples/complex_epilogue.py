@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_efc as efc
-from jax_efc.seed_epilogues import complex_epilogue
+from jax_efc.example_epilogues import complex_epilogue
 
 
 def main() -> None:

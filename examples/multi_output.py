@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_efc as efc
-from jax_efc.seed_epilogues import multi_output
+from jax_efc.example_epilogues import multi_output
 
 
 def main() -> None:

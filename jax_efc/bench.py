@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import activations, seed_epilogues
+from . import activations, example_epilogues
 from .config import GemmConfig
 from .mlp import fused_mlp
 from .ops import fused_dense, gemm
@@ -352,7 +352,7 @@ def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
         ours = None if batched else (lambda a, b, bias: fused_dense(a, b, bias, activation=act, config=config))
         return epilogue_problem(epilogue, fn, shape, dtype, [("row", dtype)], config=config, ours=ours)
     if epilogue == "alpha-beta":
-        return epilogue_problem(epilogue, seed_epilogues.alpha_beta, shape, dtype,
+        return epilogue_problem(epilogue, example_epilogues.alpha_beta, shape, dtype,
                                 [("tile", dtype), ("tile", dtype)], scalars=ALPHA_BETA_SCALARS,
                                 config=config)
     raise ValueError(f"unknown epilogue {epilogue!r}; choose from {', '.join(_NAMED)}.")

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import bench, seed_epilogues
+from . import bench, example_epilogues
 from .config import GemmConfig
 from .epilogue import EpilogueError
 
@@ -72,7 +72,7 @@ def _expr_epilogue(expr: str) -> Callable[[Any], Any]:
 
 def _add_run(sub: Any) -> None:
     p = sub.add_parser("run", help="run one fused GEMM, check it and time it",
-                       description="Run one fused GEMM (a seed epilogue or --expr), check it against a "
+                       description="Run one fused GEMM (an epilogue of CUTLASS's custom-epilogue example or --expr), check it against a "
                                    "float32 reference, and time it against the same math in plain JAX.")
     p.add_argument("--mnkl", type=_ints(4), default=(1024, 1024, 512, 1), metavar="M,N,K,L")
     for name, default in (("ab", "bfloat16"), ("c", None), ("d", None), ("acc", "float32"),
@@ -91,7 +91,7 @@ def _add_run(sub: Any) -> None:
                         "baseline runs first (median round)")
     p.add_argument("--skip_ref_check", action="store_true")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--epilogue", choices=sorted(seed_epilogues.SEEDS), default="alpha-beta")
+    which.add_argument("--epilogue", choices=sorted(example_epilogues.EXAMPLES), default="alpha-beta")
     which.add_argument("--expr", help="an epilogue as a Python expression of acc, e.g. \"jnp.tanh(acc)*2\"; "
                                       "evaluated as code, so only your own")
     p.set_defaults(func=_run)
@@ -112,13 +112,13 @@ def _run_problem(args: argparse.Namespace) -> bench.Problem:
     if args.expr is not None:
         return bench.epilogue_problem("expr", _expr_epilogue(args.expr), args.mnkl, args.ab_dtype,
                                       out_dtypes=args.d_dtype, **common)
-    seed = seed_epilogues.SEEDS[args.epilogue]
+    example = example_epilogues.EXAMPLES[args.epilogue]
     values = {"alpha": args.alpha, "beta": args.beta, "x_factor": args.x_factor, "scale": args.scale}
     return bench.epilogue_problem(
-        args.epilogue, seed.fn, args.mnkl, args.ab_dtype,
-        [(role, operand_dtype[name]) for name, role in seed.operands],
-        scalars={k: values[k] for k in seed.scalars},
-        out_dtypes={k: out_dtype[k] for k in seed.outputs}, **common)
+        args.epilogue, example.fn, args.mnkl, args.ab_dtype,
+        [(role, operand_dtype[name]) for name, role in example.operands],
+        scalars={k: values[k] for k in example.scalars},
+        out_dtypes={k: out_dtype[k] for k in example.outputs}, **common)
 
 
 def _tolerance(args: argparse.Namespace) -> float:
@@ -236,7 +236,7 @@ def _info(args: argparse.Namespace) -> int:
         "gemm": (lambda a, b: efc.gemm(a, b), bf16(n, n), bf16(n, n)),
         "fused_dense gelu_tanh": (lambda x, w, b: efc.fused_dense(x, w, b, activation="gelu_tanh"),
                                   bf16(n, n), bf16(n, n), bf16(n)),
-        "alpha-beta": (lambda a, b, c, x: efc.gemm(a, b, seed_epilogues.alpha_beta, c, x,
+        "alpha-beta": (lambda a, b, c, x: efc.gemm(a, b, example_epilogues.alpha_beta, c, x,
                                                    **bench.ALPHA_BETA_SCALARS),
                        bf16(n, n), bf16(n, n), bf16(n, n), bf16(n, n)),
     }

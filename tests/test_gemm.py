@@ -23,7 +23,7 @@ def f32(x):
     return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 
 
-# the seed's four epilogues ---------------------------------------------------------------
+# the CUTLASS example's four epilogues ---------------------------------------------------------------
 
 def alpha_beta(acc, c, x, *, alpha, beta, x_factor):
     return {"D": acc * alpha + c * beta + x * x_factor, "Y": acc}

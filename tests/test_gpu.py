@@ -36,7 +36,7 @@ def tol(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_seed_epilogues(rng, dtype):
+def test_cutlass_example_epilogues(rng, dtype):
     m, n, k = 512, 384, 256
     a, b = rand(rng, (m, k), dtype), rand(rng, (k, n), dtype)
     c, x, bias = rand(rng, (m, n), dtype), rand(rng, (m, n), dtype), rand(rng, (n,), dtype)

@@ -31,7 +31,7 @@ VARIANTS = {
     "bf16_batched_64x128": ("bfloat16", False, False, 3, (64, 128, 1, 1), "identity"),
     "fp16_c2x2_128x128": ("float16", False, False, None, (128, 128, 2, 2), "bias_gelu"),
     "bf16_multi_batched_c2x1": ("bfloat16", True, True, 2, (128, 256, 2, 1), "multi"),
-    # two TILE operands (TMA-loaded epilogue operands), two outputs: the seed's alpha-beta
+    # two TILE operands (TMA-loaded epilogue operands), two outputs: the CUTLASS example's alpha-beta
     "bf16_alpha_beta_128x256": ("bfloat16", False, False, None, (128, 256, 1, 1), "alpha_beta"),
     "fp16_alpha_beta_epi64_64x128": ("float16", False, True, None, (64, 128, 1, 1, {"epi_n": 64}),
                                      "alpha_beta"),

@@ -1,7 +1,8 @@
-"""The seed's example epilogues, in one place for the examples, the CLI and the benchmark.
+"""The epilogues of CUTLASS's custom-epilogue example (Blackwell EFC), in one place for the
+examples, the CLI and the benchmark.
 
 Each is a plain ``jax.numpy`` function of the accumulator, its operands and keyword scalars,
-usable both with ``jax_efc.gemm`` and as plain JAX on ``a @ b``. ``SEEDS`` describes, per
+usable both with ``jax_efc.gemm`` and as plain JAX on ``a @ b``. ``EXAMPLES`` describes, per
 name, which operands each one takes (by role) and which scalars, so a driver such as
 ``jax-efc run`` can build its inputs.
 """
@@ -16,11 +17,11 @@ import jax.numpy as jnp
 
 from . import activations
 
-__all__ = ["alpha_beta", "activation", "multi_output", "complex_epilogue", "SeedEpilogue", "SEEDS"]
+__all__ = ["alpha_beta", "activation", "multi_output", "complex_epilogue", "ExampleEpilogue", "EXAMPLES"]
 
 
 def alpha_beta(acc: Any, c: Any, x: Any, *, alpha: Any, beta: Any, x_factor: Any) -> dict[str, Any]:
-    """D = acc*alpha + C*beta + X*x_factor, and Y = acc (the seed's main example)."""
+    """D = acc*alpha + C*beta + X*x_factor, and Y = acc (the CUTLASS example's main epilogue)."""
     return {"D": acc * alpha + c * beta + x * x_factor, "Y": acc}
 
 
@@ -43,7 +44,7 @@ def complex_epilogue(acc: Any, bias: Any, c: Any, x: Any, *, scale: Any) -> dict
 
 
 @dataclasses.dataclass(frozen=True)
-class SeedEpilogue:
+class ExampleEpilogue:
     """An epilogue and what it takes and gives: operands as (name, role) with role "tile"
     (M, N) or "row" (N,), the names of its keyword scalars and of its outputs."""
 
@@ -53,11 +54,11 @@ class SeedEpilogue:
     outputs: tuple[str, ...]
 
 
-SEEDS: dict[str, SeedEpilogue] = {
-    "alpha-beta": SeedEpilogue(alpha_beta, (("c", "tile"), ("x", "tile")), ("alpha", "beta", "x_factor"),
+EXAMPLES: dict[str, ExampleEpilogue] = {
+    "alpha-beta": ExampleEpilogue(alpha_beta, (("c", "tile"), ("x", "tile")), ("alpha", "beta", "x_factor"),
                                ("D", "Y")),
-    "activation": SeedEpilogue(activation, (("c", "tile"),), ("alpha", "beta"), ("D",)),
-    "multi-output": SeedEpilogue(multi_output, (("c", "tile"),), ("alpha", "beta"), ("D", "Y")),
-    "complex": SeedEpilogue(complex_epilogue, (("bias", "row"), ("c", "tile"), ("x", "tile")), ("scale",),
+    "activation": ExampleEpilogue(activation, (("c", "tile"),), ("alpha", "beta"), ("D",)),
+    "multi-output": ExampleEpilogue(multi_output, (("c", "tile"),), ("alpha", "beta"), ("D", "Y")),
+    "complex": ExampleEpilogue(complex_epilogue, (("bias", "row"), ("c", "tile"), ("x", "tile")), ("scale",),
                             ("D",)),
 }
