@@ -23,7 +23,9 @@ from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR
 from jax_efc.kernels import DEFAULT_SM_COUNT, TIMELINE_EVENTS, TIMELINE_UNITS, assumed_max_clusters
 
-__all__ = ["device_arch", "unsupported_reason", "xla_faster_reason", "fused_gemm"]
+from . import kernel_cache
+
+__all__ = ["device_arch", "unsupported_reason", "xla_faster_reason", "fused_gemm", "lower", "store_compiled"]
 
 # compile key -> kernel object, so that re-lowering reuses it; the least recently used go first
 _KERNELS: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
@@ -241,6 +243,54 @@ def _kernel(problem, mnkl, timeline, devices):
     return key, kernel
 
 
+# kernels compiled this process but not yet in the disk cache: entry key -> (compile key, input
+# shapes). The DSL compiles a kernel when its call is lowered, after fused_gemm has returned.
+_UNSTORED: dict[str, tuple] = {}
+
+
+def store_compiled() -> None:
+    """Put the kernels the DSL has compiled since the last call into the disk cache."""
+    if not _UNSTORED:
+        return
+    from cutlass.jax import compile as dsl_compile
+    from cutlass.jax.types import cutlass_to_jax_layout_order
+
+    for disk_key, (key, shapes) in list(_UNSTORED.items()):
+        for cache_key, result in list(dsl_compile._CUTLASS_COMPILE_CACHE.items()):
+            if cache_key.compile_key == key and [tuple(x.shape) for x in result.spec.in_args] == shapes:
+                spec = result.spec
+                kernel_cache.store(disk_key, kernel_cache.Entry(
+                    module=bytes(result.module), fingerprint=bytes(result.fingerprint),
+                    input_layouts=tuple(cutlass_to_jax_layout_order(t.layout) for t in spec.input_spec),
+                    output_layouts=tuple(cutlass_to_jax_layout_order(t.layout) for t in spec.output_spec),
+                    aliases=tuple(tuple(a) for a in spec.input_output_aliases)))
+                del _UNSTORED[disk_key]
+                break
+
+
+def _stored_call(entry: kernel_cache.Entry, inputs: list, out_shapes: list) -> list:
+    """The custom call ``cutlass_call`` would emit for the stored kernel, without the DSL."""
+    import jax
+    from cutlass.jax.ffi import get_cutlass_call_ffi_name, get_cutlass_call_ffi_version, register_ffi
+
+    version = get_cutlass_call_ffi_version()
+    register_ffi(version)
+    call = jax.ffi.ffi_call(get_cutlass_call_ffi_name(True, version), result_shape_dtypes=out_shapes,
+                            input_output_aliases=dict(entry.aliases), input_layouts=list(entry.input_layouts),
+                            output_layouts=list(entry.output_layouts))
+    return call(*inputs, module=entry.module, key=entry.fingerprint)
+
+
+def lower(ctx, *args, **params) -> Any:
+    """The kernel's lowering of a fused-GEMM call (``fused_gemm``'s keywords), its compiled
+    module then stored in the disk cache."""
+    from jax.interpreters import mlir
+
+    lowered = mlir.lower_fun(functools.partial(fused_gemm, **params), multiple_results=True)(ctx, *args)
+    store_compiled()
+    return lowered
+
+
 def fused_gemm(a, b, *operands, ir: EpilogueIR, transpose_a: bool, transpose_b: bool,
                acc_dtype: Any, config: GemmConfig | None, arch: str | None,
                devices: Sequence[int] | None = None, timeline: bool = False) -> list:
@@ -296,15 +346,24 @@ def fused_gemm(a, b, *operands, ir: EpilogueIR, transpose_a: bool, transpose_b: 
         in_specs.append(TensorSpec())
         out_shapes.append(jax.ShapeDtypeStruct((kernel.timeline_size(),), jnp.int32))
         out_specs.append(TensorSpec())
-    call = cutlass_call(
-        kernel,
-        output_shape_dtype=out_shapes,
-        input_spec=in_specs,
-        output_spec=out_specs,
-        input_output_aliases=aliases,
-        compile_key=key,
-    )
-    results = call(*inputs)
+    stored = None
+    if kernel_cache.enabled() and not timeline:
+        disk_key = kernel_cache.entry_key(key, inputs, [s.mode for s in in_specs], out_shapes, aliases)
+        stored = kernel_cache.load(disk_key)
+        if stored is None:
+            _UNSTORED[disk_key] = (key, [tuple(x.shape) for x in inputs])
+    if stored is not None:
+        results = _stored_call(stored, inputs, out_shapes)
+    else:
+        call = cutlass_call(
+            kernel,
+            output_shape_dtype=out_shapes,
+            input_spec=in_specs,
+            output_spec=out_specs,
+            input_output_aliases=aliases,
+            compile_key=key,
+        )
+        results = call(*inputs)
     batched = len(a.shape) == 3 or len(b.shape) == 3
     outs = [o if batched else o.reshape(m, n) for o in results[: len(ir.outputs)]]
     if not timeline:

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import getpass
 import importlib.metadata
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -227,7 +225,8 @@ def _info(args: argparse.Namespace) -> int:
         print(f"{dist + ':':<20}{_version(dist)}")
     print(f"{'devices:':<20}{', '.join(f'{d.platform}:{d.id} {d.device_kind}' for d in jax.devices())}")
     print(f"{'GPU arch:':<20}{ffi.device_arch() or 'none (no CUDA device; CUTE_DSL_ARCH unset)'}")
-    switches = {k: os.environ[k] for k in ("JAX_EFC_DISABLE", "JAX_EFC_STRICT", "CUTE_DSL_ARCH") if k in os.environ}
+    switches = {k: os.environ[k] for k in ("JAX_EFC_DISABLE", "JAX_EFC_STRICT", "JAX_EFC_KERNEL_CACHE", "CUTE_DSL_ARCH")
+                if k in os.environ}
     print(f"{'switches:':<20}{switches or 'none set'}")
 
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
@@ -244,12 +243,37 @@ def _info(args: argparse.Namespace) -> int:
     for name, (fn, *specs) in samples.items():
         print(f"  {name + ':':<24}{'; '.join(efc.backends(fn, *specs))}")
 
-    dsl_cache = os.environ.get("CUTE_DSL_CACHE_DIR") or os.path.join(
-        os.environ.get("TMPDIR", tempfile.gettempdir()), getpass.getuser(), "cutlass_python_cache")
+    from jax_efc.ffi import kernel_cache
+
+    ffi._use_private_dsl_cache()
+    entries, size = kernel_cache.usage()
+    state = "on" if kernel_cache.enabled() else "off"
     print("caches:")
-    print(f"  {'CuTe DSL kernels:':<24}{dsl_cache} (CUTE_DSL_CACHE_DIR)")
+    print(f"  {'jax_efc kernels:':<24}{kernel_cache.directory()}: {entries} entries, {size / 2**20:.1f} MiB, "
+          f"{state} (JAX_EFC_KERNEL_CACHE=1; clear: jax-efc cache clear)")
+    print(f"  {'CuTe DSL kernels:':<24}{os.environ.get('CUTE_DSL_CACHE_DIR', 'the DSL default')} (CUTE_DSL_CACHE_DIR)")
     print(f"  {'JAX compilation:':<24}{jax.config.jax_compilation_cache_dir or 'off (jax_compilation_cache_dir)'}")
-    print(f"  {'jax_efc kernel objects:':<24}in memory, per process (keyed by the compile key)")
+    print(f"  {'in memory:':<24}compiled kernels, per process (at most {ffi.KERNEL_CACHE_SIZE})")
+    return 0
+
+
+# jax-efc cache ------------------------------------------------------------------------------
+
+def _add_cache(sub: Any) -> None:
+    p = sub.add_parser("cache", help="the on-disk kernel cache: where it is, what it holds; clear it")
+    p.add_argument("action", choices=["info", "clear"], nargs="?", default="info")
+    p.set_defaults(func=_cache)
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from jax_efc.ffi import kernel_cache
+
+    if args.action == "clear":
+        print(f"removed {kernel_cache.clear()} entries from {kernel_cache.directory()}")
+        return 0
+    entries, size = kernel_cache.usage()
+    print(f"{kernel_cache.directory()}: {entries} entries, {size / 2**20:.1f} MiB "
+          f"({'on' if kernel_cache.enabled() else 'off'}: JAX_EFC_KERNEL_CACHE)")
     return 0
 
 
@@ -259,10 +283,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: the command line) and run the subcommand; returns its exit
     status. Bad arguments exit with status 2 and a usage message."""
     parser = argparse.ArgumentParser(prog="jax-efc", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,bench,info}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,bench,info,cache}")
     _add_run(sub)
     _add_bench(sub)
     _add_info(sub)
+    _add_cache(sub)
     args = parser.parse_args(argv)
     args.parser = sub.choices[args.command]
     return args.func(args)

@@ -291,10 +291,9 @@ def _cuda_lowering(ctx, *args, **params):
         return _reference_lowering(ctx, *args, **params)
     from jax_efc import ffi
 
-    kernel = partial(ffi.fused_gemm, arch=ffi.device_arch(), devices=_lowering_devices(ctx),
-                     **kernel_params(params))
     try:
-        return mlir.lower_fun(kernel, multiple_results=True)(ctx, *args)
+        return ffi.lower(ctx, *args, arch=ffi.device_arch(), devices=_lowering_devices(ctx),
+                         **kernel_params(params))
     except Exception as e:  # noqa: BLE001 - any failure to build the kernel falls back
         _fall_back(f"building the kernel failed ({type(e).__name__}: {_first_line(e)})")
         return _reference_lowering(ctx, *args, **params)

@@ -492,3 +492,17 @@ def test_bench_scanned_layers(name):
         bench.bench_problem(name, (m, 2 * k, k, l))
     with pytest.raises(ValueError, match="give M,K,K,L"):
         bench.bench_problem(name, (m, k, k, 1))
+
+
+def test_cache_command(capsys, tmp_path, monkeypatch):
+    from jax_efc.ffi import kernel_cache
+
+    monkeypatch.setenv("JAX_EFC_CACHE_DIR", str(tmp_path))
+    key = kernel_cache.entry_key(("k",), [], [], [], {})
+    kernel_cache.store(key, kernel_cache.Entry(b"module", b"fingerprint", (), (), ()))
+    assert main(["cache"]) == 0
+    assert f"{tmp_path / 'kernels'}: 1 entries" in capsys.readouterr().out
+    assert main(["info"]) == 0
+    assert "jax_efc kernels:" in capsys.readouterr().out
+    assert main(["cache", "clear"]) == 0
+    assert "removed 1 entries" in capsys.readouterr().out and kernel_cache.usage() == (0, 0)

@@ -1,0 +1,126 @@
+"""The on-disk kernel cache (``jax_efc.ffi.kernel_cache``): entries, their integrity and bound,
+and a second process that emits the very custom calls of the first without the DSL compiling."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import jax
+import pytest
+
+from conftest import run_for_sm90
+from jax_efc.ffi import kernel_cache
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAX_EFC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("JAX_EFC_KERNEL_CACHE", "1")
+    return tmp_path / "kernels"
+
+
+def _entry(n: int = 1000) -> kernel_cache.Entry:
+    return kernel_cache.Entry(module=os.urandom(n), fingerprint=os.urandom(32),
+                              input_layouts=((0, 1, 2), None), output_layouts=((0, 1, 2),), aliases=((1, 0),))
+
+
+def _key(compile_key=("k",), shape=(1, 64, 64)) -> str:
+    spec = jax.ShapeDtypeStruct(shape, "bfloat16")
+    return kernel_cache.entry_key(compile_key, [spec], [(1, 2, 0)], [spec], {})
+
+
+def test_entries_round_trip_and_are_private(cache):
+    entry = _entry()
+    kernel_cache.store(_key(), entry)
+    assert kernel_cache.load(_key()) == entry
+    assert kernel_cache.load(_key(shape=(1, 64, 128))) is None
+    assert oct(os.stat(cache).st_mode & 0o777) == "0o700"
+    assert kernel_cache.usage()[0] == 1
+    assert kernel_cache.clear() == 1 and kernel_cache.usage() == (0, 0)
+
+
+def test_the_key_covers_what_the_module_depends_on(cache, monkeypatch):
+    base = _key()
+    assert _key(compile_key=("other",)) != base
+    assert _key(shape=(2, 64, 64)) != base
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    assert _key() != base
+    monkeypatch.delenv("CUTE_DSL_ARCH")
+    assert _key() == base
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "foreign"])
+def test_a_damaged_or_foreign_entry_is_ignored_and_removed(cache, damage):
+    kernel_cache.store(_key(), _entry())
+    (path,) = cache.glob("*.kernel")
+    blob = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(blob[: len(blob) // 2])
+    elif damage == "flip":
+        path.write_bytes(blob[:-10] + bytes([blob[-10] ^ 1]) + blob[-9:])
+    else:
+        path.write_bytes(b"not a jax_efc kernel")
+    assert kernel_cache.load(_key()) is None
+    assert not path.exists()
+
+
+def test_the_cache_keeps_its_size_bound(cache, monkeypatch):
+    monkeypatch.setenv("JAX_EFC_KERNEL_CACHE_BYTES", str(5000))
+    for i in range(5):
+        kernel_cache.store(_key(compile_key=(i,)), _entry(1500))
+        os.utime(next(p for p in cache.glob("*.kernel") if p.name.startswith(_key(compile_key=(i,)))),
+                 (1000 + i, 1000 + i))
+    kept = [i for i in range(5) if kernel_cache.load(_key(compile_key=(i,))) is not None]
+    assert kept == [3, 4]  # the least recently used went first
+
+
+_EXPORT = """
+import json, sys
+import jax, jax.numpy as jnp
+import jax_efc as efc
+from cutlass.jax import get_export_disabled_safety_checks
+if sys.argv[1] == "no-dsl":
+    import cutlass.cute
+    def compile(*args, **kwargs):
+        raise RuntimeError("the DSL compiled a kernel")
+    cutlass.cute.compile = compile
+S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+def loss(x, w, b):
+    return efc.fused_dense(x, w, b, activation="gelu").astype(jnp.float32).sum()
+exported = jax.export.export(jax.jit(jax.grad(loss, (0, 1, 2))), platforms=["cuda"],
+                             disabled_checks=get_export_disabled_safety_checks())(
+    S((2048, 1536), bf), S((1536, 1536), bf), S((1536,), bf))
+print(json.dumps([line for line in exported.mlir_module().splitlines() if "custom_call @CuteDSLRT" in line]))
+"""
+
+
+def _calls(out: str) -> list[str]:
+    """The module's kernel calls, in a canonical order (a stored kernel's call stands in the main
+    function, a compiled one's in a function of its own). SSA names and source locations
+    differ between two programs; nothing else may."""
+    return sorted(re.sub(r"loc\(#loc\d+\)|%[\w#:]+", "", line) for line in json.loads(out.strip().splitlines()[-1]))
+
+
+def _built(calls: list[str]) -> list[str]:
+    """The calls without their compiled module and its fingerprint: two compiles of one kernel
+    need not give the same bytes."""
+    return sorted(re.sub(r'(key|module) = "(\\.|[^"\\])*"', "", c) for c in calls)
+
+
+def test_a_second_process_emits_the_same_kernels_without_the_dsl(tmp_path):
+    pytest.importorskip("cutlass.jax")
+    env = dict(JAX_EFC_CACHE_DIR=str(tmp_path), JAX_EFC_KERNEL_CACHE="1")
+    first = _calls(run_for_sm90(_EXPORT, "dsl", **env))
+    stored = sorted((tmp_path / "kernels").glob("*.kernel"))
+    assert len(first) == 3 and len(stored) == 3
+    assert _calls(run_for_sm90(_EXPORT, "no-dsl", **env)) == first
+    stored[0].write_bytes(stored[0].read_bytes()[:100])  # torn: that kernel compiles again
+    again = _calls(run_for_sm90(_EXPORT, "dsl", **env))
+    assert _built(again) == _built(first)
+    assert len(list((tmp_path / "kernels").glob("*.kernel"))) == 3
+    assert _calls(run_for_sm90(_EXPORT, "no-dsl", **env)) == again
+    off = dict(env, JAX_EFC_KERNEL_CACHE="0", JAX_EFC_CACHE_DIR=str(tmp_path / "off"))
+    assert _built(_calls(run_for_sm90(_EXPORT, "dsl", **off))) == _built(first)
+    assert not list((tmp_path / "off").glob("kernels/*.kernel"))
