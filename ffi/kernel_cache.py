@@ -92,9 +92,10 @@ def _path(key: str) -> str:
 
 
 def load(key: str) -> Entry | None:
-    """The entry stored under ``key``, or None; a damaged or foreign file is removed."""
-    path = _path(key)
+    """The entry stored under ``key``, or None; a damaged or foreign file is removed. A cache
+    directory that cannot be used is a miss (``store`` then says why)."""
     try:
+        path = _path(key)
         with open(path, "rb") as f:
             blob = f.read()
     except OSError:
