@@ -93,6 +93,7 @@ class Case:
     poison: bool  # a NaN or Inf in A and in a tile operand
     seed: int
     as_dict: bool = field(default=True)
+    b_shared: bool = False  # B 2-D, shared by every batch of A
 
 
 def _leaves(n_ops: int, static: list[str], dynamic: list[str]):
@@ -114,10 +115,19 @@ def _tree(n_ops: int, static: list[str], dynamic: list[str]):
     return st.recursive(_leaves(n_ops, static, dynamic), extend, max_leaves=8)
 
 
+# operand roles and their shapes (L: the batch); the batched ones only where there is a batch
+_ROLE_SHAPES = {"tile": lambda m, n, lead: lead + (m, n), "row": lambda m, n, lead: (n,),
+                "col": lambda m, n, lead: lead + (m, 1), "scalar": lambda m, n, lead: (),
+                "shared_tile": lambda m, n, lead: (m, n), "batch_row": lambda m, n, lead: lead + (1, n),
+                "batch_scalar": lambda m, n, lead: lead + (1, 1)}
+_BATCH_ROLES = ("shared_tile", "batch_row", "batch_scalar")
+
+
 @st.composite
-def cases(draw, *, kernel: bool = False) -> Case:
+def cases(draw, *, kernel: bool = False, floats32: bool = False) -> Case:
     """A random call; ``kernel=True`` keeps to what the SM90 kernel runs (16-bit A and B, the
-    16-byte alignment TMA needs), with partial tiles."""
+    16-byte alignment TMA needs), with partial tiles; ``floats32=True`` makes every input and
+    output float32 and leaves out non-finite inputs (for gradients)."""
     if kernel:
         m = draw(st.integers(1, 300))
         n = 8 * draw(st.integers(1, 40))
@@ -125,21 +135,24 @@ def cases(draw, *, kernel: bool = False) -> Case:
         ab = draw(st.sampled_from(["bfloat16", "float16"]))
     else:
         m, n, k = (draw(st.integers(1, 48)) for _ in range(3))
-        ab = draw(st.sampled_from(sorted(DTYPES)))
+        ab = "float32" if floats32 else draw(st.sampled_from(sorted(DTYPES)))
+    floats = ["float32"] if floats32 else sorted(DTYPES)
     transpose_a, transpose_b = draw(st.booleans()), draw(st.booleans())
     if kernel and transpose_a:  # M is then A's contiguous dimension
         m = 8 * -(-m // 8)
     batch = draw(st.sampled_from([None, None, 1, 3]))
-    roles = draw(st.lists(st.sampled_from(["tile", "row", "col", "scalar"]), max_size=3))
-    operands = [(r, draw(st.sampled_from(sorted(DTYPES)))) for r in roles]
+    b_shared = batch is not None and draw(st.booleans())  # a batched A against a 2-D B
+    roles = ["tile", "row", "col", "scalar"] + (list(_BATCH_ROLES) if batch is not None else [])
+    operands = [(r, draw(st.sampled_from(floats))) for r in draw(st.lists(st.sampled_from(roles), max_size=3))]
     static = {f"s{i}": draw(st.sampled_from([0.5, -2.0, 1.5, 0.0, -0.0])) for i in range(draw(st.integers(0, 2)))}
     dynamic = [f"d{i}" for i in range(draw(st.integers(0, 1)))]
     n_out = draw(st.integers(1, 3))
     tree = _tree(len(operands), sorted(static), dynamic)
     outputs = {f"o{i}": draw(tree) for i in range(n_out)}
-    out_dtypes = {name: draw(st.sampled_from(sorted(DTYPES))) for name in outputs}
-    return Case(m, n, k, batch, ab, transpose_a, transpose_b, operands, static, dynamic,
-                outputs, out_dtypes, draw(st.booleans()), draw(st.integers(0, 2**31 - 1)), draw(st.booleans()))
+    out_dtypes = {name: draw(st.sampled_from(floats)) for name in outputs}
+    poison = not floats32 and draw(st.booleans())
+    return Case(m, n, k, batch, ab, transpose_a, transpose_b, operands, static, dynamic, outputs,
+                out_dtypes, poison, draw(st.integers(0, 2**31 - 1)), draw(st.booleans()), b_shared)
 
 
 def _jax_eval(tree, acc, ops, scalars):
@@ -179,15 +192,14 @@ def inputs_of(case: Case) -> tuple[Any, Any, list[Any], dict[str, Any]]:
     rng = np.random.default_rng(case.seed)
     lead = () if case.batch is None else (case.batch,)
     a_shape = lead + ((case.k, case.m) if case.transpose_a else (case.m, case.k))
-    b_shape = lead + ((case.n, case.k) if case.transpose_b else (case.k, case.n))
+    b_shape = (() if case.b_shared else lead) + ((case.n, case.k) if case.transpose_b else (case.k, case.n))
     a = rng.standard_normal(a_shape) / math.sqrt(case.k)
     b = rng.standard_normal(b_shape)
-    shapes = {"tile": lead + (case.m, case.n), "row": (case.n,), "col": lead + (case.m, 1), "scalar": ()}
-    ops = [rng.standard_normal(shapes[r]) for r, _ in case.operands]
+    ops = [rng.standard_normal(_ROLE_SHAPES[r](case.m, case.n, lead)) for r, _ in case.operands]
     if case.poison:
         a.reshape(-1)[rng.integers(a.size)] = rng.choice([np.nan, np.inf, -np.inf])
         for (role, _), x in zip(case.operands, ops):
-            if role == "tile":
+            if role in ("tile", "shared_tile"):
                 x.reshape(-1)[rng.integers(x.size)] = rng.choice([np.nan, np.inf, -np.inf])
                 break
     ab = DTYPES[case.ab_dtype]
@@ -208,6 +220,8 @@ def oracle(case: Case, a, b, ops, dyn, *, kernel: bool) -> dict[str, tuple[np.nd
         a = np.swapaxes(a, -1, -2)
     if case.transpose_b:
         b = np.swapaxes(b, -1, -2)
+    if case.b_shared:
+        b = np.broadcast_to(b, a.shape[:-2] + b.shape)
     with np.errstate(all="ignore"):
         acc = np.einsum("...mk,...kn->...mn", a, b)
         # fp32 accumulation of exact products: each partial sum rounds once
@@ -320,3 +334,46 @@ def strict():
             del os.environ["JAX_EFC_STRICT"]
         else:
             os.environ["JAX_EFC_STRICT"] = old
+
+
+def run_grad(case: Case) -> None:
+    """The gradients of a random weighting of ``case``'s outputs with respect to A, B, every
+    operand and every dynamic scalar, against the same epilogue differentiated by JAX in
+    float64 on ``a @ b``: relative Frobenius error at most 1e-4 (float32 arithmetic)."""
+    import jax_efc as efc
+
+    a, b, ops, dyn = inputs_of(case)
+    rng = np.random.default_rng(case.seed + 1)
+    fn = epilogue_of(case)
+    names = sorted(dyn)
+    lead = () if case.batch is None else (case.batch,)
+    weights = {name: rng.standard_normal(lead + (case.m, case.n)) for name in case.outputs}
+
+    def loss(matmul, a, b, ops, scalars):
+        outs = fn(matmul(a, b), *ops, **case.static, **dict(zip(names, scalars)))
+        outs = outs if case.as_dict else dict(zip(case.outputs, outs))
+        return sum(jnp.sum(outs[k] * weights[k]) for k in case.outputs)
+
+    def fused(a, b, ops, scalars):
+        outs = efc.gemm(a, b, fn, *ops, transpose_a=case.transpose_a, transpose_b=case.transpose_b,
+                        **case.static, **dict(zip(names, scalars)))
+        outs = outs if case.as_dict else dict(zip(case.outputs, outs))
+        return sum(jnp.sum(outs[k] * weights[k]) for k in case.outputs)
+
+    def plain_matmul(a, b):
+        a = jnp.swapaxes(a, -1, -2) if case.transpose_a else a
+        b = jnp.swapaxes(b, -1, -2) if case.transpose_b else b
+        return jnp.matmul(a, b, precision="highest")
+
+    scalars = [dyn[k] for k in names]
+    got = jax.grad(fused, argnums=(0, 1, 2, 3))(a, b, ops, scalars)
+    with jax.enable_x64(True):
+        f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))  # noqa: E731
+        want = jax.grad(lambda *x: loss(plain_matmul, *x), argnums=(0, 1, 2, 3))(
+            f64(a), f64(b), [f64(x) for x in ops], [f64(x) for x in scalars])
+        want = jax.tree.map(np.asarray, want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        assert g.shape == w.shape, (g.shape, w.shape)
+        scale = max(np.linalg.norm(w), 1e-6 * math.sqrt(w.size) + 1e-30)
+        assert np.linalg.norm(g - w) <= 1e-4 * scale + 1e-6, (np.linalg.norm(g - w), np.linalg.norm(w))

@@ -21,6 +21,12 @@ def test_reference_matches_the_float64_oracle(case):
     fuzzing.run(case)
 
 
+@settings(max_examples=30, **_SETTINGS)
+@given(fuzzing.cases(floats32=True))
+def test_gradients_match_float64_autodiff(case):
+    fuzzing.run_grad(case)
+
+
 @pytest.mark.gpu
 @settings(max_examples=40, **_SETTINGS)
 @given(fuzzing.cases(kernel=True))
