@@ -188,28 +188,45 @@ def epilogue_problem(
     epi_dtype: Any = None,
     config: GemmConfig | None = None,
     ours: Callable[..., Any] | None = None,
+    majors: tuple[str, str, str] = ("k", "n", "n"),
 ) -> Problem:
     """A problem for ``fn(acc, *operands, **scalars)``: ours is ``jax_efc.gemm`` (or the
     given ``ours``), the baseline is ``fn(a @ b, ...)`` in plain JAX. ``operands`` are
-    (role, dtype) with role "tile" ((L,) M, N) or "row" (N,)."""
+    (role, dtype) with role "tile" ((L,) M, N) or "row" (N,). ``majors`` are the contiguous
+    dimensions of A ("k" or "m"), B ("n" or "k") and the tile operands ("n" or "m"), as in
+    CUTLASS's examples: A and B are read in place either way; M-major tile operands are
+    transposed before our GEMM (jax_efc reads them N-major), and the time counts it."""
     m, n, k, l = shape
+    a_major, b_major, c_major = majors
+    ta, tb, tc = a_major == "m", b_major == "k", c_major == "m"
     lead = (l,) if l > 1 else ()
-    dims = {"tile": (*lead, m, n), "row": (n,)}
-    specs = (jax.ShapeDtypeStruct((*lead, m, k), dtype), jax.ShapeDtypeStruct((*lead, k, n), dtype),
+    dims = {"tile": (*lead, n, m) if tc else (*lead, m, n), "row": (n,)}
+    specs = (jax.ShapeDtypeStruct((*lead, k, m) if ta else (*lead, m, k), dtype),
+             jax.ShapeDtypeStruct((*lead, n, k) if tb else (*lead, k, n), dtype),
              *(jax.ShapeDtypeStruct(dims[role], dt) for role, dt in operands))
     scalars = scalars or {}
+    tiles = [role == "tile" for role, _ in operands]
+
+    def stored(a, b, ops):
+        """A, B and the operands as the math reads them: (M, K), (K, N), tiles (M, N)."""
+        a = jnp.swapaxes(a, -1, -2) if ta else a
+        b = jnp.swapaxes(b, -1, -2) if tb else b
+        return a, b, [jnp.swapaxes(x, -1, -2) if tc and t else x for x, t in zip(ops, tiles)]
+
     if ours is None:
         def ours(a, b, *ops):
-            return gemm(a, b, fn, *ops, out_dtypes=out_dtypes, acc_dtype=acc_dtype,
-                        epi_dtype=epi_dtype, config=config, **scalars)
+            ops = [jnp.swapaxes(x, -1, -2) if tc and t else x for x, t in zip(ops, tiles)]
+            return gemm(a, b, fn, *ops, out_dtypes=out_dtypes, acc_dtype=acc_dtype, epi_dtype=epi_dtype,
+                        config=config, transpose_a=ta, transpose_b=tb, **scalars)
 
     def baseline(a, b, *ops):
+        a, b, ops = stored(a, b, ops)
         return _cast(fn(a @ b, *ops, **scalars), out_dtypes, a.dtype)
 
     def reference(a, b, *ops):
-        f32 = [x.astype(jnp.float32) for x in (a, b, *ops)]
-        acc = jnp.matmul(f32[0], f32[1], precision=jax.lax.Precision.HIGHEST)
-        return fn(acc, *f32[2:], **scalars)
+        a, b, ops = stored(*(x.astype(jnp.float32) for x in (a, b)), [x.astype(jnp.float32) for x in ops])
+        acc = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+        return fn(acc, *ops, **scalars)
 
     return Problem(name, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
                    jax.jit(ours), jax.jit(baseline), jax.jit(reference))

@@ -70,8 +70,9 @@ def _expr_epilogue(expr: str) -> Callable[[Any], Any]:
 
 def _add_run(sub: Any) -> None:
     p = sub.add_parser("run", help="run one fused GEMM, check it and time it",
-                       description="Run one fused GEMM (an epilogue of CUTLASS's custom-epilogue example or --expr), check it against a "
-                                   "float32 reference, and time it against the same math in plain JAX.")
+                       description="Run one fused GEMM (an epilogue of CUTLASS's custom-epilogue example "
+                                   "or --expr), check it against a float32 reference, and time it against "
+                                   "the same math in plain JAX.")
     p.add_argument("--mnkl", type=_ints(4), default=(1024, 1024, 512, 1), metavar="M,N,K,L")
     for name, default in (("ab", "bfloat16"), ("c", None), ("d", None), ("acc", "float32"),
                           ("epi", "float32"), ("x", None), ("y", None)):
@@ -88,6 +89,15 @@ def _add_run(sub: Any) -> None:
                    help=f"timed calls, in {bench.ROUNDS} rounds that alternate which of ours and the "
                         "baseline runs first (median round)")
     p.add_argument("--skip_ref_check", action="store_true")
+    p.add_argument("--tolerance", type=float, help="largest relative error of the check (default: by dtype)")
+    # CUTLASS's example conventions: the contiguous dimension of A, B and C (and X)
+    p.add_argument("--a_major", choices=["k", "m"], default="k")
+    p.add_argument("--b_major", choices=["n", "k"], default="n")
+    p.add_argument("--c_major", choices=["n", "m"], default="n")
+    p.add_argument("--use_cold_l2", action="store_true",
+                   help="inputs rotate among sets larger than L2 (every jax_efc timing does, where one set fits)")
+    p.add_argument("--use_2cta_instrs", action="store_true",
+                   help="2-CTA MMA: a Blackwell instruction; named and ignored on other GPUs")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--epilogue", choices=sorted(example_epilogues.EXAMPLES), default="alpha-beta")
     which.add_argument("--expr", help="an epilogue as a Python expression of acc, e.g. \"jnp.tanh(acc)*2\"; "
@@ -106,7 +116,8 @@ def _config(args: argparse.Namespace) -> GemmConfig | None:
 def _run_problem(args: argparse.Namespace) -> bench.Problem:
     operand_dtype = {"c": args.c_dtype, "bias": args.c_dtype, "x": args.x_dtype}
     out_dtype = {"D": args.d_dtype, "Y": args.y_dtype}
-    common = dict(acc_dtype=args.acc_dtype, epi_dtype=args.epi_dtype, config=_config(args))
+    common = dict(acc_dtype=args.acc_dtype, epi_dtype=args.epi_dtype, config=_config(args),
+                  majors=(args.a_major, args.b_major, args.c_major))
     if args.expr is not None:
         return bench.epilogue_problem("expr", _expr_epilogue(args.expr), args.mnkl, args.ab_dtype,
                                       out_dtypes=args.d_dtype, **common)
@@ -119,9 +130,29 @@ def _run_problem(args: argparse.Namespace) -> bench.Problem:
         out_dtypes={k: out_dtype[k] for k in example.outputs}, **common)
 
 
+def _notes(args: argparse.Namespace) -> list[str]:
+    """One line for each flag the run takes but the GPU at hand gives no meaning to."""
+    from . import ffi
+
+    notes = []
+    arch = ffi.device_arch()
+    if args.use_2cta_instrs and not (arch or "").startswith("sm_10"):
+        notes.append(f"--use_2cta_instrs: 2-CTA MMA is a Blackwell (sm_100) instruction; on {arch or 'this machine'} "
+                     "it has no meaning and is ignored.")
+    if args.use_cold_l2:
+        notes.append("--use_cold_l2: inputs rotate among sets larger than L2 whenever one set fits in it, "
+                     "as every jax_efc timing does.")
+    if args.c_major == "m":
+        notes.append("--c_major m: jax_efc reads tile operands N-major, so C and X are transposed before the "
+                     "GEMM; the time counts it.")
+    return notes
+
+
 def _tolerance(args: argparse.Namespace) -> float:
-    """16-bit (or narrower) inputs or outputs land between 1e-3 and 1e-2; float32 GEMMs may
-    use TF32 on the GPU."""
+    """``--tolerance``, else by dtype: 16-bit (or narrower) inputs or outputs land between 1e-3
+    and 1e-2; float32 GEMMs may use TF32 on the GPU."""
+    if args.tolerance is not None:
+        return args.tolerance
     dtypes = [args.ab_dtype, args.d_dtype, args.y_dtype]
     return 2e-2 if min(np.dtype(d).itemsize for d in dtypes) <= 2 else 5e-3
 
@@ -145,6 +176,8 @@ def _run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, NameError, AttributeError, EpilogueError) as e:
         args.parser.error(str(e))  # what jax_efc rejects (a shape, dtype, config or epilogue)
     m, n, k, l = args.mnkl
+    for note in _notes(args):
+        print(note)
     print(f"jax_efc {args.expr or args.epilogue}: M,N,K,L = {m},{n},{k},{l}; ab {args.ab_dtype}, "
           f"acc {args.acc_dtype}, epi {args.epi_dtype}; on {jax.devices()[0].device_kind}")
     print(f"backend: {r.backend}")

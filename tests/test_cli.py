@@ -506,3 +506,17 @@ def test_cache_command(capsys, tmp_path, monkeypatch):
     assert "jax_efc kernels:" in capsys.readouterr().out
     assert main(["cache", "clear"]) == 0
     assert "removed 1 entries" in capsys.readouterr().out and kernel_cache.usage() == (0, 0)
+
+
+def test_run_takes_the_cutlass_examples_layout_flags(capsys):
+    """--a_major/--b_major/--c_major change how A, B and C are stored (the check still passes),
+    --tolerance sets the check's bound, and flags without meaning here are named."""
+    args = ["run", "--mnkl", "96,64,48,2", "--iterations", "2", "--a_major", "m", "--b_major", "k",
+            "--c_major", "m", "--use_2cta_instrs", "--use_cold_l2"]
+    assert main(args + ["--tolerance", "0.05"]) == 0
+    out = capsys.readouterr().out
+    assert "--use_2cta_instrs: 2-CTA MMA is a Blackwell (sm_100) instruction" in out
+    assert "--use_cold_l2:" in out and "--c_major m:" in out
+    assert "ok (tolerance 5e-02)" in out
+    assert main(args + ["--tolerance", "1e-9"]) == 1  # bf16 cannot meet it: the check fails
+    assert "FAIL (tolerance 1e-09)" in capsys.readouterr().out
