@@ -162,6 +162,13 @@ def fused_mlp(
     ``x`` is (..., K), ``up_kernel`` and ``gate_kernel`` (K, H), ``down_kernel`` (H, D). The
     activation (and the gate's product) is fused into the first GEMM; in the backward, its
     derivative is fused into the down projection's data-gradient GEMM.
+
+    >>> import jax.numpy as jnp, jax_efc as efc
+    >>> x = jnp.ones((4, 16))
+    >>> up, down = jnp.full((16, 64), 0.1), jnp.full((64, 16), 0.1)
+    >>> y = efc.fused_mlp(x, up, None, down, None, activation="silu", gate_kernel=up)
+    >>> y.shape
+    (4, 16)
     """
     x = jnp.asarray(x)
     if x.ndim < 1:

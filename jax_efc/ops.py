@@ -73,6 +73,14 @@ def gemm(
 
     ``recompute_acc=True`` recomputes ``op(a) @ op(b)`` in the backward pass instead of saving
     it as a residual.
+
+    >>> import jax.numpy as jnp, jax_efc as efc
+    >>> a, b = jnp.ones((256, 4), jnp.bfloat16), jnp.ones((4, 64), jnp.bfloat16)
+    >>> c = jnp.full((256, 64), 0.5, jnp.bfloat16)
+    >>> out = efc.gemm(a, b, lambda acc, c, *, alpha: {"D": acc * alpha + c, "Y": acc}, c, alpha=2.0,
+    ...                out_dtypes={"D": jnp.bfloat16, "Y": jnp.float32})
+    >>> out["D"].shape, out["D"].dtype, float(out["D"][0, 0]), out["Y"].dtype
+    ((256, 64), dtype(bfloat16), 8.5, dtype('float32'))
     """
     a, b = arguments.array("a", a), arguments.array("b", b)
     for name, x in (("a", a), ("b", b)):
@@ -395,6 +403,12 @@ def fused_dense(
     ``x`` is (..., K), ``kernel`` (K, N), ``bias`` (N,), ``residual`` (..., N). ``activation``
     is a name from ``jax_efc.activations.ACTIVATIONS`` (``"gelu"`` is the exact erf form,
     ``"gelu_tanh"`` the approximation) or a callable of elementwise JAX ops.
+
+    >>> import jax.numpy as jnp, jax_efc as efc
+    >>> x, w, b = jnp.ones((8, 16, 32)), jnp.full((32, 64), 0.1), jnp.zeros(64)
+    >>> y = efc.fused_dense(x, w, b, activation="relu")
+    >>> y.shape, round(float(y[0, 0, 0]), 4)
+    ((8, 16, 64), 3.2)
     """
     x, kernel = arguments.array("x", x), arguments.array("kernel", kernel)
     if x.dtype != kernel.dtype:

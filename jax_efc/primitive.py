@@ -229,7 +229,13 @@ def backends(fn: Any, *args: Any, **kwargs: Any) -> list[str]:
     """For each fused GEMM that ``fn(*args, **kwargs)`` runs on the default device, which
     backend runs it: ``"kernel (sm_90a)"`` or ``"reference: <why>"``, judged on the shapes the
     call has in ``fn`` (a sharded call decides per device, on its shard's shapes). Raises the
-    ``ValueError`` compiling would raise for a pinned config the device's kernel cannot run."""
+    ``ValueError`` compiling would raise for a pinned config the device's kernel cannot run.
+
+    >>> import jax, jax.numpy as jnp, jax_efc as efc
+    >>> spec = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    >>> efc.backends(lambda a, b: efc.gemm(a, b, jax.nn.relu), spec, spec)  # on a CPU machine
+    ['reference: platform cpu has no jax_efc kernel']
+    """
     eqns = fused_gemm_eqns(jax.make_jaxpr(partial(fn, **kwargs))(*args))
     if jax.default_backend() != "gpu":
         return [f"reference: platform {jax.default_backend()} has no jax_efc kernel"] * len(eqns)
