@@ -110,3 +110,28 @@ def test_a_kernel_that_fails_to_build_falls_back(lowered):
     assert len(logs) == 1 and "building the kernel failed (RuntimeError" in logs[0]
     assert "forced build failure" in lowered["failed build strict"]
     assert "JAX_EFC_STRICT=1" in lowered["failed build strict"]
+
+
+_WITHOUT_DSL = """
+import sys
+sys.modules["cutlass"] = sys.modules["cutlass.jax"] = None  # as if jax_efc[cuda13] were not installed
+import os
+import jax, jax.numpy as jnp
+import jax_efc as efc
+S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+specs = S((2048, 1536), bf), S((1536, 1536), bf), S((1536,), bf)
+exported = jax.export.export(jax.jit(lambda x, w, b: efc.fused_dense(x, w, b, activation="gelu")),
+                             platforms=["cuda"])(*specs)
+print(exported.mlir_module().count("custom_call"))
+os.environ["JAX_EFC_STRICT"] = "1"
+try:
+    jax.export.export(jax.jit(lambda x, w, b: efc.fused_dense(x, w, b)), platforms=["cuda"])(*specs)
+except efc.FallbackError as e:
+    print(e)
+"""
+
+
+def test_without_the_dsl_the_reference_runs_and_says_why():
+    count, reason = run_for_sm90(_WITHOUT_DSL).strip().splitlines()[-2:]
+    assert count == "0"
+    assert "nvidia-cutlass-dsl" in reason and "not importable" in reason
