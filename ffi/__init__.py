@@ -291,10 +291,27 @@ def _stored_call(entry: kernel_cache.Entry, inputs: list, out_shapes: list) -> l
 
 def lower(ctx, *args, **params) -> Any:
     """The kernel's lowering of a fused-GEMM call (``fused_gemm``'s keywords), its compiled
-    module then stored in the disk cache."""
+    module then stored in the disk cache. Where building the kernel fails, what the lowering
+    had emitted so far (the DSL compiles while its call is lowered, into functions of their
+    own) is removed before the exception propagates, so the caller can lower the call another
+    way into a module that is still whole."""
     from jax.interpreters import mlir
+    from jax._src.lib.mlir import ir
 
-    lowered = mlir.lower_fun(functools.partial(fused_gemm, **params), multiple_results=True)(ctx, *args)
+    module_ops = ctx.module_context.module.body.operations
+    block_ops = ir.InsertionPoint.current.block.operations
+    marks = len(module_ops), len(block_ops)
+    try:
+        lowered = mlir.lower_fun(functools.partial(fused_gemm, **params), multiple_results=True)(ctx, *args)
+    except Exception:
+        for ops, mark in ((block_ops, marks[1]), (module_ops, marks[0])):
+            for i in reversed(range(mark, len(ops))):
+                op = ops[i]
+                if "sym_name" in op.attributes:
+                    ctx.module_context.symbol_table.erase(op)
+                else:
+                    op.erase()
+        raise
     store_compiled()
     return lowered
 

@@ -67,6 +67,17 @@ big = S((8192, 8192), bf), S((8192, 8192), bf), S((8192,), bf)
 out["stream-K export"] = kernels(lambda x, w, b: efc.fused_dense(x, w, b, activation="gelu", config=cfg), *big)
 out["stream-K planned"] = [bool(k.schedule.stream_k) for k in F._KERNELS.values()]
 
+# the DSL failing while the call is lowered (it compiles then): the reference, in a module
+# that is still whole, forward and backward
+import cutlass.cute
+compile_kernel = cutlass.cute.compile
+def dsl_fails(*args, **kwargs):
+    raise RuntimeError("forced DSL failure")
+cutlass.cute.compile = dsl_fails
+specs = S((1024, 1536), bf), S((1536, 1536), bf), S((1536,), bf)
+out["failed compile"] = [kernels(dense, *specs), kernels(jax.grad(loss, (0, 1, 2)), *specs)]
+cutlass.cute.compile = compile_kernel
+
 # a kernel that fails to build falls back, with the reason logged once; strict mode raises it
 def fail(*args, **kwargs):
     raise RuntimeError("forced build failure")
@@ -105,6 +116,7 @@ def test_exported_programs_plan_no_cross_cta_waits(lowered):
 
 
 def test_a_kernel_that_fails_to_build_falls_back(lowered):
+    assert lowered["failed compile"] == [0, 0]
     assert lowered["failed build"] == [0, 0]
     logs = [m for m in lowered["failed build logs"] if "forced build failure" in m]
     assert len(logs) == 1 and "building the kernel failed (RuntimeError" in logs[0]
