@@ -25,7 +25,8 @@ from jax_efc.kernels import DEFAULT_SM_COUNT, TIMELINE_EVENTS, TIMELINE_UNITS, a
 
 from . import kernel_cache
 
-__all__ = ["device_arch", "unsupported_reason", "xla_faster_reason", "fused_gemm", "lower", "store_compiled"]
+__all__ = ["device_arch", "planned_config", "unsupported_reason", "xla_faster_reason", "fused_gemm", "lower",
+           "store_compiled"]
 
 # compile key -> kernel object, so that re-lowering reuses it; the least recently used go first
 _KERNELS: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
@@ -191,6 +192,13 @@ def unsupported_reason(ir: EpilogueIR, a, b, operands: Sequence[Any], *, transpo
     primitive's canonical shapes, which its abstract evaluation has already checked.
     """
     return _checked_problem(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch)[0]
+
+
+def planned_config(ir: EpilogueIR, a, b, operands: Sequence[Any], *, transpose_a: bool, transpose_b: bool,
+                   acc_dtype: Any, config: GemmConfig | None, arch: str) -> GemmConfig:
+    """The config the kernel runs this call with: ``config``, or the heuristic's choice;
+    arguments as :func:`unsupported_reason`'s."""
+    return _problem(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch)[0].config
 
 
 def xla_faster_reason(ir: EpilogueIR, a, b, operands: Sequence[Any], *, transpose_a: bool,

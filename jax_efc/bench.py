@@ -570,7 +570,7 @@ def measure(problem: Problem, **kw: Any) -> Result:
 def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls: int | None = None,
                      warmup: int = 1, min_round_s: float = 0.1, check: bool = True,
                      seed: int = 0, clocks: ClockSampler | None = None, bound: bool = False,
-                     calls_per_jit: int = 1) -> list[Result]:
+                     calls_per_jit: int = 1, stage: Callable[[str], None] | None = None) -> list[Result]:
     """Time several configurations of one epilogue at one shape (problems that differ only in
     ``config``) in the same interleaved rounds as their shared baseline, so the drift of the
     GPU's clock between rounds hits them all alike and their times compare directly. With an
@@ -581,8 +581,11 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
     ``calls_per_jit`` > 1 times that many calls inside one jitted function, each on inputs of
     its own (nothing for XLA to share between them, nothing left in L2 by the previous one),
     as a model's step runs its layers: the time per call is then the GPU's, without the host's
-    cost of dispatching a jitted function, which exceeds a small GEMM's."""
+    cost of dispatching a jitted function, which exceeds a small GEMM's. ``stage(text)`` is told
+    when each stage begins (inputs, compiling and checking, timing)."""
+    stage = stage or (lambda text: None)
     first = problems[0]
+    stage("making the inputs")
     if any((p.epilogue, p.shape, p.dtype) != (first.epilogue, first.shape, first.dtype) for p in problems):
         raise ValueError("measure_together takes configurations of one epilogue, shape and dtype")
     moved = _moved_bytes(first)
@@ -599,6 +602,7 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
 
     errs: list[float | None] = [None] * len(problems)
     base_err = None
+    stage("compiling, and checking against the float32 reference" if check else "compiling")
     if check:
         ref = first.reference(*first_inputs)
         errs = [_rel_err(p.ours(*first_inputs), ref) for p in problems]
@@ -609,6 +613,7 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
     fns = [p.ours for p in problems] + [first.baseline] + plain
     if calls_per_jit > 1:
         fns = [jax.jit(lambda sets, fn=fn: [fn(*inputs) for inputs in sets]) for fn in fns]
+    stage(f"warming up and timing {len(fns)} functions in interleaved rounds")
     times, windows = _time(fns, input_sets, rounds, calls, min_round_s, warmup)
     times = [t / calls_per_jit for t in times]
     count = len(problems)

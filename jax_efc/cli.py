@@ -13,6 +13,7 @@ import importlib.util
 import importlib.metadata
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -113,10 +114,34 @@ def _config(args: argparse.Namespace) -> GemmConfig | None:
     return GemmConfig(tile_m=tile[0], tile_n=tile[1], cluster_m=cluster[0], cluster_n=cluster[1])
 
 
-def _run_problem(args: argparse.Namespace) -> bench.Problem:
+def _configs_that_ran(problem: bench.Problem) -> list[str]:
+    """For each fused GEMM of ``problem`` that the kernel runs, the tile, cluster and schedule it
+    runs with (the pinned config, or the heuristic's choice)."""
+    from . import ffi
+    from .primitive import fused_gemm_eqns, kernel_unsupported_reason, xla_faster_reason
+
+    arch = ffi.device_arch()
+    if arch is None or jax.default_backend() != "gpu":
+        return []
+    lines = []
+    for eqn in fused_gemm_eqns(jax.make_jaxpr(problem.ours)(*problem.specs)):
+        avals, p = [v.aval for v in eqn.invars], eqn.params
+        if kernel_unsupported_reason(avals, p) or xla_faster_reason(avals, p):
+            continue
+        a, b, *ops = avals
+        cfg = ffi.planned_config(p["ir"], a, b, ops, transpose_a=p["transpose_a"], transpose_b=p["transpose_b"],
+                                 acc_dtype=p["acc_dtype"], config=p["config"], arch=arch)
+        lines.append(f"kernel config: tile {cfg.tile_m}x{cfg.tile_n}, cluster {cfg.cluster_m}x{cfg.cluster_n}, "
+                     f"{'ping-pong' if cfg.pingpong else 'cooperative'}, epilogue subtile "
+                     f"{cfg.epi_m or cfg.tile_m}x{cfg.epi_n}"
+                     + (" (pinned)" if p["config"] is not None else " (the heuristic's)"))
+    return lines
+
+
+def _run_problem(args: argparse.Namespace, pinned: bool = True) -> bench.Problem:
     operand_dtype = {"c": args.c_dtype, "bias": args.c_dtype, "x": args.x_dtype}
     out_dtype = {"D": args.d_dtype, "Y": args.y_dtype}
-    common = dict(acc_dtype=args.acc_dtype, epi_dtype=args.epi_dtype, config=_config(args),
+    common = dict(acc_dtype=args.acc_dtype, epi_dtype=args.epi_dtype, config=_config(args) if pinned else None,
                   majors=(args.a_major, args.b_major, args.c_major))
     if args.expr is not None:
         return bench.epilogue_problem("expr", _expr_epilogue(args.expr), args.mnkl, args.ab_dtype,
@@ -170,19 +195,37 @@ def _run(args: argparse.Namespace) -> int:
         except SyntaxError as e:
             args.parser.error(f"--expr is not a Python expression: {e.msg}")
     rounds = max(1, min(bench.ROUNDS, args.iterations))  # the bench rounds it up to whole cycles
+    start = time.perf_counter()
+
+    def stage(text: str) -> None:  # long runs (8192^3 on a CPU) say what they are doing
+        print(f"[{time.perf_counter() - start:7.1f} s] {text}", file=sys.stderr, flush=True)
+
     try:
-        r = bench.measure(_run_problem(args), rounds=rounds, calls=max(1, args.iterations // rounds),
-                          warmup=args.warmup_iterations, check=not args.skip_ref_check)
+        problem = _run_problem(args)
+        # a pinned config is timed in the same rounds as the heuristic's, so they compare
+        problems = [problem] + ([_run_problem(args, pinned=False)] if _config(args) is not None else [])
+        results = bench.measure_together(problems, rounds=rounds, calls=max(1, args.iterations // rounds),
+                                         warmup=args.warmup_iterations, check=not args.skip_ref_check,
+                                         stage=stage)
     except (ValueError, TypeError, NameError, AttributeError, EpilogueError) as e:
         args.parser.error(str(e))  # what jax_efc rejects (a shape, dtype, config or epilogue)
+    stage("done")
+    r = results[0]
     m, n, k, l = args.mnkl
     for note in _notes(args):
         print(note)
     print(f"jax_efc {args.expr or args.epilogue}: M,N,K,L = {m},{n},{k},{l}; ab {args.ab_dtype}, "
           f"acc {args.acc_dtype}, epi {args.epi_dtype}; on {jax.devices()[0].device_kind}")
     print(f"backend: {r.backend}")
+    for line in _configs_that_ran(problem):
+        print(line)
     print(f"time: {r.ours_s * 1e3:.4f} ms, {r.tflops:.4g} TFLOP/s; plain JAX {r.baseline_s * 1e3:.4f} ms "
           f"(ratio {r.ratio:.2f})")
+    if len(results) > 1 and r.backend.startswith("kernel"):
+        auto = results[1]
+        verdict = "slower than" if r.ours_s > auto.ours_s else "as fast as or faster than"
+        print(f"the pinned config ({r.config}) is {verdict} the heuristic's: {r.ours_s * 1e3:.4f} ms against "
+              f"{auto.ours_s * 1e3:.4f} ms ({auto.backend}), timed in the same rounds")
     if r.err is None:
         return 0
     tol = _tolerance(args)

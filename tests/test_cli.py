@@ -520,3 +520,11 @@ def test_run_takes_the_cutlass_examples_layout_flags(capsys):
     assert "ok (tolerance 5e-02)" in out
     assert main(args + ["--tolerance", "1e-9"]) == 1  # bf16 cannot meet it: the check fails
     assert "FAIL (tolerance 1e-09)" in capsys.readouterr().out
+
+
+def test_run_says_what_it_is_doing_and_times_a_pinned_config_beside_the_heuristics(capsys):
+    assert main(["run", "--mnkl", "96,64,48,1", "--iterations", "2", "--mma_tiler_mn", "128,128"]) == 0
+    err = capsys.readouterr().err
+    stages = [line.split("] ", 1)[1] for line in err.splitlines() if line.startswith("[")]
+    assert stages[1:] == ["compiling, and checking against the float32 reference",
+                          "warming up and timing 3 functions in interleaved rounds", "done"]
