@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR
 from jax_efc.kernels import DEFAULT_SM_COUNT, TIMELINE_EVENTS, TIMELINE_UNITS, assumed_max_clusters
+from jax_efc.log import log_once
 
 from . import kernel_cache
 
@@ -131,10 +133,6 @@ def _use_private_dsl_cache() -> None:
     try:
         os.environ["CUTE_DSL_CACHE_DIR"] = private_cache_dir("cute_dsl")
     except OSError as e:
-        import logging
-
-        from jax_efc.primitive import log_once
-
         log_once(logging.WARNING, f"the CuTe DSL keeps its default cache directory: {e}")
 
 
@@ -276,10 +274,6 @@ def store_compiled() -> None:
                 try:
                     kernel_cache.store(disk_key, entry)
                 except OSError as e:  # the cache is a convenience: the kernel runs without it
-                    import logging
-
-                    from jax_efc.primitive import log_once
-
                     log_once(logging.WARNING, f"the kernel cache cannot store kernels: {e}")
                 break
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from .config import GemmConfig
 
-__all__ = ["array", "flag", "dtype", "acc_dtype", "out_dtypes", "check_x64", "check_config", "precision"]
+__all__ = ["array", "flag", "dtype", "allowed_acc_dtypes", "acc_dtype", "out_dtypes", "check_x64", "check_config", "precision"]
 
 
 def array(name: str, x: Any) -> Any:
@@ -45,17 +45,22 @@ def dtype(name: str, value: Any, floating: bool = False) -> np.dtype:
     return dtype
 
 
-def acc_dtype(value: Any, ab_dtype: np.dtype) -> np.dtype:
-    """The accumulator dtype: float32 by default (float64 for float64 inputs); float16 inputs
-    may accumulate in float16, any inputs in float64. Nothing narrower than the inputs, and
-    nothing that is not a float: GEMMs do not accumulate floats in integers."""
-    default = np.dtype(jnp.promote_types(ab_dtype, jnp.float32))
-    if value is None:
-        return default
-    acc = dtype("acc_dtype", value)
+def allowed_acc_dtypes(ab_dtype: Any) -> list[str]:
+    """What a GEMM of ``ab_dtype`` inputs may accumulate in: float32 (16- and 32-bit inputs),
+    float64 (any), float16 for float16 inputs. Nothing narrower than the inputs, and nothing that
+    is not a float: GEMMs do not accumulate floats in integers."""
+    ab_dtype = np.dtype(ab_dtype)
     allowed = ["float32", "float64"] if ab_dtype.itemsize <= 4 else ["float64"]
-    if ab_dtype == np.dtype(jnp.float16):
-        allowed.insert(0, "float16")
+    return ["float16", *allowed] if ab_dtype == np.dtype(jnp.float16) else allowed
+
+
+def acc_dtype(value: Any, ab_dtype: np.dtype) -> np.dtype:
+    """The accumulator dtype: float32 by default (float64 for float64 inputs), else one of
+    :func:`allowed_acc_dtypes`."""
+    if value is None:
+        return np.dtype(jnp.promote_types(ab_dtype, jnp.float32))
+    acc = dtype("acc_dtype", value)
+    allowed = allowed_acc_dtypes(ab_dtype)
     if acc.name not in allowed:
         raise TypeError(f"acc_dtype={acc.name} cannot accumulate {ab_dtype.name} inputs; allowed: "
                         f"{', '.join(allowed)}.")

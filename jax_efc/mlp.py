@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from . import activations
 from .epilogue import EpilogueError
 from .ops import fused_dense, gemm
-from .primitive import log_once
+from .log import log_once
 
 __all__ = ["fused_mlp"]
 

@@ -24,13 +24,14 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import config as _config
+from .arguments import allowed_acc_dtypes
 from .epilogue import EpilogueIR, Role, canonical_shape, evaluate, identity_ir, with_acc_output
+from .log import log_once
 from .reference import fused_gemm_reference
 
 __all__ = ["fused_gemm_p", "fused_gemm", "FallbackError", "fused_gemm_eqns", "backends",
            "match_varying", "kernel_params", "gemm_cotangents"]
 
-logger = logging.getLogger("jax_efc")
 
 fused_gemm_p = jex.core.Primitive("efc_fused_gemm")
 fused_gemm_p.multiple_results = True
@@ -89,10 +90,10 @@ def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, pre
                         "dtype: cast one of them.")
     if not jnp.issubdtype(a.dtype, jnp.floating):
         raise TypeError(f"a and b are {a.dtype}; the fused GEMM takes floating inputs.")
-    if not jnp.issubdtype(acc_dtype, jnp.floating) or jnp.promote_types(a.dtype, acc_dtype) != acc_dtype:
-        raise TypeError(f"acc_dtype={np.dtype(acc_dtype).name} cannot accumulate {a.dtype} inputs: "
-                        "take a floating dtype at least as wide as the inputs (float32 for 16-bit "
-                        "inputs).")
+    allowed = allowed_acc_dtypes(a.dtype)
+    if np.dtype(acc_dtype).name not in allowed:
+        raise TypeError(f"acc_dtype={np.dtype(acc_dtype).name} cannot accumulate {a.dtype} inputs; "
+                        f"allowed: {', '.join(allowed)}.")
     batch, m, n, _ = problem_shape(a.shape, b.shape, transpose_a, transpose_b)
     if len(operands) != len(ir.operands):
         raise ValueError(f"the epilogue takes {len(ir.operands)} operands, got {len(operands)}.")
@@ -148,16 +149,6 @@ dispatch.prim_requires_devices_during_lowering.add(fused_gemm_p)
 # Lowerings ---------------------------------------------------------------------------------
 
 _reference_lowering = mlir.lower_fun(fused_gemm_reference, multiple_results=True)
-_logged: set[str] = set()
-
-
-def log_once(level: int, message: str) -> None:
-    """Log ``message`` on the "jax_efc" logger the first time it comes."""
-    if message not in _logged:
-        _logged.add(message)
-        logger.log(level, "jax_efc: %s", message)
-
-
 def _fall_back(reason: str) -> None:
     if _config.strict():
         raise FallbackError(f"jax_efc: no kernel for this GEMM (JAX_EFC_STRICT=1): {reason}")
@@ -354,7 +345,8 @@ def gemm_cotangents(ct, a, b, need_a: bool, need_b: bool, *, epi_dtype: Any, tra
     d op(b) = op(a)^T @ ct, each a plain GEMM that reads its operands in place (``ct`` in the
     dtype of the operand it meets)."""
     def plain(x, y, dtype, ta, tb):
-        return fused_gemm(x, y, ir=identity_ir(dtype, epi_dtype), transpose_a=ta, transpose_b=tb, **params)[0]
+        ir = identity_ir(dtype, epi_dtype)
+        return fused_gemm(x, y, ir=ir, transpose_a=ta, transpose_b=tb, **params)[0]
 
     def dtype(x):
         return x.aval.dtype if ad.is_undefined_primal(x) else x.dtype
@@ -362,10 +354,12 @@ def gemm_cotangents(ct, a, b, need_a: bool, need_b: bool, *, epi_dtype: Any, tra
     da = db = None
     if need_a:
         c = ct.astype(b.dtype)
-        da = plain(b, c, dtype(a), transpose_b, True) if transpose_a else plain(c, b, dtype(a), False, not transpose_b)
+        da = (plain(b, c, dtype(a), transpose_b, True) if transpose_a
+              else plain(c, b, dtype(a), False, not transpose_b))
     if need_b:
         c = ct.astype(a.dtype)
-        db = plain(c, a, dtype(b), True, transpose_a) if transpose_b else plain(a, c, dtype(b), not transpose_a, False)
+        db = (plain(c, a, dtype(b), True, transpose_a) if transpose_b
+              else plain(a, c, dtype(b), not transpose_a, False))
     return da, db
 
 
@@ -377,12 +371,10 @@ def _jvp_rule(primals, tangents, *, ir, transpose_a, transpose_b, acc_dtype, pre
     epi = ir.epi_dtype
     *outs, acc = fused_gemm_p.bind(a, b, *operands, ir=with_acc_output(ir, epi), **params)
     plain = dict(params, ir=identity_ir(epi, epi))
-    t_acc = None
-    for x, y, tangent in ((ta, b, ta), (a, tb, tb)):
-        if type(tangent) is not ad.Zero:
-            (term,) = fused_gemm_p.bind(*match_varying((x, y)), **plain)
-            t_acc = term if t_acc is None else t_acc + term
-    t_acc = jnp.zeros_like(acc) if t_acc is None else t_acc
+    # the accumulator's tangent: op(ta) @ op(b) + op(a) @ op(tb), each a plain GEMM
+    terms = [fused_gemm_p.bind(*match_varying(pair), **plain)[0]
+             for pair, tangent in (((ta, b), ta), ((a, tb), tb)) if type(tangent) is not ad.Zero]
+    t_acc = sum(terms[1:], terms[0]) if terms else jnp.zeros_like(acc)
     t_ops = [jnp.zeros(x.shape, x.dtype) if type(t) is ad.Zero else t for x, t in zip(operands, t_ops)]
     _, t_outs = jax.jvp(lambda acc, *ops: evaluate(ir, acc, ops), (acc, *operands), (t_acc, *t_ops))
     return outs, list(t_outs)
