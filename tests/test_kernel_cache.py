@@ -140,3 +140,45 @@ def test_an_unusable_cache_directory_costs_the_cache_not_the_kernel(tmp_path, mo
     ffi._use_private_dsl_cache()
     assert "CUTE_DSL_CACHE_DIR" not in os.environ
     assert any("keeps its default cache directory" in r.getMessage() for r in caplog.records)
+
+
+_RUN = """
+import json, os, sys
+import jax, jax.numpy as jnp, numpy as np
+import jax_efc as efc
+if sys.argv[1] == "no-dsl":
+    import cutlass.cute
+    def compile(*args, **kwargs):
+        raise RuntimeError("the DSL compiled a kernel")
+    cutlass.cute.compile = compile
+rng = np.random.default_rng(0)
+x, w, b = (jnp.asarray(rng.standard_normal(s) / 8, jnp.bfloat16) for s in ((1000, 768), (768, 520), (520,)))
+def loss(x, w, b):
+    return (efc.fused_dense(x, w, b, activation="gelu").astype(jnp.float32) ** 2).sum()
+grads = jax.jit(jax.grad(loss, (0, 1, 2)))(x, w, b)
+print(json.dumps([np.asarray(g, np.float32).ravel().tolist() for g in grads]))
+"""
+
+
+@pytest.mark.gpu
+def test_a_stored_kernel_runs_and_gives_the_compiled_kernels_bits(tmp_path):
+    """On the GPU: a second process that loads every kernel of a training step from the cache
+    computes bit for bit what the first, compiling, process did, and both match the reference."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    def run(mode: str, **env: str) -> list[np.ndarray]:
+        proc = subprocess.run([sys.executable, "-c", _RUN, mode], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "JAX_EFC_CACHE_DIR": str(tmp_path), "JAX_EFC_STRICT": "1", **env})
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return [np.asarray(g) for g in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+    first = run("dsl", JAX_EFC_KERNEL_CACHE="1")
+    assert len(list((tmp_path / "kernels").glob("*.kernel"))) >= 3
+    stored = run("no-dsl", JAX_EFC_KERNEL_CACHE="1")
+    want = run("dsl", JAX_EFC_DISABLE="1", JAX_EFC_STRICT="0")
+    for f, s, w in zip(first, stored, want):
+        assert np.array_equal(f, s)
+        assert np.linalg.norm(f - w) <= 2e-2 * np.linalg.norm(w)
