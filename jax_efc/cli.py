@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import bench, example_epilogues
+from . import bench, device, example_epilogues
 from .config import GemmConfig
 from .epilogue import EpilogueError
 
@@ -116,25 +116,22 @@ def _config(args: argparse.Namespace) -> GemmConfig | None:
 
 def _configs_that_ran(problem: bench.Problem) -> list[str]:
     """For each fused GEMM of ``problem`` that the kernel runs, the tile, cluster and schedule it
-    runs with (the pinned config, or the heuristic's choice)."""
-    from . import ffi
-    from .primitive import fused_gemm_eqns, kernel_unsupported_reason, xla_faster_reason
+    runs with (the pinned config, or the heuristic's choice), as its plan says."""
+    from .plan import plan_call
+    from .primitive import fused_gemm_eqns
 
-    arch = ffi.device_arch()
-    if arch is None or jax.default_backend() != "gpu":
+    if jax.default_backend() != "gpu":
         return []
     lines = []
     for eqn in fused_gemm_eqns(jax.make_jaxpr(problem.ours)(*problem.specs)):
-        avals, p = [v.aval for v in eqn.invars], eqn.params
-        if kernel_unsupported_reason(avals, p) or xla_faster_reason(avals, p):
+        plan = plan_call([v.aval for v in eqn.invars], eqn.params)
+        if plan.backend != "kernel":
             continue
-        a, b, *ops = avals
-        cfg = ffi.planned_config(p["ir"], a, b, ops, transpose_a=p["transpose_a"], transpose_b=p["transpose_b"],
-                                 acc_dtype=p["acc_dtype"], config=p["config"], arch=arch)
+        cfg = plan.config
         lines.append(f"kernel config: tile {cfg.tile_m}x{cfg.tile_n}, cluster {cfg.cluster_m}x{cfg.cluster_n}, "
                      f"{'ping-pong' if cfg.pingpong else 'cooperative'}, epilogue subtile "
                      f"{cfg.epi_m or cfg.tile_m}x{cfg.epi_n}"
-                     + (" (pinned)" if p["config"] is not None else " (the heuristic's)"))
+                     + (" (pinned)" if eqn.params["config"] is not None else " (the heuristic's)"))
     return lines
 
 
@@ -157,10 +154,8 @@ def _run_problem(args: argparse.Namespace, pinned: bool = True) -> bench.Problem
 
 def _notes(args: argparse.Namespace) -> list[str]:
     """One line for each flag the run takes but the GPU at hand gives no meaning to."""
-    from . import ffi
-
     notes = []
-    arch = ffi.device_arch()
+    arch = device.arch()
     if args.use_2cta_instrs and not (arch or "").startswith("sm_10"):
         notes.append(f"--use_2cta_instrs: 2-CTA MMA is a Blackwell (sm_100) instruction; on {arch or 'this machine'} "
                      "it has no meaning and is ignored.")
@@ -250,33 +245,9 @@ def _bench(args: argparse.Namespace) -> int:
         args.parser.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
     report = bench.run_from_args(args)
     if args.plot:
-        _plot(report, args.plot)
+        bench.plot(report, args.plot)
         print(f"wrote {args.plot}")
     return 0
-
-
-def _plot(report: dict[str, Any], path: str) -> None:
-    """Bars of baseline time / our time per case, one series per baseline."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    series = [("XLA default", report["results"])]
-    if report["no_triton"]:
-        series.append(("XLA, Triton GEMM off", report["no_triton"]))
-    labels = ["x".join(map(str, r["shape"][:3])) + f"\n{r['epilogue']}" for r in report["results"]]
-    width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(labels)), 4))
-    for i, (name, results) in enumerate(series):
-        ax.bar([j + i * width for j in range(len(results))], [r["ratio"] for r in results], width, label=name)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, rotation=90, fontsize=7)
-    ax.set_ylabel("baseline time / jax_efc time")
-    ax.set_title(f"jax_efc vs XLA on {report['device']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 # jax-efc info -------------------------------------------------------------------------------
@@ -300,7 +271,7 @@ def _info(args: argparse.Namespace) -> int:
     for dist in ("jax_efc", "jax", "jaxlib", "nvidia-cutlass-dsl", "flax"):
         print(f"{dist + ':':<20}{_version(dist)}")
     print(f"{'devices:':<20}{', '.join(f'{d.platform}:{d.id} {d.device_kind}' for d in jax.devices())}")
-    print(f"{'GPU arch:':<20}{ffi.device_arch() or 'none (no CUDA device; CUTE_DSL_ARCH unset)'}")
+    print(f"{'GPU arch:':<20}{device.arch() or 'none (no CUDA device; CUTE_DSL_ARCH unset)'}")
     switches = {k: os.environ[k] for k in ("JAX_EFC_DISABLE", "JAX_EFC_STRICT", "JAX_EFC_KERNEL_CACHE", "CUTE_DSL_ARCH")
                 if k in os.environ}
     print(f"{'switches:':<20}{switches or 'none set'}")
@@ -321,7 +292,7 @@ def _info(args: argparse.Namespace) -> int:
 
     from jax_efc.ffi import kernel_cache
 
-    ffi._use_private_dsl_cache()
+    device.use_private_dsl_cache()
     entries, size = kernel_cache.usage()
     state = "on" if kernel_cache.enabled() else "off"
     print("caches:")

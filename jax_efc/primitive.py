@@ -27,10 +27,11 @@ from . import config as _config
 from .arguments import allowed_acc_dtypes
 from .epilogue import EpilogueIR, Role, canonical_shape, evaluate, identity_ir, with_acc_output
 from .log import log_once
+from .plan import plan_call
 from .reference import fused_gemm_reference
 
 __all__ = ["fused_gemm_p", "fused_gemm", "FallbackError", "fused_gemm_eqns", "backends",
-           "match_varying", "kernel_params", "gemm_cotangents"]
+           "match_varying", "gemm_cotangents"]
 
 
 fused_gemm_p = jex.core.Primitive("efc_fused_gemm")
@@ -155,49 +156,6 @@ def _fall_back(reason: str) -> None:
     log_once(logging.WARNING, f"using the XLA reference: {reason}")
 
 
-def kernel_unsupported_reason(avals_in: Sequence[Any], params: dict[str, Any]) -> str | None:
-    """Why the CUDA kernel cannot run this call (None: it can).
-
-    Raises ``ValueError`` when the call pins a config that is the only obstacle (the
-    heuristic's config would run): a pinned config is a request, not a hint to drop silently.
-    """
-    if _config.disabled():
-        return "JAX_EFC_DISABLE is set."
-    from jax_efc import ffi
-
-    arch = ffi.device_arch()
-    if arch is None:
-        return "no CUDA device with a supported architecture was found."
-    a, b, *operands = avals_in
-
-    def reason(config):
-        return ffi.unsupported_reason(
-            params["ir"], a, b, operands, transpose_a=params["transpose_a"],
-            transpose_b=params["transpose_b"], acc_dtype=params["acc_dtype"], config=config, arch=arch,
-        )
-
-    pinned = params["config"]
-    why = reason(pinned)
-    if why is not None and pinned is not None and reason(None) is None:
-        raise ValueError(f"jax_efc: the kernel for {arch} cannot run {pinned}: {why} "
-                         "Pass config=None to let the heuristic choose.")
-    return why
-
-
-def xla_faster_reason(avals_in: Sequence[Any], params: dict[str, Any]) -> str | None:
-    """Why a call the CUDA kernel can run goes to XLA's GEMM instead (None: it runs the
-    kernel). Only the heuristic hands calls over: never with a pinned config or under
-    ``JAX_EFC_STRICT=1``."""
-    if params["config"] is not None or _config.strict():
-        return None
-    from jax_efc import ffi
-
-    a, b, *operands = avals_in
-    return ffi.xla_faster_reason(params["ir"], a, b, operands, transpose_a=params["transpose_a"],
-                                 transpose_b=params["transpose_b"], acc_dtype=params["acc_dtype"],
-                                 arch=ffi.device_arch())
-
-
 def fused_gemm_eqns(closed_jaxpr: Any) -> list[Any]:
     """Every fused-GEMM equation in a jaxpr, nested jaxprs included."""
     found = []
@@ -219,8 +177,9 @@ def fused_gemm_eqns(closed_jaxpr: Any) -> list[Any]:
 def backends(fn: Any, *args: Any, **kwargs: Any) -> list[str]:
     """For each fused GEMM that ``fn(*args, **kwargs)`` runs on the default device, which
     backend runs it: ``"kernel (sm_90a)"`` or ``"reference: <why>"``, judged on the shapes the
-    call has in ``fn`` (a sharded call decides per device, on its shard's shapes). Raises the
-    ``ValueError`` compiling would raise for a pinned config the device's kernel cannot run.
+    call has in ``fn`` (a sharded call decides per device, on its shard's shapes) by the plan
+    its lowering would read. Raises the ``ValueError`` compiling would raise for a pinned
+    config the device's kernel cannot run.
 
     >>> import jax, jax.numpy as jnp, jax_efc as efc
     >>> spec = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
@@ -230,34 +189,11 @@ def backends(fn: Any, *args: Any, **kwargs: Any) -> list[str]:
     eqns = fused_gemm_eqns(jax.make_jaxpr(partial(fn, **kwargs))(*args))
     if jax.default_backend() != "gpu":
         return [f"reference: platform {jax.default_backend()} has no jax_efc kernel"] * len(eqns)
-    from jax_efc import ffi
-
     out = []
     for eqn in eqns:
-        avals = [v.aval for v in eqn.invars]
-        reason = (empty_reason(avals) or symbolic_reason(avals)
-                  or kernel_unsupported_reason(avals, eqn.params) or xla_faster_reason(avals, eqn.params))
-        out.append(f"kernel ({ffi.device_arch()})" if reason is None else f"reference: {reason}")
+        plan = plan_call([v.aval for v in eqn.invars], eqn.params)
+        out.append(f"kernel ({plan.arch})" if plan.backend == "kernel" else f"reference: {plan.reason}")
     return out
-
-
-def symbolic_reason(avals_in: Sequence[Any]) -> str | None:
-    """Why no kernel runs a call with symbolic dimensions (``jax.export`` with shape
-    polymorphism): its tiles and grid are fixed when it is compiled."""
-    shapes = [tuple(x.shape) for x in avals_in[:2]]
-    if all(isinstance(d, (int, np.integer)) for shape in shapes for d in shape):
-        return None
-    return (f"a and b have symbolic dimensions {shapes}; the kernel is compiled for static shapes "
-            "(export with concrete M, N, K and batch sizes to run it).")
-
-
-def empty_reason(avals_in: Sequence[Any]) -> str | None:
-    """A GEMM with a zero dimension has nothing for a kernel to compute: the reference gives
-    the empty result, or (K = 0) the epilogue of a zero accumulator. Not a fallback."""
-    a, b = avals_in[:2]
-    if 0 in tuple(a.shape) or 0 in tuple(b.shape):
-        return f"the GEMM is empty (a {tuple(a.shape)}, b {tuple(b.shape)})"
-    return None
 
 
 def _lowering_devices(ctx) -> tuple[int, ...] | None:
@@ -276,21 +212,17 @@ def _lowering_devices(ctx) -> tuple[int, ...] | None:
 
 
 def _cuda_lowering(ctx, *args, **params):
-    if empty_reason(ctx.avals_in) is not None:
-        return _reference_lowering(ctx, *args, **params)
-    reason = symbolic_reason(ctx.avals_in) or kernel_unsupported_reason(ctx.avals_in, params)
-    if reason is not None:
-        _fall_back(reason)
-        return _reference_lowering(ctx, *args, **params)
-    reason = xla_faster_reason(ctx.avals_in, params)
-    if reason is not None:
-        log_once(logging.INFO, f"using the XLA reference: {reason}")
+    plan = plan_call(ctx.avals_in, params, devices=_lowering_devices(ctx))
+    if plan.backend != "kernel":
+        if plan.level == logging.WARNING:
+            _fall_back(plan.reason)
+        elif plan.level:
+            log_once(plan.level, f"using the XLA reference: {plan.reason}")
         return _reference_lowering(ctx, *args, **params)
     from jax_efc import ffi
 
     try:
-        return ffi.lower(ctx, *args, arch=ffi.device_arch(), devices=_lowering_devices(ctx),
-                         **kernel_params(params))
+        return ffi.lower(ctx, *args, plan=plan)
     except Exception as e:  # noqa: BLE001 - any failure to build the kernel falls back
         _fall_back(f"building the kernel failed ({type(e).__name__}: {_first_line(e)})")
         return _reference_lowering(ctx, *args, **params)
@@ -299,12 +231,6 @@ def _cuda_lowering(ctx, *args, **params):
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0][:300] if text else "no message"
-
-
-def kernel_params(params: dict[str, Any]) -> dict[str, Any]:
-    """The keywords ``ffi.fused_gemm`` takes from a ``fused_gemm_p`` equation's params:
-    ``precision`` only steers the reference, ``local`` only the partitioner."""
-    return {k: v for k, v in params.items() if k not in ("precision", "local")}
 
 
 def _default_lowering(ctx, *args, **params):

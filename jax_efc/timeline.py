@@ -33,7 +33,8 @@ import numpy as np
 from .bench import (EPILOGUES, Problem, bench_problem, config_label, fixed_width, parse_config,
                     parse_shape, random_inputs)
 from .kernels import TIMELINE_EVENTS
-from .primitive import fused_gemm_eqns, kernel_params
+from .plan import plan_call
+from .primitive import fused_gemm_eqns
 
 __all__ = ["Summary", "summarize", "Positions", "by_position", "timeline_call", "record", "main"]
 
@@ -128,9 +129,9 @@ def timeline_call(problem: Problem) -> tuple[Callable[..., Any], list[jax.ShapeD
     eqns = fused_gemm_eqns(jax.make_jaxpr(problem.ours)(*problem.specs))
     if len(eqns) != 1:
         raise ValueError(f"{problem.epilogue} runs {len(eqns)} fused GEMMs; a timeline needs one.")
-    params = kernel_params(eqns[0].params)
     specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqns[0].invars]
-    fn = jax.jit(lambda *a: ffi.fused_gemm(*a, **params, arch=ffi.device_arch(), timeline=True)[-1])
+    plan = plan_call(specs, eqns[0].params)
+    fn = jax.jit(lambda *a: ffi.fused_gemm(*a, plan=plan, timeline=True)[-1])
     return fn, specs
 
 

@@ -82,7 +82,7 @@ def test_bench_stopped_keeps_what_it_measured(monkeypatch, tmp_path):
             raise KeyboardInterrupt
         return measure(group, **kw)
 
-    monkeypatch.setattr(bench, "measure_together", stopped_at_the_second)
+    monkeypatch.setattr(bench.timing, "measure_together", stopped_at_the_second)
     argv = ["bench", "--shapes", "32,64,48", "--epilogues", "gemm,bias+silu,alpha-beta",
             "--rounds", "1", "--min-round-time", "0.001", "--json", str(out_json)]
     with pytest.raises(KeyboardInterrupt):
@@ -109,13 +109,13 @@ def test_bench_resume_measures_only_what_is_missing(monkeypatch, tmp_path):
             return measure(group, **kw)
         return measure_or_stop
 
-    monkeypatch.setattr(bench, "measure_together", stopping_at(2))
+    monkeypatch.setattr(bench.timing, "measure_together", stopping_at(2))
     with pytest.raises(KeyboardInterrupt):
         main(argv)  # no file yet: --resume starts from nothing
     first = json.loads(out_json.read_text())["results"]
     assert [r["epilogue"] for r in first] == ["gemm"]
     measured.clear()
-    monkeypatch.setattr(bench, "measure_together", stopping_at(0))
+    monkeypatch.setattr(bench.timing, "measure_together", stopping_at(0))
     assert main(argv) == 0
     assert measured == ["bias+silu", "alpha-beta"]  # gemm is not measured again
     report = json.loads(out_json.read_text())
@@ -159,13 +159,13 @@ def test_bench_bound_times_our_plain_gemm_in_the_same_rounds(capsys, tmp_path):
 def test_bench_calls_per_jit(capsys, monkeypatch, tmp_path):
     # R calls inside one jitted function, each on inputs of its own; times are per call
     timed = []
-    real_time = bench._time
+    real_time = bench.timing._time
 
     def spy(fns, input_sets, *rest):
         timed.append((fns, input_sets))
         return real_time(fns, input_sets, *rest)
 
-    monkeypatch.setattr(bench, "_time", spy)
+    monkeypatch.setattr(bench.timing, "_time", spy)
     out_json = tmp_path / "bench.json"
     argv = ["bench", "--shapes", "32,64,48", "--epilogues", "bias+silu,train:bias+gelu_tanh",
             "--calls-per-jit", "3", "--bound", "--rounds", "2", "--min-round-time", "0.001",
@@ -313,7 +313,7 @@ def test_rounds_follow_the_timing_order():
         return fn
 
     x = jax.numpy.ones(4)
-    times, windows = bench._time([named("a"), named("b"), named("base")], [(x,)], rounds=3,
+    times, windows = bench.timing._time([named("a"), named("b"), named("base")], [(x,)], rounds=3,
                                  calls=1, min_round_s=0.0, warmup=1)
     names = ("a", "b", "base")
     order = [names[i] for i in bench.timing_order(3, 3)]
@@ -325,7 +325,7 @@ def test_rounds_follow_the_timing_order():
     assert windows[0][1][0] >= windows[0][0][1]
 
     log.clear()  # a lone function settles for one untimed round
-    times, windows = bench._time([named("a")], [(x,)], rounds=2, calls=3, min_round_s=0.0, warmup=1)
+    times, windows = bench.timing._time([named("a")], [(x,)], rounds=2, calls=3, min_round_s=0.0, warmup=1)
     assert len(log) == 2 + 3 + 2 * 3 and len(windows[0]) == 2
 
 
@@ -380,13 +380,13 @@ def test_clock_sampler_prefers_instant_power(monkeypatch, answer, instant):
             raise answer
         return answer
 
-    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    monkeypatch.setattr(bench.timing.subprocess, "run", fake_run)
     query = [c for c in bench.ClockSampler().command if c.startswith("--query-gpu=")]
     assert query == ["--query-gpu=clocks.sm," + ("power.draw.instant" if instant else "power.draw")]
 
 
 def test_bench_clocks_need_nvidia_smi(capsys, monkeypatch):
-    monkeypatch.setattr(bench.shutil, "which", lambda name: None)
+    monkeypatch.setattr(bench.command.shutil, "which", lambda name: None)
     with pytest.raises(SystemExit) as e:
         main(["bench", "--shapes", "32,32,32", "--clocks"])
     assert e.value.code == 2 and "nvidia-smi" in capsys.readouterr().err

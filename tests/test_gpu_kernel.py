@@ -27,6 +27,16 @@ def _setup():
     return jax, jnp, lax, F, GemmConfig, evaluate, trace_epilogue
 
 
+def _plan(ir, a, b, ops, **kw):
+    """The kernel's plan for a call on this GPU (asserting it has one)."""
+    from jax_efc import device
+    from jax_efc.plan import plan_kernel
+
+    plan = plan_kernel(ir, a, b, ops, arch=device.arch(), **kw)
+    assert plan.backend == "kernel", plan.reason
+    return plan
+
+
 def _run(fn, shapes_dtypes, *, m, n, k, batch=None, a_batched=True, b_batched=True, dtype="bfloat16",
          transpose_a=False, transpose_b=False, config=None, out_dtypes=None, static=None, tol=2e-2):
     jax, jnp, lax, F, GemmConfig, evaluate, trace_epilogue = _setup()
@@ -45,10 +55,8 @@ def _run(fn, shapes_dtypes, *, m, n, k, batch=None, a_batched=True, b_batched=Tr
     ir, *_ = trace_epilogue(fn, acc_shape, [s for s, _ in shapes_dtypes], [d for _, d in shapes_dtypes],
                             static or {}, {}, out_dtypes, dtype)
     kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, acc_dtype=jnp.float32,
-              config=None if config is None else GemmConfig(*config[:4], **(config[4] if len(config) > 4 else {})),
-              arch=F.device_arch())
-    reason = F.unsupported_reason(ir, a, b, ops, **kw)
-    assert reason is None, reason
+              config=None if config is None else GemmConfig(*config[:4], **(config[4] if len(config) > 4 else {})))
+    plan = _plan(ir, a, b, ops, **kw)
 
     def reference(a, b, *ops):
         a_ = jnp.swapaxes(a, -1, -2) if transpose_a else a
@@ -56,7 +64,7 @@ def _run(fn, shapes_dtypes, *, m, n, k, batch=None, a_batched=True, b_batched=Tr
         acc = jnp.matmul(a_, b_, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
         return evaluate(ir, acc, ops)
 
-    kernel = jax.jit(lambda a, b, *ops: F.fused_gemm(a, b, *ops, ir=ir, **kw))
+    kernel = jax.jit(lambda a, b, *ops: F.fused_gemm(a, b, *ops, plan=plan))
     jax.block_until_ready(kernel(a, b, *ops))  # compile first so priming is the last allocation
     # prime the allocator: NaN blocks of each output's size, freed just before the call
     poison = [jnp.full(acc_shape, jnp.nan, o.dtype) for o in ir.outputs]
@@ -133,12 +141,12 @@ def test_configs(config):
 def test_stream_k(config, m, n, k, batch, epilogue, transpose):
     import jax
 
-    import jax_efc.ffi as F
+    from jax_efc import device
     from jax_efc.config import GemmConfig
     from jax_efc.kernels.schedule import plan_schedule
 
     cfg = GemmConfig(*config[:4], **config[4])
-    clusters = F._max_active_clusters(cfg.cluster_m * cfg.cluster_n)
+    clusters, _ = device.residency(cfg.cluster_m * cfg.cluster_n, None, 0)
     assert plan_schedule(cfg, m, n, k, batch or 1, clusters).stream_k, "the shape no longer splits"
     acc = (m, n) if batch is None else (batch, m, n)
     if epilogue == "bias_gelu":
@@ -154,16 +162,16 @@ def test_persistent_grid_fits_the_gpu():
     # a cluster stays inside one GPC, so clusters of 4 can fit fewer times than SMs // 4 (30
     # on an H200, not 33); the grid is sized by the driver's answer, and the assumption used
     # when compiling without a GPU must not exceed it
-    import jax_efc.ffi as F
-    from jax_efc.kernels import assumed_max_clusters
+    from jax_efc import device
+    from jax_efc.kernels.sm90_policy import POLICY
 
-    sms = F._sm_count()
-    assert F._query_max_active_clusters(1) == sms
-    assert 0 < F._query_max_active_clusters(2) <= sms // 2
-    fours = F._query_max_active_clusters(4)
+    sms = device.sm_count(0)
+    assert device._query_max_active_clusters(1) == sms
+    assert 0 < device._query_max_active_clusters(2) <= sms // 2
+    fours = device._query_max_active_clusters(4)
     assert 0 < fours <= sms // 4
-    assert assumed_max_clusters(4, sms) <= fours
-    assert F._max_active_clusters(4) == fours
+    assert POLICY.assumed_max_clusters(4, sms) <= fours
+    assert device.residency(4, None, 0) == (fours, True)
 
 
 def test_dependent_kernels_in_one_jit():
@@ -180,13 +188,12 @@ def test_dependent_kernels_in_one_jit():
           for kk, (_, n, k) in zip(keys[1:], dims)]
     irs = [trace_epilogue(lambda acc: acc, (m, n), [], [], {}, {}, jnp.bfloat16, jnp.bfloat16)[0]
            for m, n, _ in dims]
-    kw = dict(transpose_a=False, transpose_b=False, acc_dtype=jnp.float32, config=cfg, arch=F.device_arch())
-    for (m, _, k), ir, w in zip(dims, irs, ws):
-        assert F.unsupported_reason(ir, jax.ShapeDtypeStruct((m, k), x.dtype), w, [], **kw) is None
+    kw = dict(transpose_a=False, transpose_b=False, acc_dtype=jnp.float32, config=cfg)
+    plans = [_plan(ir, jax.ShapeDtypeStruct((m, k), x.dtype), w, [], **kw) for (m, _, k), ir, w in zip(dims, irs, ws)]
 
     def chain(x, *ws):
-        for ir, w in zip(irs, ws):
-            (x,) = F.fused_gemm(x, w, ir=ir, **kw)
+        for plan, w in zip(plans, ws):
+            (x,) = F.fused_gemm(x, w, plan=plan)
         return x
 
     def reference(x, *ws):

@@ -78,10 +78,11 @@ def test_the_product_path_plans_stream_k_on_a_measured_gpu(rng):
 def test_a_grid_beyond_the_gpus_residency_runs_in_waves(rng, monkeypatch):
     """Where residency is unknown the grid may exceed what the GPU holds at once: with no CTA
     waiting on another, the surplus runs as a second wave and the answer is right."""
-    from jax_efc import ffi
+    from jax_efc import device, ffi, plan
 
-    measured = ffi._residency(2, None)[0]
-    monkeypatch.setattr(ffi, "_residency", lambda size, devices: (2 * measured, False))
+    measured = device.residency(2, None, 0)[0]
+    monkeypatch.setattr(device, "residency", lambda size, devices, assumed: (2 * measured, False))
+    plan._plan_kernel.cache_clear()  # plans made before the patch
     cfg = efc.GemmConfig(128, 128, 1, 2, pingpong=True, swizzle=8)
     a, b, acc = _inputs(rng, 4096, 4096, 4096)
     before = set(ffi._KERNELS)

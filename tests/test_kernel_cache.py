@@ -130,14 +130,14 @@ def test_a_second_process_emits_the_same_kernels_without_the_dsl(tmp_path):
 
 
 def test_an_unusable_cache_directory_costs_the_cache_not_the_kernel(tmp_path, monkeypatch, caplog):
-    from jax_efc import ffi
+    from jax_efc import device
 
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("JAX_EFC_CACHE_DIR", str(blocker / "cache"))  # under a file: not creatable
     assert kernel_cache.load(_key()) is None
     monkeypatch.delenv("CUTE_DSL_CACHE_DIR", raising=False)
-    ffi._use_private_dsl_cache()
+    device.use_private_dsl_cache()
     assert "CUTE_DSL_CACHE_DIR" not in os.environ
     assert any("keeps its default cache directory" in r.getMessage() for r in caplog.records)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import subprocess
@@ -170,6 +171,7 @@ def _compile_all(dump_dir: str) -> dict:
     from cutlass.jax import get_export_disabled_safety_checks
 
     import jax_efc.ffi as F
+    import jax_efc.plan as P
     results = {}
     for i, (name, (dt, ta, tb, batch, cfg, epi, *mnk)) in enumerate(VARIANTS.items()):
         dtype = jnp.dtype(dt)
@@ -181,14 +183,14 @@ def _compile_all(dump_dir: str) -> dict:
         b = jax.ShapeDtypeStruct(b_shape, dtype)  # B shared across the batch
         kw = dict(transpose_a=ta, transpose_b=tb, acc_dtype=jnp.float32, config=_config(cfg),
                   arch="sm_90a")
-        reason = F.unsupported_reason(ir, a, b, ops, **kw)
-        if reason:
-            results[name] = {"error": reason}
+        plan = P.plan_kernel(ir, a, b, ops, **kw)
+        if plan.reason:
+            results[name] = {"error": plan.reason}
             continue
         before = set(os.listdir(dump_dir))
         kernels_before = set(F._KERNELS)
         exported = jax.export.export(
-            jax.jit(lambda a, b, *ops: F.fused_gemm(a, b, *ops, ir=ir, **kw)),
+            jax.jit(lambda a, b, *ops: F.fused_gemm(a, b, *ops, plan=plan)),
             platforms=["cuda"],
             disabled_checks=get_export_disabled_safety_checks(),
         )(a, b, *ops)
@@ -224,11 +226,11 @@ def test_sigmoid_uses_the_hardware_reciprocal(compiled):
 
 
 def test_assumed_max_clusters():
-    from jax_efc.kernels import assumed_max_clusters
+    from jax_efc.kernels.sm90_policy import POLICY
 
     # clusters of 1 and 2 fill the 132 SMs (as the driver of an H200 answers); of 4, leave a
     # margin for the SMs that GPCs strand (30 fit on an H200)
-    assert [assumed_max_clusters(c, 132) for c in (1, 2, 4)] == [132, 66, 29]
+    assert [POLICY.assumed_max_clusters(c, 132) for c in (1, 2, 4)] == [132, 66, 29]
 
 
 def test_gelu_tanh_is_rewritten(compiled):
@@ -332,17 +334,17 @@ def test_unsupported_reasons(change, needle):
     pytest.importorskip("cutlass.jax")
     import jax.numpy as jnp
 
-    import jax_efc.ffi as F
+    import jax_efc.plan as P
     from jax_efc.epilogue import trace_epilogue
 
     m, n, k = change.get("m", 256), change.get("n", 512), change.get("k", 256)
     dtype = jnp.dtype(change.get("dtype", "bfloat16"))
     ir, *_ = trace_epilogue(lambda acc: acc, (m, n), [], [], {}, {}, jnp.bfloat16, jnp.bfloat16)
-    reason = F.unsupported_reason(
+    reason = P.plan_kernel(
         ir, _aval((m, k), dtype), _aval((k, n), dtype), [], transpose_a=False, transpose_b=False,
         acc_dtype=jnp.float32, config=_config(change.get("config", (128, 128, 1, 1))),
         arch=change.get("arch", "sm_90a"),
-    )
+    ).reason
     assert reason is not None and needle in reason, reason
 
 
@@ -354,7 +356,8 @@ def test_too_few_stages_names_the_subtiles_that_fit():
 
     from jax_efc.config import GemmConfig
     from jax_efc.epilogue import trace_epilogue
-    from jax_efc.kernels import KernelProblem, unsupported_reason
+    from jax_efc.kernels import KernelProblem
+    from jax_efc.kernels.sm90_policy import POLICY
 
     def fn(acc, c, x, w):
         return {"D": acc + c, "Y": acc * x, "Z": acc * w, "W": acc}
@@ -363,7 +366,7 @@ def test_too_few_stages_names_the_subtiles_that_fit():
                             jnp.float32, jnp.bfloat16)
 
     def reason(cfg):
-        return unsupported_reason(KernelProblem(ir, "bfloat16", "float32", "k", "n", False, False,
+        return POLICY.unsupported_reason(KernelProblem(ir, "bfloat16", "float32", "k", "n", False, False,
                                                 False, (False,) * 3, "sm_90a", cfg))
 
     message = reason(GemmConfig(tile_m=256, tile_n=192))
@@ -399,8 +402,9 @@ def test_last_tile_ring_slots(epilogue, dtype, cfg, mnk, fits, outputs_fit):
     pytest.importorskip("cutlass.jax")
     import jax.numpy as jnp
 
-    from jax_efc.kernels import KernelProblem, pipeline_stages
+    from jax_efc.kernels import KernelProblem
     from jax_efc.kernels.schedule import plan_schedule
+    from jax_efc.kernels.sm90_policy import pipeline_stages
     from jax_efc.kernels.sm90 import Sm90FusedGemm
 
     m, n, k = mnk
@@ -473,15 +477,18 @@ def test_supported_and_heuristic():
     pytest.importorskip("cutlass.jax")
     import jax.numpy as jnp
 
-    import jax_efc.ffi as F
+    import jax_efc.plan as P
     from jax_efc.config import GemmConfig
     from jax_efc.epilogue import trace_epilogue
-    from jax_efc.kernels import KernelProblem, choose_config
+    from jax_efc.kernels import KernelProblem
+    from jax_efc.kernels.sm90_policy import POLICY
+
+    choose_config = POLICY.choose_config
 
     ir, *_ = trace_epilogue(lambda acc: acc, (8192, 8192), [], [], {}, {}, jnp.bfloat16, jnp.bfloat16)
     a = _aval((8192, 8192), jnp.bfloat16)
-    assert F.unsupported_reason(ir, a, a, [], transpose_a=False, transpose_b=False,
-                                acc_dtype=jnp.float32, config=None, arch="sm_90a") is None
+    assert P.plan_kernel(ir, a, a, [], transpose_a=False, transpose_b=False,
+                         acc_dtype=jnp.float32, config=None, arch="sm_90a").backend == "kernel"
     problem = KernelProblem(ir, "bfloat16", "float32", "k", "n", False, False, False, (), "sm_90a",
                             GemmConfig())
     # large problems: ping-pong in 1x2 clusters, 192x128 tiles unless they fill the SMs'
@@ -568,7 +575,7 @@ def test_supported_and_heuristic():
                             [(8192, 8192)] * 2, [jnp.bfloat16] * 2, {}, {},
                             {"D": jnp.bfloat16, "Y": jnp.bfloat16}, jnp.bfloat16)
     p_ab = dataclasses.replace(problem, ir=ab, operand_batched=(False, False))
-    from jax_efc.kernels import pipeline_stages
+    from jax_efc.kernels.sm90_policy import pipeline_stages
     # 16-bit: the four buffers leave the ping-pong ring 5 stages at 128x32 subtiles, enough
     # for ping-pong, and 6 at 64x32 ones, which it takes where 128x128 tiles fill the SMs better
     cfg = choose_config(p_ab, 8192, 4096, 4096, 1)
@@ -617,10 +624,13 @@ def test_short_or_few_tile_gemms_go_to_xla(monkeypatch):
     keeps the kernel."""
     import jax.numpy as jnp
 
-    from jax_efc import primitive
     from jax_efc.config import GemmConfig
     from jax_efc.epilogue import trace_epilogue
-    from jax_efc.kernels import KernelProblem, xla_faster_reason
+    from jax_efc.kernels import KernelProblem
+    from jax_efc.kernels.sm90_policy import POLICY
+    from jax_efc.plan import plan_call
+
+    xla_faster_reason = POLICY.xla_faster_reason
 
     ir, *_ = trace_epilogue(lambda acc: acc, (8, 8), [], [], {}, {}, jnp.bfloat16, jnp.bfloat16)
     problem = KernelProblem(ir, "bfloat16", "float32", "k", "n", False, False, False, (), "sm_90a",
@@ -646,17 +656,18 @@ def test_short_or_few_tile_gemms_go_to_xla(monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     avals = [_aval((64, 512), jnp.bfloat16), _aval((512, 512), jnp.bfloat16)]
     params = dict(ir=ir, transpose_a=False, transpose_b=False, acc_dtype=jnp.float32, config=None)
-    assert "64 rows share each B" in primitive.xla_faster_reason(avals, params)
-    assert primitive.xla_faster_reason(avals, dict(params, config=GemmConfig(64, 128))) is None
+    plan = plan_call(avals, params)
+    assert plan.backend == "reference" and plan.level == logging.INFO and "64 rows share each B" in plan.reason
+    assert plan_call(avals, dict(params, config=GemmConfig(64, 128))).backend == "kernel"
     monkeypatch.setenv("JAX_EFC_STRICT", "1")
-    assert primitive.xla_faster_reason(avals, params) is None
+    assert plan_call(avals, params).backend == "kernel"
 
 
 def test_device_arch_from_env(monkeypatch):
-    import jax_efc.ffi as F
+    from jax_efc import device
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    assert F.device_arch() == "sm_90a"
+    assert device.arch() == "sm_90a"
 
 
 _EXPORT_PUBLIC = """

@@ -14,7 +14,7 @@ import pytest
 
 import jax_efc as efc
 from conftest import rel_err
-from jax_efc import primitive
+from jax_efc import plan, primitive
 from jax_efc.epilogue import identity_ir
 
 
@@ -60,11 +60,9 @@ def test_mixed_input_dtypes_are_refused_at_every_entry_point(rng):
             primitive.fused_gemm(a_, b_, ir=ir)
         with pytest.raises(TypeError, match=f"a is {a_.dtype} but b is {b_.dtype}"):
             jax.jit(lambda x, y: primitive.fused_gemm(x, y, ir=ir))(a_, b_)
-        from jax_efc import ffi
-
         with pytest.raises(TypeError, match=f"a is {a_.dtype} but b is {b_.dtype}"):
-            ffi.fused_gemm(a_, b_, ir=ir, transpose_a=False, transpose_b=False, acc_dtype=jnp.float32,
-                           config=None, arch="sm_90a")
+            plan.plan_kernel(ir, a_, b_, [], transpose_a=False, transpose_b=False, acc_dtype=jnp.float32,
+                             config=None, arch="sm_90a")
     with pytest.raises(TypeError, match="x is bfloat16 but kernel is float32"):
         efc.fused_dense(a.astype(jnp.bfloat16), b)
 
@@ -189,15 +187,13 @@ def test_batched_a_with_shared_b_folds_the_batch_into_m(rng):
 
 def test_tensors_past_32_bit_indexing_are_refused_by_the_kernel():
     pytest.importorskip("cutlass")
-    from jax_efc import ffi
-
     ir = identity_ir(jnp.bfloat16)
     kw = dict(transpose_a=False, transpose_b=False, acc_dtype=jnp.float32, config=None, arch="sm_90a")
     big = jax.ShapeDtypeStruct((65536, 32768), jnp.bfloat16)  # 2^31 elements
-    why = ffi.unsupported_reason(ir, big, jax.ShapeDtypeStruct((32768, 256), jnp.bfloat16), [], **kw)
+    why = plan.plan_kernel(ir, big, jax.ShapeDtypeStruct((32768, 256), jnp.bfloat16), [], **kw).reason
     assert why is not None and "32-bit indexing" in why and "A would hold 2147483648" in why
     small = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
-    assert ffi.unsupported_reason(ir, small, small, [], **kw) is None
+    assert plan.plan_kernel(ir, small, small, [], **kw).backend == "kernel"
 
 
 # 12. arguments of the wrong kind -----------------------------------------------------------
@@ -278,10 +274,18 @@ def test_forward_mode_says_what_to_use_instead(rng):
 
 # 14. bounded caches, private cache directory -----------------------------------------------
 
+def _problem(cfg):
+    from jax_efc.kernels import KernelProblem
+
+    return KernelProblem(ir=identity_ir(jnp.bfloat16), ab_dtype="bfloat16", acc_dtype="float32",
+                         a_major="k", b_major="n", batched=False, a_batched=False, b_batched=False,
+                         operand_batched=(), arch="sm_90a", config=cfg)
+
+
 def test_the_kernel_cache_is_bounded(monkeypatch):
     pytest.importorskip("cutlass")
     from jax_efc import ffi
-    from jax_efc.kernels import KernelProblem
+    from jax_efc.kernels.schedule import plan_schedule
 
     built = []
 
@@ -295,14 +299,11 @@ def test_the_kernel_cache_is_bounded(monkeypatch):
     monkeypatch.setattr(sm90, "Sm90FusedGemm", Fake)
     monkeypatch.setattr(ffi, "KERNEL_CACHE_SIZE", 3)
     monkeypatch.setattr(ffi, "_KERNELS", type(ffi._KERNELS)())
-    problem = KernelProblem(ir=identity_ir(jnp.bfloat16), ab_dtype="bfloat16", acc_dtype="float32",
-                            a_major="k", b_major="n", batched=False, a_batched=False, b_batched=False,
-                            operand_batched=(), arch="sm_90a", config=efc.GemmConfig())
-    import dataclasses
-
+    mnkl = (1024, 1024, 1024, 1)
     for tile_n in (64, 128, 192, 256, 64):
         cfg = efc.GemmConfig(tile_n=tile_n)
-        ffi._kernel(dataclasses.replace(problem, config=cfg), (1024, 1024, 1024, 1), False, None)
+        ffi._kernel(plan.Plan("kernel", arch="sm_90a", problem=_problem(cfg), mnkl=mnkl,
+                              schedule=plan_schedule(cfg, *mnkl, 132)), False)
     assert len(ffi._KERNELS) == 3 and len(built) == 5  # 64 was evicted, then built again
 
 
@@ -323,44 +324,43 @@ def test_the_cache_directory_is_private(tmp_path, monkeypatch):
 
 
 def test_the_dsl_cache_goes_to_the_private_directory(tmp_path, monkeypatch):
-    from jax_efc import ffi
+    from jax_efc import device
 
     monkeypatch.setenv("JAX_EFC_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CUTE_DSL_CACHE_DIR", raising=False)
-    ffi._use_private_dsl_cache()
+    device.use_private_dsl_cache()
     assert os.environ["CUTE_DSL_CACHE_DIR"] == str(tmp_path / "cute_dsl")
     monkeypatch.setenv("CUTE_DSL_CACHE_DIR", "/somewhere/else")
-    ffi._use_private_dsl_cache()
+    device.use_private_dsl_cache()
     assert os.environ["CUTE_DSL_CACHE_DIR"] == "/somewhere/else"
 
 
 # 9. the persistent grid and its residency --------------------------------------------------
 
 def test_residency_is_measured_on_the_devices_the_call_runs_on(monkeypatch):
-    from jax_efc import ffi
+    from jax_efc import device
 
     answers = {(1, 0): 132, (1, 1): 66, (2, 0): 66, (2, 1): None}
-    monkeypatch.setattr(ffi, "_measured_clusters", lambda size, ordinal: answers[size, ordinal])
+    monkeypatch.setattr(device, "_measured_clusters", lambda size, ordinal: answers[size, ordinal])
     monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
-    assert ffi._residency(1, (0,)) == (132, True)
-    assert ffi._residency(1, (0, 1)) == (66, True)  # the smallest device decides
-    assert ffi._residency(2, (0, 1)) == (ffi.assumed_max_clusters(2, ffi._sm_count()), False)
-    assert ffi._residency(1, ())[1] is False  # exporting: not known
-    assert ffi._residency(1, None) == (132, True)
+    assert device.residency(1, (0,), 120) == (132, True)
+    assert device.residency(1, (0, 1), 120) == (66, True)  # the smallest device decides
+    assert device.residency(2, (0, 1), 60) == (60, False)  # one device unknown: the assumed grid
+    assert device.residency(1, (), 120) == (120, False)  # exporting: not known
+    assert device.residency(1, None, 120) == (132, True)
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
-    assert ffi._residency(1, (0,))[1] is False
+    assert device.residency(1, (0,), 120) == (120, False)
 
 
 def test_no_stream_k_without_known_residency():
     pytest.importorskip("cutlass")
-    from jax_efc import ffi
-    from jax_efc.kernels import KernelProblem
-
     cfg = efc.GemmConfig(128, 128, 1, 2, pingpong=True, swizzle=8)
-    problem = KernelProblem(ir=identity_ir(jnp.bfloat16), ab_dtype="bfloat16", acc_dtype="float32",
-                            a_major="k", b_major="n", batched=False, a_batched=False, b_batched=False,
-                            operand_batched=(), arch="sm_90a", config=cfg)
-    mnkl = (8192, 8192, 8192, 1)
-    assert ffi._kernel(problem, mnkl, False, None)[1].schedule.stream_k is not None
-    assert ffi._kernel(problem, mnkl, False, ())[1].schedule.stream_k is None
-    assert math.isfinite(ffi._kernel(problem, mnkl, False, ())[1].schedule.clusters)
+    spec = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16)
+
+    def schedule(devices):
+        return plan.plan_kernel(identity_ir(jnp.bfloat16), spec, spec, [], transpose_a=False, transpose_b=False,
+                                acc_dtype=jnp.float32, config=cfg, arch="sm_90a", devices=devices).schedule
+
+    assert schedule(None).stream_k is not None
+    assert schedule(()).stream_k is None
+    assert math.isfinite(schedule(()).clusters)

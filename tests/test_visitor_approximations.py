@@ -1,4 +1,4 @@
-"""The kernels' fast erf/erfc (rational fits in ``kernels/visitor.py``), evaluated in float32
+"""The kernels' fast erf/erfc (rational fits in ``kernels/fragment_math.py``), evaluated in float32
 as the kernel does, against float64 ``math.erf``/``math.erfc``. The GPU tests check the
 compiled kernels themselves against the XLA reference."""
 
@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from jax_efc.kernels import visitor as V  # noqa: E402
+from jax_efc.kernels import fragment_math as V  # noqa: E402
 
 f32 = np.float32
 

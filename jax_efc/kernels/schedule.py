@@ -1,5 +1,6 @@
 """The persistent tile schedule: which output tiles, and which k-range of each, every cluster
-of the persistent grid computes, and in what order.
+of the persistent grid computes, and in what order. Shared by every architecture; planned
+without cutlass (the walk's arithmetic imports it only when it traces device integers).
 
 Cluster tiles (the ``cluster_m x cluster_n`` CTA tiles one cluster computes together) are
 numbered along a raster. With raster ``"m"`` the walk goes down M inside a band of
@@ -29,10 +30,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-import cutlass
-
 from jax_efc.config import GemmConfig
-from jax_efc.kernels import TILE_K
+from jax_efc.kernels.problem import TILE_K
 
 __all__ = ["StreamK", "TileSchedule", "TileWalk", "Unit", "cluster_tiles", "plan_schedule"]
 
@@ -143,12 +142,18 @@ def _is_static(*values) -> bool:
 
 
 def _min(a, b):
-    return min(a, b) if _is_static(a, b) else cutlass.min(a, b)
+    if _is_static(a, b):
+        return min(a, b)
+    import cutlass  # device integers: only inside a kernel being traced
+
+    return cutlass.min(a, b)
 
 
 def _select(cond, a, b):
     if _is_static(cond):
         return a if cond else b
+    import cutlass
+
     return cutlass.Int32(cutlass.select_(cond, a, b))
 
 

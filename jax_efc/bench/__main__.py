@@ -1,0 +1,3 @@
+from jax_efc.bench.command import main
+
+main()

@@ -1,0 +1,301 @@
+"""The problems a benchmark measures: the shape sets, the named epilogues and training steps,
+and for each a :class:`Problem` (our jitted function, plain JAX's, and a float32 reference)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import activations, example_epilogues
+from ..config import GemmConfig
+from ..mlp import fused_mlp
+from ..ops import fused_dense, gemm
+
+Shape = tuple[int, int, int, int]  # M, N, K, L
+_FFN = ((4096, 14336), (14336, 4096), (4096, 4096), (8192, 28672))  # (K, N) of LLM FFN layers
+STANDARD_SHAPES: list[Shape] = (
+    [(8192, 8192, 8192, 1)]
+    + [(m, n, k, 1) for m in (4096, 8192, 16384) for k, n in _FFN]
+    + [(m, n, k, 1) for m in (128, 1000, 2048) for k, n in ((4096, 4096), (4096, 14336))]
+)
+QUICK_SHAPES: list[Shape] = [(8192, 8192, 8192, 1), (8192, 14336, 4096, 1), (1000, 4096, 4096, 1)]
+EPILOGUES = ("gemm", "bias+gelu_tanh", "bias+gelu", "bias+silu", "alpha-beta")
+# a dense layer's training step: its output and the gradients of x, kernel and bias for a given
+# output cotangent (three GEMMs); measured only when asked for
+TRAIN_EPILOGUES = tuple(f"train:{e}" for e in EPILOGUES if e.startswith("bias+"))
+# a two-layer MLP's training step (fused_mlp), K -> N -> K over M rows; measured only when asked for
+MLP_STEPS = ("train:mlp+gelu_tanh", "train:gated_mlp+silu")
+# L dense layers of width K under lax.scan over stacked kernels and biases (shape M,K,K,L), as
+# models that scan their layers run them: the forward, or with "train:" the training step
+SCAN_EPILOGUES = tuple(f"{step}scan:{e}" for step in ("", "train:") for e in EPILOGUES if e.startswith("bias+"))
+NAMED_EPILOGUES = EPILOGUES + TRAIN_EPILOGUES + MLP_STEPS + SCAN_EPILOGUES  # every name --epilogues takes
+ALPHA_BETA_SCALARS = {"alpha": 2.0, "beta": 1.0, "x_factor": 3.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One fused GEMM to measure. ``ours``, ``baseline`` and ``reference`` (float32 math on
+    float32 copies of the inputs) are jitted functions of the inputs described by ``specs``
+    (``a``, ``b``, then the epilogue's operands). ``gemms``: the M x N x K GEMMs a call runs
+    (what its TFLOP/s count). ``stds``: each input's standard deviation (default 1)."""
+
+    epilogue: str
+    shape: Shape
+    dtype: str
+    config: str  # "auto" (the heuristic) or the pinned GemmConfig, as given on the command line
+    specs: tuple[jax.ShapeDtypeStruct, ...]
+    ours: Callable[..., Any]
+    baseline: Callable[..., Any]
+    reference: Callable[..., Any]
+    gemms: int = 1
+    stds: tuple[float, ...] = ()
+
+
+def _identity(acc: Any) -> Any:
+    return acc
+
+
+@functools.lru_cache(maxsize=None)
+def _bias_activation(name: str) -> Callable[..., Any]:
+    act = activations.resolve(name)
+
+    def epilogue(acc, bias):
+        return act(acc + bias)
+
+    return epilogue
+
+
+def _cast(tree: Any, out_dtypes: Any, default: Any) -> Any:
+    """Each output of an epilogue converted as ``gemm(out_dtypes=...)`` would store it."""
+    if isinstance(out_dtypes, dict):
+        return {k: v.astype(out_dtypes.get(k, default)) for k, v in tree.items()}
+    if isinstance(out_dtypes, (tuple, list)):
+        return type(tree)(v.astype(d) for v, d in zip(tree, out_dtypes))
+    return jax.tree.map(lambda v: v.astype(out_dtypes or default), tree)
+
+
+def epilogue_problem(
+    name: str,
+    fn: Callable[..., Any],
+    shape: Shape,
+    dtype: Any,
+    operands: Sequence[tuple[str, Any]] = (),
+    *,
+    scalars: dict[str, Any] | None = None,
+    out_dtypes: Any = None,
+    acc_dtype: Any = None,
+    epi_dtype: Any = None,
+    config: GemmConfig | None = None,
+    ours: Callable[..., Any] | None = None,
+    majors: tuple[str, str, str] = ("k", "n", "n"),
+) -> Problem:
+    """A problem for ``fn(acc, *operands, **scalars)``: ours is ``jax_efc.gemm`` (or the
+    given ``ours``), the baseline is ``fn(a @ b, ...)`` in plain JAX. ``operands`` are
+    (role, dtype) with role "tile" ((L,) M, N) or "row" (N,). ``majors`` are the contiguous
+    dimensions of A ("k" or "m"), B ("n" or "k") and the tile operands ("n" or "m"), as in
+    CUTLASS's examples: A and B are read in place either way; M-major tile operands are
+    transposed before our GEMM (jax_efc reads them N-major), and the time counts it."""
+    m, n, k, l = shape
+    a_major, b_major, c_major = majors
+    ta, tb, tc = a_major == "m", b_major == "k", c_major == "m"
+    lead = (l,) if l > 1 else ()
+    dims = {"tile": (*lead, n, m) if tc else (*lead, m, n), "row": (n,)}
+    specs = (jax.ShapeDtypeStruct((*lead, k, m) if ta else (*lead, m, k), dtype),
+             jax.ShapeDtypeStruct((*lead, n, k) if tb else (*lead, k, n), dtype),
+             *(jax.ShapeDtypeStruct(dims[role], dt) for role, dt in operands))
+    scalars = scalars or {}
+    tiles = [role == "tile" for role, _ in operands]
+
+    def stored(a, b, ops):
+        """A, B and the operands as the math reads them: (M, K), (K, N), tiles (M, N)."""
+        a = jnp.swapaxes(a, -1, -2) if ta else a
+        b = jnp.swapaxes(b, -1, -2) if tb else b
+        return a, b, [jnp.swapaxes(x, -1, -2) if tc and t else x for x, t in zip(ops, tiles)]
+
+    if ours is None:
+        def ours(a, b, *ops):
+            ops = [jnp.swapaxes(x, -1, -2) if tc and t else x for x, t in zip(ops, tiles)]
+            return gemm(a, b, fn, *ops, out_dtypes=out_dtypes, acc_dtype=acc_dtype, epi_dtype=epi_dtype,
+                        config=config, transpose_a=ta, transpose_b=tb, **scalars)
+
+    def baseline(a, b, *ops):
+        a, b, ops = stored(a, b, ops)
+        return _cast(fn(a @ b, *ops, **scalars), out_dtypes, a.dtype)
+
+    def reference(a, b, *ops):
+        a, b, ops = stored(*(x.astype(jnp.float32) for x in (a, b)), [x.astype(jnp.float32) for x in ops])
+        acc = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+        return fn(acc, *ops, **scalars)
+
+    return Problem(name, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
+                   jax.jit(ours), jax.jit(baseline), jax.jit(reference))
+
+
+def _training_step(layer: Callable[..., Any]) -> Callable[..., Any]:
+    """``f(*inputs, dy)``: ``layer``'s output and the gradients of all its inputs for the
+    output cotangent ``dy``."""
+    def f(*inputs):
+        *args, dy = inputs
+        y, pullback = jax.vjp(layer, *args)
+        return (y, *pullback(dy))
+    return f
+
+
+def _in_float32(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` on float32 copies of its inputs: the reference a step problem is checked against."""
+    def f(*inputs):
+        return fn(*(v.astype(jnp.float32) for v in inputs))
+    return f
+
+
+def train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
+                  config: GemmConfig | None = None) -> Problem:
+    """``epilogue`` = "train:bias+<activation>": a dense layer's training step, the output of
+    ``activation(x @ kernel + bias)`` and, for a random output cotangent, the gradients of x,
+    kernel and bias (``jax.vjp``). Ours is ``fused_dense`` (forward kernel, then two
+    backward GEMMs), the baseline the same layer in plain JAX.
+
+    The kernel is drawn with variance 1/K, as ``nn.Dense`` initializes it, so the
+    pre-activations are of order 1, as in a model. With a standard-normal kernel they are of
+    order sqrt(K): the activation saturates, and the backward GEMMs multiply a derivative
+    that is about half zeros (GELU; silu: nearly) and half copies of the output cotangent."""
+    act = epilogue.removeprefix("train:bias+")
+    m, n, k, l = shape
+    if l > 1:
+        raise ValueError(f"{epilogue} is a dense layer: give M,N,K without a batch")
+    fn = _bias_activation(act)
+    specs = tuple(jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (n,), (m, n)))
+
+    def ours(x, kernel, bias):
+        return fused_dense(x, kernel, bias, activation=act, config=config)
+
+    def plain(x, kernel, bias):
+        return fn(x @ kernel, bias)
+
+    def exact(x, kernel, bias):
+        return fn(jnp.matmul(x, kernel, precision=jax.lax.Precision.HIGHEST), bias)
+
+    return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
+                   jax.jit(_training_step(ours)), jax.jit(_training_step(plain)),
+                   jax.jit(_in_float32(_training_step(exact))), gemms=3, stds=(1.0, k ** -0.5))
+
+
+def mlp_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
+                config: GemmConfig | None = None) -> Problem:
+    """``epilogue`` in ``MLP_STEPS``: the training step of a two-layer MLP of width K and
+    hidden width N over M rows, ``fused_mlp`` against the same MLP in plain JAX: its output and,
+    for a random output cotangent, the gradients of x and of every kernel and bias (six GEMMs
+    of M x N x K, nine gated). Kernels are drawn with variance 1 / fan-in, as ``nn.Dense``
+    initializes them."""
+    if config is not None:
+        raise ValueError(f"{epilogue} runs the heuristic's configs: leave --configs at auto.")
+    m, n, k, l = shape
+    if l > 1:
+        raise ValueError(f"{epilogue} is an MLP: give M,N,K without a batch")
+    gated = epilogue.startswith("train:gated_mlp+")
+    act = epilogue.split("+", 1)[1]
+    fn = activations.ACTIVATIONS[act]
+    layers = [(k, n), (n,), (n, k), (k,)] + [(k, n), (n,)] * gated
+    specs = tuple(jax.ShapeDtypeStruct(s, dtype) for s in [(m, k), *layers, (m, k)])
+    stds = (1.0, k ** -0.5, 1.0, n ** -0.5, 1.0) + (k ** -0.5, 1.0) * gated
+
+    def ours(x, up_k, up_b, down_k, down_b, *gate):
+        return fused_mlp(x, up_k, up_b, down_k, down_b, activation=act,
+                         **dict(zip(("gate_kernel", "gate_bias"), gate)))
+
+    def plain(x, up_k, up_b, down_k, down_b, *gate, precision=None):
+        def lin(h, kernel, bias):
+            return jnp.matmul(h, kernel, precision=precision) + bias
+        hidden = fn(lin(x, *gate)) * lin(x, up_k, up_b) if gated else fn(lin(x, up_k, up_b))
+        return lin(hidden, down_k, down_b)
+
+    exact = functools.partial(plain, precision=jax.lax.Precision.HIGHEST)
+    return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
+                   jax.jit(_training_step(ours)), jax.jit(_training_step(plain)),
+                   jax.jit(_in_float32(_training_step(exact))),
+                   gemms=9 if gated else 6, stds=stds)
+
+
+def scan_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
+                 config: GemmConfig | None = None) -> Problem:
+    """``epilogue`` in ``SCAN_EPILOGUES``: L dense layers ``activation(h @ kernel + bias)`` of
+    width K (shape M,K,K,L) applied by ``lax.scan`` over kernels stacked (L, K, K) and biases
+    (L, K); with "train:", their training step (the output and, for a random output
+    cotangent, the gradients of x and of both stacks). Ours is ``fused_dense`` in the scanned
+    body, the baseline the same layer in plain JAX. Kernels are drawn with variance 1/K."""
+    m, n, k, l = shape
+    if n != k or l < 2:
+        raise ValueError(f"{epilogue} stacks L >= 2 layers of width K: give M,K,K,L")
+    train = epilogue.startswith("train:")
+    act = epilogue.split("bias+", 1)[1]
+    fn = _bias_activation(act)
+    shapes = [(m, k), (l, k, k), (l, k)] + [(m, k)] * train  # x, the stacks, and the cotangent
+    specs = tuple(jax.ShapeDtypeStruct(s, dtype) for s in shapes)
+
+    def scanned(layer):
+        def f(x, kernels, biases):
+            y, _ = jax.lax.scan(lambda h, params: (layer(h, *params), None), x, (kernels, biases))
+            return y
+        return f
+
+    ours = scanned(lambda h, kernel, bias: fused_dense(h, kernel, bias, activation=act, config=config))
+    plain = scanned(lambda h, kernel, bias: fn(h @ kernel, bias))
+    exact = scanned(lambda h, kernel, bias: fn(jnp.matmul(h, kernel, precision=jax.lax.Precision.HIGHEST), bias))
+    step = _training_step if train else (lambda f: f)
+    return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
+                   jax.jit(step(ours)), jax.jit(step(plain)), jax.jit(_in_float32(step(exact))),
+                   gemms=3 if train else 1, stds=(1.0, k ** -0.5))
+
+
+def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
+                  config: GemmConfig | None = None) -> Problem:
+    """One of the benchmark epilogues (``EPILOGUES``, ``TRAIN_EPILOGUES``, ``MLP_STEPS``,
+    ``SCAN_EPILOGUES``) at one shape; ``config`` pins the kernel's configuration (None: the
+    heuristic's)."""
+    if epilogue in MLP_STEPS:
+        return mlp_problem(epilogue, shape, dtype, config)
+    if epilogue in SCAN_EPILOGUES:
+        return scan_problem(epilogue, shape, dtype, config)
+    if epilogue.startswith("train:"):
+        return train_problem(epilogue, shape, dtype, config)
+    if epilogue == "gemm":
+        return epilogue_problem(epilogue, _identity, shape, dtype, config=config,
+                                ours=lambda a, b: gemm(a, b, config=config))
+    if epilogue.startswith("bias+"):
+        act = epilogue[len("bias+"):]
+        fn = _bias_activation(act)
+        batched = shape[3] > 1  # fused_dense takes a 2-D kernel; a batched b goes through gemm
+        ours = None if batched else (lambda a, b, bias: fused_dense(a, b, bias, activation=act, config=config))
+        return epilogue_problem(epilogue, fn, shape, dtype, [("row", dtype)], config=config, ours=ours)
+    if epilogue == "alpha-beta":
+        return epilogue_problem(epilogue, example_epilogues.alpha_beta, shape, dtype,
+                                [("tile", dtype), ("tile", dtype)], scalars=ALPHA_BETA_SCALARS,
+                                config=config)
+    raise ValueError(f"unknown epilogue {epilogue!r}; choose from {', '.join(NAMED_EPILOGUES)}.")
+
+
+def random_inputs(specs: Sequence[jax.ShapeDtypeStruct], key: Any,
+                  stds: Sequence[float] = ()) -> tuple[Any, ...]:
+    """Normal arrays of ``specs``' shapes with standard deviations ``stds`` (default 1), cast
+    to their dtypes."""
+    keys = jax.random.split(key, len(specs))
+    stds = tuple(stds) + (1.0,) * (len(specs) - len(stds))
+    return tuple((sd * jax.random.normal(kk, s.shape, jnp.float32)).astype(s.dtype)
+                 for kk, s, sd in zip(keys, specs, stds))
+
+
+def config_label(config: GemmConfig | None) -> str:
+    """The inverse of :func:`parse_config`: only the fields that differ from the defaults."""
+    if config is None:
+        return "auto"
+    default = GemmConfig()
+    core = f"{config.tile_m},{config.tile_n},{config.cluster_m},{config.cluster_n}"
+    extra = [f"{f.name}={int(v) if isinstance(v, bool) else v}" for f in dataclasses.fields(GemmConfig)[4:]
+             if (v := getattr(config, f.name)) != getattr(default, f.name)]
+    return ",".join([core, *extra])

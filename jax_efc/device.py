@@ -1,0 +1,123 @@
+"""What this process can run kernels on: the GPU's architecture and SM count, how many
+clusters of a persistent grid it keeps resident, and whether the CuTe DSL is importable.
+Nothing here imports cutlass at import time; the queries run once and are remembered."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Sequence
+
+from jax_efc.log import log_once
+
+__all__ = ["arch", "sm_count", "residency", "dsl_reason", "use_private_dsl_cache"]
+
+
+def arch() -> str | None:
+    """``"sm_90a"``/``"sm_100a"`` from ``CUTE_DSL_ARCH`` if set, else from the first CUDA
+    device's compute capability, else ``None``."""
+    env = os.environ.get("CUTE_DSL_ARCH")
+    if env:
+        return env
+    try:
+        import jax
+
+        dev = jax.devices("cuda")[0]
+        major, minor = str(dev.compute_capability).split(".")
+    except Exception:  # no CUDA backend, or a device without a compute capability
+        return None
+    return f"sm_{major}{minor}a" if major in ("9", "10") else f"sm_{major}{minor}"
+
+
+@functools.cache
+def sm_count(default: int) -> int:
+    """SMs of the first CUDA device (it sizes the tile heuristic and the persistent grid);
+    ``default`` without one."""
+    try:
+        import jax
+
+        return int(jax.devices("cuda")[0].core_count)
+    except Exception:
+        return default
+
+
+def _query_max_active_clusters(cluster_size: int, ordinal: int = 0) -> int:
+    """Clusters of ``cluster_size`` one-CTA-per-SM blocks CUDA device ``ordinal`` runs at once,
+    asked of the driver's occupancy calculator in the device's primary context (which JAX
+    shares). Raises without a driver or a device."""
+    from cuda.bindings import driver
+    from cutlass.utils import HardwareInfo
+
+    def check(result):  # cuda-bindings return (CUresult, *values)
+        err, *value = result
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver error {err}")
+        return value[0] if value else None
+
+    check(driver.cuInit(0))
+    device = check(driver.cuDeviceGet(ordinal))
+    check(driver.cuCtxPushCurrent(check(driver.cuDevicePrimaryCtxRetain(device))))
+    try:
+        return int(HardwareInfo().get_max_active_clusters(cluster_size))
+    finally:
+        driver.cuCtxPopCurrent()
+        driver.cuDevicePrimaryCtxRelease(device)
+
+
+@functools.cache
+def _measured_clusters(cluster_size: int, ordinal: int) -> int | None:
+    try:
+        return _query_max_active_clusters(cluster_size, ordinal)
+    except Exception:  # no driver, or no such device
+        return None
+
+
+def residency(cluster_size: int, devices: Sequence[int] | None, assumed: int) -> tuple[int, bool]:
+    """The persistent grid's size in clusters, and whether all of it is known to be resident at
+    once on the devices the call runs on: ``devices`` lists their ordinals; empty means
+    unknown (an exported program may run on any GPU: a smaller one, a MIG slice); None means
+    the process's first CUDA device or, with none (compiling on a CPU for a test), the GPU
+    the architecture's policy assumes (``assumed`` clusters).
+
+    Measured, the grid is the smallest of the devices' answers. Unknown, or with MPS limiting
+    the SMs a process may use, it is the assumed one, and not resident: a grid larger than the
+    GPU then runs in two waves, which only costs time, but the schedule must not make CTAs
+    wait on one another (stream-K), since a waiting CTA can hold the SM a waited-for one needs."""
+    mps = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip()
+    if mps and mps not in ("100", "100.0"):
+        return assumed, False
+    if devices is None:
+        measured = _measured_clusters(cluster_size, 0)
+        return (assumed, True) if measured is None else (measured, True)
+    answers = [_measured_clusters(cluster_size, d) for d in devices]
+    if not answers or None in answers:
+        return assumed, False
+    return min(answers), True
+
+
+def use_private_dsl_cache() -> None:
+    """Point the DSL's on-disk cache (else a predictable path under /tmp) into jax_efc's
+    per-user cache directory, made owner-only; a ``CUTE_DSL_CACHE_DIR`` the user set wins.
+    Must run before cutlass is first imported: the DSL reads the variable then."""
+    if "CUTE_DSL_CACHE_DIR" in os.environ:
+        return
+    from jax_efc.config import private_cache_dir
+
+    try:
+        os.environ["CUTE_DSL_CACHE_DIR"] = private_cache_dir("cute_dsl")
+    except OSError as e:
+        log_once(logging.WARNING, f"the CuTe DSL keeps its default cache directory: {e}")
+
+
+@functools.cache
+def dsl_reason() -> str | None:
+    """Why the kernels cannot be built in this process (``None``: they can)."""
+    use_private_dsl_cache()
+    try:
+        import cutlass.jax as cjax
+    except Exception as e:  # not installed, or broken
+        return f"the CuTe DSL (nvidia-cutlass-dsl) is not importable ({type(e).__name__}: {e}); install it to use the kernels."
+    if not cjax.is_available():
+        return "cutlass.jax is not available with this JAX version; upgrade JAX or nvidia-cutlass-dsl."
+    return None

@@ -1,0 +1,31 @@
+"""The dtypes the kernels handle: their widths (for shared-memory and alignment arithmetic,
+with no cutlass import) and their CuTe DSL types (for the kernels themselves)."""
+
+from __future__ import annotations
+
+__all__ = ["bits", "align_elems", "cutlass_dtype"]
+
+# NumPy dtype name -> (bits, name of the cutlass numeric type)
+_DTYPES = {
+    "float32": (32, "Float32"),
+    "bfloat16": (16, "BFloat16"),
+    "float16": (16, "Float16"),
+    "bool": (8, "Boolean"),
+}
+
+
+def bits(name: str) -> int:
+    """Bits of one element of dtype ``name``."""
+    return _DTYPES[name][0]
+
+
+def align_elems(name: str) -> int:
+    """Elements in 16 bytes: TMA needs every non-contiguous stride 16-byte aligned."""
+    return 16 * 8 // bits(name)
+
+
+def cutlass_dtype(name: str) -> type:
+    """The cutlass numeric type for a NumPy dtype name."""
+    import cutlass
+
+    return getattr(cutlass, _DTYPES[name][1])

@@ -1,0 +1,437 @@
+"""The epilogue driver every architecture's fused-GEMM kernel shares.
+
+A consumer runs a tile's epilogue one ``epi_m x epi_n`` subtile at a time
+(:meth:`FusedGemmBase._epilogue`): it takes the subtile's fp32 accumulators (the one
+architecture hook, :meth:`~FusedGemmBase._subtile_accumulators`: registers on Hopper, tensor
+memory on Blackwell), hands them with their coordinates to the :class:`EpilogueVisitor`,
+converts each output to its dtype, writes it to its own smem buffer and stores it with TMA
+(the TMA store clips the M/N edges). TILE operands come in through two smem buffers per
+operand, TMA-loaded two subtiles ahead, except on the CTA's last tile: the producer loads
+its TILE operands into the A/B ring's stages as that tile's mainloop frees them, and its
+outputs are staged in the ring too where they fit. Stream-K pieces that start past k = 0
+leave their partial sums in a workspace slot instead (:meth:`~FusedGemmBase._split_epilogue`);
+the tile's first piece adds them before its epilogue.
+
+The mainloop, the warp roles and the launch are the architecture's (``sm90.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.memory import SmemAllocator
+
+from jax_efc.kernels.dtypes import cutlass_dtype
+from jax_efc.kernels.problem import (EPI_STAGES, SMEM_ALIGN, TILE_K, TIMELINE_EVENTS, TIMELINE_UNITS,
+                                     KernelProblem, epilogue_tile, tile_operand_indices)
+from jax_efc.kernels.schedule import TileSchedule, TileWalk, Unit
+from jax_efc.kernels.visitor import EpilogueVisitor
+
+__all__ = ["ConsumerEpilogue", "FusedGemmBase"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsumerEpilogue:
+    """One consumer group's epilogue machinery, built at trace time before its tile loop.
+    Frozen, so the DSL's loops read it rather than carry it as loop state."""
+
+    operands: tuple  # the epilogue operand tensors, (M|1, N|1, L|1)
+    mn_extent: tuple  # (M, N) of the outputs
+    # per output: smem buffers, (bM, bN, RestM, RestN, RestL) global tiles, TMA-store atom,
+    # register->smem copy and its smem partition, and the converted register fragment
+    sD: list
+    gD: list
+    tma_d: tuple
+    r2s: list
+    tRS_sD: list
+    frag_out: list
+    # per TILE operand: the same the other way, plus the "full" mbarriers of its buffers
+    sC: list
+    gC: list
+    tma_c: tuple
+    s2r: list
+    tSR_sC: list
+    tSR_rC: list
+    frag_c: list
+    c_bar: object
+    # the CTA's last tile: the A/B ring (its TILE operands' and outputs' subtiles have
+    # slots there) and this thread's ldmatrix / stmatrix slices
+    ring: tuple
+    thr_s2r: list
+    thr_r2s: list
+    frag: cute.Tensor  # fp32 accumulator values of one subtile
+    tCcT: cute.Tensor  # (m, n) within the tile of each accumulator register
+    acc_index: list  # per subtile, the accumulator registers behind `frag`
+    barrier: pipeline.NamedBarrier  # the group's epilogue threads
+    store_pipe: pipeline.PipelineTmaStore
+    is_store_warp: object  # this warp issues the group's TMA stores and TILE-operand loads
+
+
+class FusedGemmBase:
+    """The architecture-neutral part of a fused-GEMM kernel: its epilogue geometry, the
+    subtile walk, TILE-operand staging, output stores, the stream-K fix-up and the timeline
+    stamps. Subclasses add the mainloop, the warp roles and the launch, and implement the
+    hooks below."""
+
+    def __init__(self, problem: KernelProblem, schedule: TileSchedule, timeline: bool, *, stages: int,
+                 epi_threads: int, epi_groups: int):
+        """``schedule``: the persistent grid and how it walks the tiles. With stream-K,
+        ``flags`` holds ``schedule.slots`` zeroed int32 and ``workspace`` as many fp32 tiles.
+        ``timeline``: a diagnostic build that also writes, per consumer group and unit, the SM
+        clock (32 bits, wrapping) at each of :data:`TIMELINE_EVENTS` into ``stamps`` (int32,
+        :meth:`timeline_size` values, zeroed beforehand; units past :data:`TIMELINE_UNITS` a
+        group are not kept). ``stages``: the A/B ring's depth (the architecture's policy
+        counts what fits); ``epi_threads``: threads of one epilogue group; ``epi_groups``:
+        groups per CTA, each with its own tiles and epilogue."""
+        cfg = problem.config
+        self.schedule = schedule
+        self.timeline = timeline
+        self.tile_mnk = (cfg.tile_m, cfg.tile_n, TILE_K)
+        self.cluster_mn = (cfg.cluster_m, cfg.cluster_n)
+        self.ab_dtype = cutlass_dtype(problem.ab_dtype)
+        self.a_batched = problem.a_batched
+        self.b_batched = problem.b_batched
+        self.visitor = EpilogueVisitor(problem.ir, problem.operand_batched)
+        self.n_operands = len(problem.ir.operands)
+        self.out_dtypes = self.visitor.out_dtypes
+        self.n_epi_groups = epi_groups
+        self.n_epi_threads = epi_threads
+        # fp32 accumulators per epilogue thread (a stream-K partial is written in this order)
+        self.acc_per_thread = cfg.tile_m * cfg.tile_n // epi_threads
+        self.epi_tile = epilogue_tile(cfg)
+        # subtiles a tile, numbered down M first; values in one subtile of one tensor
+        self.n_sub = (cfg.tile_m // self.epi_tile[0]) * (cfg.tile_n // self.epi_tile[1])
+        self.subtile_elems = self.epi_tile[0] * self.epi_tile[1]
+        # TILE operands that some output uses are staged through smem by TMA
+        ops = problem.ir.operands
+        self.tile_ops = tile_operand_indices(problem.ir)
+        self.tile_op_dtypes = tuple(cutlass_dtype(ops[i].dtype) for i in self.tile_ops)
+        self.tile_op_batched = tuple(problem.operand_batched[i] for i in self.tile_ops)
+        # bytes one subtile of every TILE operand brings in (the TMA transaction count)
+        self.tile_op_bytes = sum(self.subtile_elems * dt.width // 8 for dt in self.tile_op_dtypes)
+        # stmatrix stores 8x8 blocks of 16-bit values; it only helps when every output is
+        # 16-bit (one register->smem partition is shared by all outputs).
+        self.use_stmatrix = all(dt.width == 16 for dt in self.out_dtypes)
+        self.stages = stages
+        if self.stages < 2:
+            raise ValueError(f"{cfg} with {len(self.out_dtypes)} outputs leaves room for "
+                             f"{self.stages} pipeline stages; use a smaller tile.")
+        self.ring_slots, self.ring_out_slots, self.ring_stage_bytes = self._place_ring_subtiles(cfg)
+
+    # ---------------------------------------------------------------- architecture hooks
+    def _subtile_accumulators(self, epi: ConsumerEpilogue, acc, s: int, m_idx, n_idx) -> list[tuple]:
+        """Put subtile ``s``'s fp32 accumulators of tile (m_idx, n_idx) into ``epi.frag`` and
+        return each value's global (m, n): registers on Hopper, tensor memory on Blackwell."""
+        raise NotImplementedError
+
+    def _epi_smem_layout(self, dtype, stages: int) -> cute.ComposedLayout:
+        """The smem layout of ``stages`` epilogue subtiles of ``dtype`` (row-major, swizzled)."""
+        raise NotImplementedError
+
+    def _place_ring_subtiles(self, cfg) -> tuple:
+        """Where the CTA's last tile puts its TILE-operand subtiles and, where they fit too,
+        its output subtiles, in the A/B ring past the last k-tile: one 1 KiB-aligned slot
+        per tensor and subtile, as (stage, part, byte offset) with ``stage`` counted from the
+        stage after the last k-tile and part 0 for A's share of a stage, 1 for B's. Returns
+        (operand slots, output slots, bytes each operand stage receives); ``None`` for all
+        three where there are no TILE operands, they do not all fit, or under stream-K (its
+        last units end in the split epilogue, which keeps the shared buffers); the output
+        slots are ``None`` where only the operands fit.
+
+        Nothing hides the CTA's last epilogue, and through the two shared buffers its TILE
+        loads run only two subtiles ahead. So the producer, once it has issued the last
+        k-tile, loads that tile's TILE operands into the next ring stages as the mainloop
+        frees them, in subtile order, and the epilogue finds them there. Measured on H200
+        (alpha-beta, 128x128 ping-pong tiles, SM cycles, `benchmarks/timeline.py`) at
+        2048x4096x4096 and 4096^3, the last epilogue took: 7.5k through the buffers and 5.7k
+        and 5.5k loaded all at once into the idle ring after the mainloop (128x16 subtiles);
+        5.3k to 5.7k loaded that way and 3.9k to 4.0k loaded by the producer (64x32 subtiles).
+
+        Outputs staged in the stages after those each have a slot per subtile, so no subtile
+        waits for the TMA store of the one before to have read its buffer: alpha-beta's last
+        epilogue (bf16 outputs, same tiles) took 5.2k and 5.3k cycles against 5.4k and 5.9k,
+        and the kernel ran 0.3% to 5% faster at four shapes (``benchmarks/FINDINGS.md``)."""
+        if not self.tile_ops or self.schedule.stream_k is not None:
+            return None, None, None
+        ab = self.ab_dtype.width // 8
+        room = (cfg.tile_m * TILE_K * ab, cfg.tile_n * TILE_K * ab)
+
+        def nbytes(dt):
+            return self.subtile_elems * dt.width // 8
+
+        def size(dt):
+            return -(-nbytes(dt) // SMEM_ALIGN) * SMEM_ALIGN
+
+        def pack(dtypes, stage):
+            """Slots for ``dtypes``' subtiles, subtile by subtile, from ``stage`` on; with the
+            stage after the last one used, or None where they run past the ring."""
+            slots = [[] for _ in dtypes]
+            part, used = 0, 0
+            for _ in range(self.n_sub):
+                for t, dt in enumerate(dtypes):
+                    while used + size(dt) > room[part]:
+                        stage, part, used = (stage, 1, 0) if part == 0 else (stage + 1, 0, 0)
+                        if stage == self.stages:
+                            return None
+                    slots[t].append((stage, part, used))
+                    used += size(dt)
+            return tuple(tuple(s) for s in slots), stage + 1
+
+        placed = pack(self.tile_op_dtypes, 0)
+        if placed is None:
+            return None, None, None
+        op_slots, n_op_stages = placed
+        stage_bytes = [0] * n_op_stages
+        for dt, slots in zip(self.tile_op_dtypes, op_slots):
+            for stage, _, _ in slots:
+                stage_bytes[stage] += nbytes(dt)
+        outputs = pack(self.out_dtypes, n_op_stages) if n_op_stages < self.stages else None
+        return op_slots, outputs and outputs[0], tuple(stage_bytes)
+
+    @staticmethod
+    def _unit(walk: TileWalk, j) -> Unit:
+        """Unit ``j`` of the CTA's walk, its coordinates marked warp-uniform."""
+        u = walk.unit(j)
+        return Unit(*(cute.arch.make_warp_uniform(v) if isinstance(v, cutlass.Int32) else v for v in u))
+
+    @cute.jit
+    def _split_epilogue(self, epi: ConsumerEpilogue, acc: cute.Tensor, bSC, u: Unit, subtile_count,
+                        sk_buffers: tuple, slot, cta_rank, ctid):
+        """Stream-K: a piece that does not start at k = 0 leaves its partial in the CTA's
+        workspace slot; one that does adds its helpers' partials (if any), then runs the
+        epilogue. Returns the running subtile count."""
+        flags, ws = sk_buffers
+        cluster_size = self.cluster_mn[0] * self.cluster_mn[1]
+        # the accumulators in register order, flat and as the workspace's (4, n) vectors
+        acc_flat = cute.make_tensor(acc.iterator, cute.make_layout(self.acc_per_thread))
+        acc_vec = cute.make_tensor(acc.iterator, cute.make_layout((4, self.acc_per_thread // 4)))
+        if u.k_begin > 0:
+            cute.autovec_copy(acc_vec, ws[(None, ctid, None, slot)])
+            # every thread's partial is written before one thread raises the flag (release)
+            epi.barrier.arrive_and_wait()
+            if ctid == 0:
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.store(flags.iterator + slot, cutlass.Int32(1), sem="relaxed", scope="gpu")
+        else:
+            w = u.first_helper
+            while w <= u.last_helper:
+                helper = w * cluster_size + cta_rank
+                if ctid == 0:
+                    while cute.arch.load(flags.iterator + helper, cutlass.Int32, sem="acquire",
+                                         scope="gpu") != 1:
+                        pass
+                epi.barrier.arrive_and_wait()
+                partial = ws[(None, ctid, None, helper)]
+                # four vectors at a time: a whole partial would not fit next to the accumulators
+                for c in cutlass.range_constexpr(self.acc_per_thread // 16):
+                    part = cute.make_rmem_tensor((4, 4), cutlass.Float32)
+                    cute.autovec_copy(cute.local_tile(partial, (4, 4), (0, c)), part)
+                    for i in cutlass.range_constexpr(16):
+                        acc_flat[16 * c + i] += part[i]
+                w += 1
+            subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count)
+        return subtile_count
+
+    def timeline_size(self) -> int:
+        """Values in a ``timeline`` build's ``stamps``: per CTA of the grid, consumer group and
+        unit, one per event."""
+        ctas = self.schedule.clusters * self.cluster_mn[0] * self.cluster_mn[1]
+        return ctas * self.n_epi_groups * TIMELINE_UNITS * len(TIMELINE_EVENTS)
+
+    @cute.jit
+    def _stamp(self, stamps: tuple, ctid, slot, group, j, event: str):
+        """``timeline`` builds: the first thread of consumer ``group`` in CTA ``slot`` writes
+        the SM clock for ``event`` of its unit ``j`` (units past :data:`TIMELINE_UNITS` are
+        not kept)."""
+        if cutlass.const_expr(len(stamps) > 0):
+            row = ((slot * self.n_epi_groups + group) * TIMELINE_UNITS + j // self.n_epi_groups) \
+                * len(TIMELINE_EVENTS)
+            if ctid == 0 and row < cute.size(stamps[0]):
+                stamps[0][row + TIMELINE_EVENTS.index(event)] = cute.arch.clock()
+
+    @cute.jit
+    def _prefetch_tile_ops(self, epi: ConsumerEpilogue, bSC, subtile_count):
+        """Start the TMA loads of a tile's first ``EPI_STAGES`` TILE-operand subtiles."""
+        if cutlass.const_expr(len(bSC) > 0):
+            if epi.is_store_warp:
+                for s in cutlass.range_constexpr(min(self.n_sub, EPI_STAGES)):
+                    self._load_tile_ops(epi, bSC, s, (subtile_count + s) % EPI_STAGES)
+
+    def _subtile_tma(self, atom: cute.CopyAtom, smem: cute.Tensor, tile: cute.Tensor) -> tuple:
+        """(smem, gmem) TMA partitions for copies between the staged epilogue ``smem``
+        (indexed ``(None, stage)``) and the (epi_m x epi_n) subtiles of the global ``tile``
+        (indexed ``(None, subtile)``)."""
+        return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+                                     cute.zipped_divide(tile, self.epi_tile))
+
+    def _local_tiles(self, tensors) -> list:
+        """Each (M|1, N|1, L|1) tensor of ``tensors`` as (bM, bN, RestM, RestN, RestL) tiles."""
+        tile_2d = cute.slice_(self.tile_mnk, (None, None, 0))
+        return [cute.local_tile(t, tile_2d, (None, None, None)) for t in tensors]
+
+    def _tile_op_tile(self, gC: list, j, m_idx, n_idx, l_idx) -> cute.Tensor:
+        """TILE operand ``j``'s part of tile (m_idx, n_idx, l_idx) (batch 0 if it has none),
+        from its ``gC`` tiles."""
+        return gC[j][(None, None, m_idx, n_idx, l_idx if self.tile_op_batched[j] else 0)]
+
+    def _tile_op_partitions(self, epi: ConsumerEpilogue, m_idx, n_idx, l_idx) -> list:
+        """(smem, gmem) TMA partitions of tile (m_idx, n_idx, l_idx)'s TILE-operand subtiles."""
+        return [self._subtile_tma(epi.tma_c[j], epi.sC[j], self._tile_op_tile(epi.gC, j, m_idx, n_idx, l_idx))
+                for j in range(len(self.tile_ops))]
+
+    @cute.jit
+    def _epilogue(self, epi: ConsumerEpilogue, acc: cute.Tensor, bSC, m_idx, n_idx, l_idx,
+                  subtile_count, ring=None, paced: bool = False):
+        """The fused epilogue of one tile, one (epi_m x epi_n) subtile at a time, through
+        the ``EPI_STAGES`` epilogue smem buffers. ``ring``: the CTA's last tile, as (the A/B
+        pipeline, its state past the tile's last k-tile); its TILE operands come through
+        the ring stages from there on (the producer loads them) and its outputs are staged
+        in the stages after those where they have slots. ``paced``: the visitor's paced
+        evaluation. Returns the running subtile count."""
+        n_out = len(self.out_dtypes)
+        from_ring = ring is not None
+        out_in_ring = from_ring and self.ring_out_slots is not None
+        n_tc = len(self.tile_ops)
+        n_sub = self.n_sub
+        frag = epi.frag
+        gD = [epi.gD[i][(None, None, m_idx, n_idx, l_idx)] for i in range(n_out)]
+        bSG = [self._subtile_tma(epi.tma_d[i], epi.sD[i], gD[i]) for i in range(n_out)]
+        ring_states = []  # the ring's stages from the one past the last k-tile on
+        if cutlass.const_expr(from_ring):
+            mainloop, past = ring
+            for k in cutlass.range_constexpr(self.stages):
+                index = past.index + k
+                ring_states.append(pipeline.PipelineState(
+                    self.stages, past.count + k, index % self.stages, past.phase ^ (index // self.stages)))
+        waited = 0  # operand stages waited for so far
+        for s in cutlass.range_constexpr(n_sub):
+            coords = self._subtile_accumulators(epi, acc, s, m_idx, n_idx)
+            buf = subtile_count % EPI_STAGES
+            # this subtile's smem: its own ring slots, or buffer `buf`
+            tile_op_smem = []
+            if cutlass.const_expr(from_ring):
+                for k in cutlass.range_constexpr(waited, 1 + max(sl[s][0] for sl in self.ring_slots)):
+                    mainloop.consumer_wait(ring_states[k])
+                    waited = k + 1
+                tile_op_smem = [
+                    epi.thr_s2r[t].partition_S(self._ring_view(
+                        epi.ring, self.tile_op_dtypes[t], self.ring_slots[t][s],
+                        ring_states[self.ring_slots[t][s][0]].index))[(None, None, None, 0)]
+                    for t in range(n_tc)]
+            elif cutlass.const_expr(n_tc > 0):
+                # subtile_count-th load into this buffer: its parity is the phase
+                cute.arch.mbarrier_wait(epi.c_bar + buf, (subtile_count // EPI_STAGES) % 2)
+                tile_op_smem = [part[(None, None, None, buf)] for part in epi.tSR_sC]
+            preloaded = {}
+            for j in cutlass.range_constexpr(n_tc):
+                cute.copy(epi.s2r[j], tile_op_smem[j], epi.tSR_rC[j])
+                preloaded[self.tile_ops[j]] = epi.frag_c[j].load().to(cutlass.Float32)
+            outs = self.visitor(frag.load(), coords, epi.operands, epi.mn_extent, l_idx, preloaded,
+                                paced=paced)
+            # (Stores from registers straight to global memory, 32 bits a pair of values with
+            # no smem buffers and no barriers, were slower for alpha-beta on H200, and the smem
+            # they free bought nothing: benchmarks/FINDINGS.md)
+            out_stage = 0 if out_in_ring else buf
+            out_views = []
+            out_smem = epi.tRS_sD
+            if cutlass.const_expr(out_in_ring):
+                out_views = [self._ring_view(epi.ring, self.out_dtypes[i], self.ring_out_slots[i][s],
+                                             ring_states[self.ring_out_slots[i][s][0]].index)
+                             for i in range(n_out)]
+                out_smem = [epi.thr_r2s[i].partition_D(out_views[i]) for i in range(n_out)]
+            for i in cutlass.range_constexpr(n_out):
+                epi.frag_out[i].store(outs[i])
+                cute.copy(epi.r2s[i], epi.frag_out[i], out_smem[i][(None, None, None, out_stage)])
+            # make the generic-proxy smem writes visible to the TMA (async proxy)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epi.barrier.arrive_and_wait()
+            if epi.is_store_warp:
+                for i in cutlass.range_constexpr(n_out):
+                    s_part, g_part = (self._subtile_tma(epi.tma_d[i], out_views[i], gD[i])
+                                      if out_in_ring else bSG[i])
+                    cute.copy(epi.tma_d[i], s_part[(None, out_stage)], g_part[(None, s)])
+                epi.store_pipe.producer_commit()
+                # every thread has read operand buffer `buf` (barrier above): refill it
+                if cutlass.const_expr(n_tc > 0 and not from_ring and s + EPI_STAGES < n_sub):
+                    self._load_tile_ops(epi, bSC, s + EPI_STAGES, buf)
+                if cutlass.const_expr(not out_in_ring):
+                    epi.store_pipe.producer_acquire()
+            # (a subtile staged in its own ring slot waits for no earlier store to read it)
+            if cutlass.const_expr(not out_in_ring):
+                epi.barrier.arrive_and_wait()
+            subtile_count += 1
+        if cutlass.const_expr(from_ring):
+            # every thread has read its operands (the barriers above): the producer's tail
+            # waits for these stages too
+            for k in cutlass.range_constexpr(len(self.ring_stage_bytes)):
+                mainloop.consumer_release(ring_states[k])
+        return subtile_count
+
+    def _load_tile_ops(self, epi: ConsumerEpilogue, bSC, s, buf):
+        """TMA-load subtile ``s`` of every TILE operand, through its (smem, gmem) partitions
+        ``bSC``, into buffer ``buf``; the bytes complete mbarrier ``c_bar + buf`` (one warp)."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(epi.c_bar + buf, self.tile_op_bytes)
+        for j in range(len(bSC)):  # plain Python: helpers are not preprocessed
+            s_part, g_part = bSC[j]
+            cute.copy(epi.tma_c[j], g_part[(None, s)], s_part[(None, buf)], tma_bar_ptr=epi.c_bar + buf)
+
+    @cute.jit
+    def _load_ring(self, mainloop, state, ring: tuple, tma_c: tuple, mC: tuple, u: Unit):
+        """The producer's loads of the CTA's last tile ``u``'s TILE operands, past its last
+        k-tile (``state``): each ring stage that holds some of their subtiles, once every
+        consumer has released it, expects those subtiles' bytes. Returns the advanced state
+        (the caller rebinds it, so the tracer carries it out of the enclosing branch)."""
+        gC = self._local_tiles(mC)
+        tiles = [self._tile_op_tile(gC, t, u.m, u.n, u.l) for t in range(len(self.tile_ops))]
+        for stage in cutlass.range_constexpr(len(self.ring_stage_bytes)):
+            mainloop.sync_object_empty.wait(state.index, state.phase)
+            mainloop.sync_object_full.arrive_and_expect_tx(state.index, self.ring_stage_bytes[stage])
+            bar = mainloop.producer_get_barrier(state)
+            for t in cutlass.range_constexpr(len(self.tile_ops)):
+                tile = tiles[t]
+                for s in cutlass.range_constexpr(self.n_sub):
+                    if cutlass.const_expr(self.ring_slots[t][s][0] == stage):
+                        view = self._ring_view(ring, self.tile_op_dtypes[t], self.ring_slots[t][s], state.index)
+                        s_part, g_part = self._subtile_tma(tma_c[t], view, tile)
+                        cute.copy(tma_c[t], g_part[(None, s)], s_part[(None, 0)], tma_bar_ptr=bar)
+            state.advance()
+        return state
+
+    @cute.jit
+    def _full_barriers(self, smem: SmemAllocator, count: int, warp_idx):
+        """``count`` mbarriers that one TMA transaction count each completes, initialized by
+        warp 0."""
+        bars = smem.allocate_array(cutlass.Int64, count, byte_alignment=8)
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                for b in cutlass.range_constexpr(count):
+                    cute.arch.mbarrier_init(bars + b, 1)
+        cute.arch.mbarrier_init_fence()
+        return bars
+
+    def _ring_view(self, ring: tuple, dtype, slot: tuple, stage_index) -> cute.Tensor:
+        """A single-stage epilogue smem tensor of ``dtype`` at ``slot`` (stage, part, byte
+        offset) of the (sA, sB) ``ring``, its stage at ring index ``stage_index``."""
+        _, part, offset = slot
+        layout = self._epi_smem_layout(dtype, 1)
+        ab = self.ab_dtype.width // 8
+        # a stage spans whole SMEM_ALIGN blocks: say so, or the pointer loses its alignment
+        stage_offset = cute.assume(stage_index * (self.tile_mnk[part] * TILE_K), divby=SMEM_ALIGN // ab)
+        ptr = ring[part].iterator + stage_offset + offset // ab
+        return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=dtype), layout.outer)
+
+    def _r2s_atom(self, dtype):
+        if self.use_stmatrix:
+            return cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), dtype)
+        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
+
+    @staticmethod
+    def _s2r_atom(dtype):
+        if dtype.width == 16:
+            return cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), dtype)
+        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)

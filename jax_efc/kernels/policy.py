@@ -1,0 +1,137 @@
+"""What an architecture contributes besides its kernel: the limits its kernel runs within and
+the heuristic that picks its config. :class:`ArchPolicy` holds the checks every architecture
+shares (the epilogue program, TMA's alignment, 32-bit indexing); a subclass per architecture
+(``sm90_policy.py``) adds its tile shapes, its shared-memory budget and its heuristic. No
+cutlass import: the plan asks the policy before anything is compiled, so every refusal is
+a sentence rather than a compiler error."""
+
+from __future__ import annotations
+
+import importlib
+
+from jax_efc.config import GemmConfig
+from jax_efc.epilogue import EpilogueIR, Role
+from jax_efc.kernels.dtypes import align_elems
+from jax_efc.kernels.problem import KernelProblem
+
+__all__ = ["ArchPolicy", "MAX_ELEMENTS"]
+
+# the most elements one tensor may hold: the kernels' offsets are 32-bit signed integers
+MAX_ELEMENTS = 2**31 - 1
+
+
+class ArchPolicy:
+    """One architecture's limits and heuristic. Subclasses set the class attributes and
+    implement :meth:`config_reason`, :meth:`resources_reason` and :meth:`choose_config`."""
+
+    arch: str  # "sm_90a"
+    kernel: str  # "module:Class" of the kernel, imported only to build one
+    # SMs the heuristic and the persistent grid assume when compiling without a GPU
+    default_sm_count: int
+    ab_dtypes: tuple[str, ...]
+    acc_dtypes: tuple[str, ...]
+    out_dtypes: tuple[str, ...]
+    operand_dtypes: tuple[str, ...]
+    # dtypes the epilogue visitor evaluates in
+    value_dtypes: tuple[str, ...]
+
+    def kernel_class(self) -> type:
+        module, name = self.kernel.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    # ---- limits
+    def config_reason(self, config: GemmConfig) -> str | None:
+        """Why the kernel cannot run ``config`` at all (``None``: it can)."""
+        raise NotImplementedError
+
+    def resources_reason(self, problem: KernelProblem) -> str | None:
+        """Why ``problem``'s kernel does not fit the SM (shared memory, registers)."""
+        raise NotImplementedError
+
+    def unsupported_reason(self, problem: KernelProblem,
+                           mnkl: tuple[int, int, int, int] | None = None) -> str | None:
+        """``None`` if the kernel can run ``problem`` (on an M x N x K x L GEMM when ``mnkl`` is
+        given), else one sentence naming the offending value and what to do."""
+        if problem.arch != self.arch:
+            return f"the {self.arch} policy was asked about a kernel for {problem.arch}."
+        if problem.ab_dtype not in self.ab_dtypes:
+            return f"A/B dtype {problem.ab_dtype} is not supported; use {' or '.join(self.ab_dtypes)}."
+        if problem.acc_dtype not in self.acc_dtypes:
+            return f"accumulator dtype {problem.acc_dtype} is not supported; use {' or '.join(self.acc_dtypes)}."
+        if problem.a_major not in ("k", "m") or problem.b_major not in ("k", "n"):
+            return f"bad majors a={problem.a_major!r}, b={problem.b_major!r}."
+        if len(problem.operand_batched) != len(problem.ir.operands):
+            return "operand_batched must have one flag per epilogue operand."
+        reason = (self.config_reason(problem.config) or self._ir_reason(problem.ir)
+                  or self.resources_reason(problem))
+        if reason or mnkl is None:
+            return reason
+        return self._shape_reason(problem, mnkl)
+
+    def _ir_reason(self, ir: EpilogueIR) -> str | None:
+        if ir.epi_dtype != "float32":
+            return f"the epilogue dtype is {ir.epi_dtype}; the kernels evaluate epilogues in float32."
+        for inp in ir.operands:
+            if inp.dtype not in self.operand_dtypes:
+                return (f"{inp.name} has dtype {inp.dtype}; kernel epilogue operands must be one of "
+                        f"{self.operand_dtypes}. Cast it first.")
+        for ins in ir.instrs:
+            if ins.dtype not in self.value_dtypes:
+                return (f"the epilogue computes a {ins.dtype} value (`{ins.op}`); the kernels "
+                        f"evaluate only {self.value_dtypes} values.")
+        for out in ir.outputs:
+            if out.dtype not in self.out_dtypes:
+                return (f"output {out.name!r} has dtype {out.dtype}; the kernels store only "
+                        f"{self.out_dtypes}.")
+        if not ir.outputs:
+            return "the epilogue has no outputs."
+        return None
+
+    @staticmethod
+    def _shape_reason(problem: KernelProblem, mnkl: tuple[int, int, int, int]) -> str | None:
+        m, n, k, l = mnkl
+        if min(m, n, k, l) <= 0:
+            return f"empty GEMM {m}x{n}x{k} (batch {l}); nothing to run."
+        tensors = {"A": m * k * (l if problem.a_batched else 1), "B": k * n * (l if problem.b_batched else 1),
+                   "the outputs": m * n * l}
+        for what, size in tensors.items():
+            if size > MAX_ELEMENTS:
+                return (f"{what} would hold {size} elements, more than the {MAX_ELEMENTS} the kernel's "
+                        "32-bit indexing reaches; split the GEMM (e.g. over the batch or M).")
+        ab = align_elems(problem.ab_dtype)
+        contiguous_a = ("K", k) if problem.a_major == "k" else ("M", m)
+        contiguous_b = ("K", k) if problem.b_major == "k" else ("N", n)
+        for what, (dim, size) in (("A", contiguous_a), ("B", contiguous_b)):
+            if size % ab:
+                return (f"{what}'s contiguous dimension {dim}={size} is not a multiple of {ab} "
+                        f"{problem.ab_dtype} elements (16 bytes), which TMA requires; pad {dim} "
+                        f"to a multiple of {ab}.")
+        for inp in problem.ir.operands:
+            if inp.role is Role.TILE and n % align_elems(inp.dtype):
+                a = align_elems(inp.dtype)
+                return (f"tile operand {inp.name} ({inp.dtype}) has N={n}, not a multiple of {a} "
+                        f"elements (16 bytes), which its TMA load requires; pad N to a multiple "
+                        f"of {a}.")
+        for out in problem.ir.outputs:
+            a = align_elems(out.dtype)
+            if n % a:
+                return (f"output {out.name!r} ({out.dtype}) has N={n}, not a multiple of {a} "
+                        f"elements (16 bytes), which the TMA store requires; pad N to a multiple "
+                        f"of {a}.")
+        return None
+
+    # ---- heuristic
+    def choose_config(self, problem: KernelProblem, m: int, n: int, k: int, l: int,
+                      sm_count: int) -> GemmConfig:
+        """A config for an M x N x K x L GEMM on a GPU with ``sm_count`` SMs."""
+        raise NotImplementedError
+
+    def xla_faster_reason(self, problem: KernelProblem, m: int, n: int, l: int,
+                          sm_count: int) -> str | None:
+        """Why XLA's GEMM outruns the kernel on this GEMM (``None``: it does not)."""
+        return None
+
+    def assumed_max_clusters(self, cluster_size: int, sm_count: int) -> int:
+        """Clusters of ``cluster_size`` CTAs assumed resident at once when there is no GPU to
+        ask (one CTA an SM)."""
+        return sm_count // cluster_size

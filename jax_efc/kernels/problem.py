@@ -1,0 +1,80 @@
+"""What a kernel is compiled for (:class:`KernelProblem`), and the layout constants every
+architecture's kernel shares with the arithmetic that sizes it. No cutlass import: the plan
+reads these before anything is compiled."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax_efc.config import GemmConfig
+from jax_efc.epilogue import EpilogueIR, Role
+
+__all__ = ["KernelProblem", "TILE_K", "EPI_STAGES", "SMEM_ALIGN", "TIMELINE_EVENTS", "TIMELINE_UNITS",
+           "epilogue_tile", "tile_operand_indices"]
+
+# The MMA consumes K in steps of 16 16-bit values; four steps per pipeline stage make a
+# 64-deep k-tile = 128 bytes of a K-major row, exactly one 128-byte swizzle atom.
+TILE_K = 64
+# Two smem buffers per output (TMA stores) and per TILE operand (TMA loads, prefetched two
+# subtiles ahead; a tile's first two are issued before its mainloop when cooperative, at
+# the start of its epilogue with ping-pong, where the other consumer may hold the buffers).
+EPI_STAGES = 2
+# Each smem buffer is 1 KiB aligned (the 128-byte swizzle repeats every 1 KiB).
+SMEM_ALIGN = 1024
+# A timeline build (a diagnostic, ``jax_efc.timeline``) stamps the SM clock per consumer
+# group and unit at these events, in order: the consumer reaches its mainloop (ping-pong:
+# before waiting for the other consumer's), starts it, has issued its MMAs, has them
+# complete, starts its epilogue, ends it; for at most TIMELINE_UNITS units a group.
+TIMELINE_EVENTS = ("reached", "mainloop", "issued", "complete", "epilogue", "end")
+TIMELINE_UNITS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelProblem:
+    """The compile-time description of one fused GEMM kernel.
+
+    ``a_major`` is ``"k"`` (A stored (M, K) row-major) or ``"m"`` (stored (K, M));
+    ``b_major`` is ``"n"`` (B stored (K, N)) or ``"k"`` (stored (N, K)). ``batched`` says
+    whether the GEMM has a leading batch L; ``a_batched``/``b_batched``/``operand_batched``
+    say which tensors carry it (the others are shared across the batch).
+    """
+
+    ir: EpilogueIR
+    ab_dtype: str
+    acc_dtype: str
+    a_major: str
+    b_major: str
+    batched: bool
+    a_batched: bool
+    b_batched: bool
+    operand_batched: tuple[bool, ...]
+    arch: str
+    config: GemmConfig
+
+    @property
+    def compile_key(self) -> tuple:
+        """Everything that changes the generated code, as a hashable, process-stable key."""
+        return (
+            "jax_efc.fused_gemm.v5",
+            self.ir.fingerprint,
+            self.ab_dtype,
+            self.acc_dtype,
+            self.a_major,
+            self.b_major,
+            self.batched,
+            self.a_batched,
+            self.b_batched,
+            self.operand_batched,
+            self.arch,
+            dataclasses.astuple(self.config),
+        )
+
+
+def epilogue_tile(config: GemmConfig) -> tuple[int, int]:
+    """(rows, columns) of one epilogue subtile: ``epi_m`` (0: the tile's height) by ``epi_n``."""
+    return config.epi_m or config.tile_m, config.epi_n
+
+
+def tile_operand_indices(ir: EpilogueIR) -> tuple[int, ...]:
+    """Operands of role TILE that some output uses: the kernel TMA-loads those into smem."""
+    return tuple(i for i, inp in enumerate(ir.operands) if inp.role is Role.TILE and ir.uses(i + 1))

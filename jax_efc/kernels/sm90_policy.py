@@ -1,0 +1,335 @@
+"""Hopper (sm_90a): the limits of the kernel in ``sm90.py`` and the H200 tile heuristic. No
+cutlass import (see :mod:`jax_efc.kernels.policy`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax_efc.config import GemmConfig
+from jax_efc.kernels.dtypes import bits
+from jax_efc.kernels.policy import ArchPolicy
+from jax_efc.kernels.problem import EPI_STAGES, SMEM_ALIGN, TILE_K, KernelProblem, epilogue_tile, tile_operand_indices
+
+__all__ = ["POLICY", "Sm90Policy", "DEFAULT_SM_COUNT", "mma_warpgroups", "pipeline_stages"]
+
+# SMs of an H100/H200 SXM: what the heuristic and the persistent grid assume when compiling
+# without a GPU (with one, the device's own count is used)
+DEFAULT_SM_COUNT = 132
+
+_AB_DTYPES = ("bfloat16", "float16")
+_OUT_DTYPES = ("bfloat16", "float16", "float32")
+_OPERAND_DTYPES = ("bfloat16", "float16", "float32")
+# dtypes the visitor evaluates in: 16-bit values are computed in fp32 and rounded per op
+_VALUE_DTYPES = ("float32", "bfloat16", "float16", "bool")
+_TILE_M = (64, 128, 192, 256)
+_TILE_N = (64, 128, 192, 256)
+# SM90 clusters: up to 8 CTAs are portable (schedulable on every SM90 part), but the
+# multicast benefit flattens past 2; we allow at most 4 CTAs, 1, 2 or 4 along each side (the
+# compile tests build 1x1, 2x1, 1x2 and 2x2).
+_MAX_CLUSTER = 4
+# shared-memory budget (bytes per CTA on SM90, opt-in)
+_SMEM_BYTES = 232448
+_MAX_STAGES = 8
+# a consumer warpgroup (128 threads) covers at most two 64-row WGMMA blocks of a cooperative
+# tile, or a whole ping-pong tile; up to 192 fp32 accumulators per thread (192x128 or 128x192
+# ping-pong tiles) leave the epilogue's temporaries room in the 232-register budget (ptxas:
+# no spills for bias+gelu_tanh or bias+silu, 24 bytes for the erf GELU's longer chain); 256
+# would not
+_WG = 128
+_ACC_PER_THREAD = 192
+# a tile count that fills this fraction of the SMs counts as one full wave
+_ONE_WAVE = 0.9
+# fills of two tile shapes closer than this count as equal
+_FILL_TIE = 1e-6
+# a larger ping-pong tile is taken where it fills the SMs' rounds at most this much worse than
+# the tile it replaces
+_FILL_SLACK = 0.01
+# ring stages a cooperative 128x256 tile keeps at least: its epilogue buffers may cost no more
+_WIDE_TILE_STAGES = 3
+# ring stages a ping-pong tile keeps at least (a 128x128 tile of 8192x4096x4096 took 32.9k SM
+# cycles with 6, 33.2k with 5 and 37.0k with 4; see the epilogue subtiles in choose_config)
+_PINGPONG_STAGES = 5
+# GEMMs that XLA's GEMM runs faster than the kernel: short ones (decode steps, small batches)
+# and those with too few tiles to fill the SMs. With M rows per B a GEMM does about M flops per
+# byte of B it reads, under the H200's ridge of about 200 (989 TFLOP/s over 4.8 TB/s) when M is
+# small: its time is the time to stream B. XLA's GEMMs for it split K over the SMs. The kernel
+# streams B only through the SMs its tiles occupy, and spends 64-row WGMMAs on fewer rows.
+# Measured on H200 (16 calls inside one jit, each on its own x and weights, so B streams from
+# HBM: `bench --calls-per-jit 16`; ratio to XLA's time, bias+gelu_tanh / alpha-beta at N x K =
+# 4096x4096, 14336x4096 and 4096x14336), the kernel's 128x128 tiles against the reference
+# lowering (one dot with fp32 output, then the epilogue in XLA):
+# - M = 8 and 64: the kernel 0.36-0.88 at all six shapes, the reference 0.95-1.04;
+# - M = 128 and 256, where 128x128 tiles fill at most half the SMs (N = 4096): the kernel
+#   0.47-0.86, the reference 0.84-1.03;
+# - M = 128 and 256 at N = 14336 (112 and 224 tiles on 132 SMs): the kernel 1.00-1.04, the
+#   reference 0.85-0.96;
+# - M = 512: the kernel 0.97-1.08.
+# More rows in fewer tiles lose too (plain GEMM / bias+gelu_tanh, the kernel's 128x128 tiles
+# with the k-iterations split over all SMs where that is faster): 0.69 / 0.67 at
+# 1024x512x8192 (32 tiles), 0.63 / 0.62 at 768x1024x14336 (48), 0.78 / 0.74 at 1024x1024x8192
+# (64), 0.75 / 0.72 at 512x2048x4096 (64), 0.96 / 0.95 at 1024x1536x4096 (96, whole tiles).
+# Split in clusters that multicast A or B (2x1, 1x2, 2x2) or in 128x256 tiles, bias+gelu_tanh
+# reached at best 0.88 (1x2 at 1024x1024x8192), 0.84 at 128x4096x14336 and 0.73 at 1024x512x8192.
+_XLA_ALWAYS_ROWS = 64  # at most this many rows per B: XLA's GEMM, however many tiles
+_XLA_FILL = 0.75  # more: XLA's GEMM when 128x128 tiles fill less of the SMs than this
+# K from which plain GEMMs and light epilogues take cooperative 128x256 tiles when those
+# fill the SMs as well as ping-pong ones (192 k-tiles)
+_LONG_K = 12288
+
+
+def mma_warpgroups(config: GemmConfig) -> int:
+    """Consumer warpgroups that share one tile's WGMMAs and epilogue: a ping-pong consumer
+    covers its whole tile, cooperative ones 64 rows each up to two (a 256-row tile gives each
+    two 64-row blocks)."""
+    return 1 if config.pingpong else min(config.tile_m // 64, 2)
+
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def pipeline_stages(problem: KernelProblem) -> int:
+    """A/B shared-memory pipeline depth of ``problem``'s kernel: ``config.stages`` or as many
+    as fit next to the epilogue buffers (two per output and per TILE operand; the ping-pong
+    consumers take turns with one set)."""
+    cfg = problem.config
+    ab_bytes = (cfg.tile_m + cfg.tile_n) * TILE_K * bits(problem.ab_dtype) // 8
+    epi_dtypes = [o.dtype for o in problem.ir.outputs] + \
+        [problem.ir.operands[i].dtype for i in tile_operand_indices(problem.ir)]
+    epi_m, epi_n = epilogue_tile(cfg)
+    epi_bytes = sum(_round_up(epi_m * epi_n * bits(d) // 8 * EPI_STAGES, SMEM_ALIGN) for d in epi_dtypes)
+    # every buffer is a whole number of 1 KiB blocks; the mbarrier arrays (pipeline and
+    # TILE-operand barriers, well under 1 KiB) cost at most the padding to the next block each
+    fit = (_SMEM_BYTES - epi_bytes - 2 * SMEM_ALIGN) // ab_bytes
+    return min(cfg.stages or _MAX_STAGES, fit)
+
+
+def _tiles(m: int, n: int, l: int, tm: int, tn: int) -> int:
+    """Output tiles of tm x tn in an M x N x L result."""
+    return -(-m // tm) * -(-n // tn) * l
+
+
+
+class Sm90Policy(ArchPolicy):
+    """Hopper's kernel (:class:`~jax_efc.kernels.sm90.Sm90FusedGemm`): 16-bit inputs, fp32
+    accumulation, warp-specialized cooperative and ping-pong schedules."""
+
+    arch = "sm_90a"
+    kernel = "jax_efc.kernels.sm90:Sm90FusedGemm"
+    default_sm_count = DEFAULT_SM_COUNT
+    ab_dtypes = _AB_DTYPES
+    acc_dtypes = ("float32",)
+    out_dtypes = _OUT_DTYPES
+    operand_dtypes = _OPERAND_DTYPES
+    value_dtypes = _VALUE_DTYPES
+
+    def config_reason(self, config: GemmConfig) -> str | None:
+        if config.tile_m not in _TILE_M:
+            return (f"tile_m={config.tile_m} is not supported on SM90; use one of {_TILE_M} "
+                    "(a WGMMA covers 64 rows; a warpgroup issues one to three of them per k-step).")
+        if config.tile_m == 192 and not config.pingpong:
+            return ("tile_m=192 needs pingpong=True (one warpgroup runs the tile's three 64-row "
+                    "WGMMAs); the cooperative schedule takes tile_m 64, 128 or 256.")
+        if config.tile_m == 256 and config.pingpong:
+            return ("tile_m=256 needs pingpong=False (two cooperating warpgroups of 128 rows "
+                    "each); ping-pong tiles have at most 192 rows.")
+        if config.tile_n not in _TILE_N:
+            return f"tile_n={config.tile_n} is not supported on SM90; use one of {_TILE_N}."
+        for name in ("cluster_m", "cluster_n"):
+            v = getattr(config, name)
+            if v not in (1, 2, 4):
+                return f"{name}={v} must be 1, 2 or 4 (a power of two)."
+        if config.cluster_m * config.cluster_n > _MAX_CLUSTER:
+            return (f"cluster {config.cluster_m}x{config.cluster_n} has more than {_MAX_CLUSTER} "
+                    "CTAs; SM90 clusters in jax_efc are at most 4 CTAs (e.g. 2x1, 1x2, 2x2).")
+        if config.epi_m % (64 * mma_warpgroups(config)):
+            return (f"epi_m={config.epi_m} with a cooperative {config.tile_m}-row tile: each epilogue "
+                    f"subtile must span the rows of all {mma_warpgroups(config)} warpgroups that share "
+                    f"the tile, a multiple of {64 * mma_warpgroups(config)} rows; use epi_m=0 (the "
+                    "tile's height) or pingpong=True.")
+        if config.tile_m * config.tile_n > _ACC_PER_THREAD * _WG * mma_warpgroups(config):
+            if config.pingpong:
+                return (f"pingpong=True with a {config.tile_m}x{config.tile_n} tile: one ping-pong "
+                        f"warpgroup holds the whole tile's fp32 accumulators, at most {_ACC_PER_THREAD} "
+                        "per thread; use 128x128, 192x128, 128x192 or 64x256 (or pingpong=False for "
+                        "the cooperative schedule, where two warpgroups share a tile).")
+            return (f"a cooperative {config.tile_m}x{config.tile_n} tile needs more than "
+                    f"{_ACC_PER_THREAD} fp32 accumulators per thread; use 256x128, 128x256 or "
+                    "a smaller tile.")
+        return None
+
+    def resources_reason(self, problem: KernelProblem) -> str | None:
+        if pipeline_stages(problem) >= 2:
+            return None
+        cfg = problem.config
+        epi_m, epi_n = epilogue_tile(cfg)
+        return (f"tile {cfg.tile_m}x{cfg.tile_n} with {epi_m}x{epi_n} epilogue subtiles, "
+                f"{len(problem.ir.outputs)} outputs and {len(tile_operand_indices(problem.ir))} "
+                "tile operands leaves too little shared memory for 2 A/B pipeline stages; use a "
+                f"smaller tile or smaller subtiles (epi_m={64 * mma_warpgroups(cfg)}, epi_n=16).")
+
+    def xla_faster_reason(self, problem: KernelProblem, m: int, n: int, l: int,
+                          sm_count: int = DEFAULT_SM_COUNT) -> str | None:
+        """Why XLA's GEMM outruns the kernel on an M x N x L GEMM it can run, of any K (``None``: it
+        does not): too few rows share each B, or too few tiles to fill the SMs. The heuristic hands
+        such calls to the reference."""
+        rows = m if problem.b_batched else m * l
+        tiles = _tiles(m, n, l, 128, 128)
+        if rows <= _XLA_ALWAYS_ROWS:
+            why = f"{rows} rows share each B, so the GEMM is bound by reading B"
+        elif tiles < _XLA_FILL * sm_count:
+            why = f"its {tiles} tiles of 128x128 would leave {sm_count - tiles} of {sm_count} SMs idle"
+        else:
+            return None
+        return (f"{why}: XLA's GEMM runs it faster than the kernel. Pin a config (or set "
+                "JAX_EFC_STRICT=1) to run the kernel anyway.")
+
+    def assumed_max_clusters(self, cluster_size: int, sm_count: int = DEFAULT_SM_COUNT) -> int:
+        """Clusters of ``cluster_size`` CTAs a GPU with ``sm_count`` SMs is assumed to run at once
+        when there is no GPU to ask (the persistent grid must not exceed it, or the surplus
+        clusters run as a second wave: about half speed).
+
+        One CTA fills an SM (the kernels take all of its shared memory) and a cluster stays inside
+        one GPC, so GPCs whose SM count is not a multiple of the cluster size strand SMs. On an
+        H200 (132 SMs) the driver answers 132, 66 and 30 for clusters of 1, 2 and 4 (not 33),
+        hence the 10% margin for clusters of 4.
+        """
+        clusters = sm_count // cluster_size
+        return clusters if cluster_size <= 2 else clusters * 9 // 10
+
+    def choose_config(self, problem: KernelProblem, m: int, n: int, k: int, l: int,
+                      sm_count: int = DEFAULT_SM_COUNT) -> GemmConfig:
+        """A tile and cluster shape for an M x N x K x L GEMM on a GPU with ``sm_count`` SMs.
+
+        Large problems (two 128x128 tiles per SM, or 1.8 with K under 12288) run ping-pong tiles:
+        one consumer's epilogue hides under the other's mainloop. Of 192x128 tiles in 1x2 clusters
+        (each A tile multicast to the two CTAs along N), 128x192 ones in 2x1 clusters walked along
+        N (each B tile multicast) and 128x128 ones in 1x2, a plain GEMM takes the first of 128x192,
+        192x128, 128x128 that fills the SMs' rounds about as well as those after it, an epilogue
+        with work the first of 192x128, 128x192, 128x128. With a long K (>= 12288), plain GEMMs and
+        epilogues with no TILE operand and at most 4 bytes of output an element (one fp32 or two
+        16-bit outputs) run cooperative 128x256 tiles in 2x1 clusters instead where those fill the
+        SMs as well. When the epilogue's smem buffers would leave the ping-pong ring fewer than 5
+        stages even in its smallest subtiles (64x16), or the problem is smaller, the cooperative
+        schedule runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per thread) when they
+        (nearly) fill the SMs, else 128x128 (or 64x128 when even those leave most SMs idle), with a
+        2x1 cluster multicasting B when M spans several tiles.
+        Large problems walk the tiles in bands of 8 clusters for L2 reuse. Epilogues that do work
+        get 64x32 or 64x16 subtiles on ping-pong tiles where those buy the ring stages (192x128
+        and 128x192 tiles qualify when some subtile leaves them 5), else 64-wide ones where the
+        ring keeps enough stages (128x128 ping-pong, 128x256).
+        """
+        sms = sm_count
+        has_work = bool(problem.ir.instrs) or bool(problem.ir.operands)
+
+        def tiles(tm: int, tn: int) -> int:
+            return _tiles(m, n, l, tm, tn)
+
+        def stages_of(cfg: GemmConfig) -> int:
+            return pipeline_stages(dataclasses.replace(problem, config=cfg))
+
+        def pingpong(tm: int, tn: int = 128) -> GemmConfig:
+            """Ping-pong tm x 128 tiles in 1x2 clusters walked along M, or 128x192 ones in 2x1
+            clusters walked along N, with the largest epilogue subtile (the tile's height by 32,
+            64x32, 64x16) that leaves the ring its most stages."""
+            along_n = tn > 128
+            cfg = GemmConfig(tile_m=tm, tile_n=tn, cluster_m=2 if along_n else 1, cluster_n=1 if along_n else 2,
+                             raster="n" if along_n else "m", swizzle=8, pingpong=True)
+            if not has_work:
+                return cfg
+            return max((cfg, dataclasses.replace(cfg, epi_m=64), dataclasses.replace(cfg, epi_m=64, epi_n=16)),
+                       key=stages_of)
+
+        def widened(cfg: GemmConfig, min_stages: int) -> GemmConfig:
+            """``cfg`` with 64-wide epilogue subtiles (half the barriers and TMA stores) when the
+            epilogue does work and the ring keeps ``min_stages`` stages."""
+            wide = dataclasses.replace(cfg, epi_n=64)
+            return wide if has_work and stages_of(wide) >= min_stages else cfg
+
+        def fill(tm: int, tn: int) -> float:
+            """Useful share of the work when tm x tn tiles run in rounds of one per SM: the edge
+            tiles' padding and the last round's idle SMs count as waste."""
+            return m * n * l / (tm * tn * sms * -(-tiles(tm, tn) // sms))
+
+        # Ping-pong hides one consumer's epilogue under the other's mainloop: it beat cooperative
+        # 128x256 tiles for every epilogue from two full waves of 128x128 tiles, or, with a K under
+        # _LONG_K, from two of _ONE_WAVE (a CTA's first epilogue hides under its second mainloop
+        # and the last one is half a 128x256 tile's). The ring's stages are counted in the subtile
+        # ping-pong would take (alpha-beta with two fp32 outputs keeps 6 in 64x16 subtiles, 4 in
+        # 128x32). Measurements: benchmarks/FINDINGS.md, "Tile shapes and epilogue subtiles".
+        two_waves = 2 * sms if k >= _LONG_K else 2 * _ONE_WAVE * sms
+        if (-(-m // 128) >= 8 and -(-n // 128) >= 2 and tiles(128, 128) >= two_waves
+                and stages_of(pingpong(128)) >= _PINGPONG_STAGES):
+            # 192x128 loads about a fifth less A/B per multiply-add from L2 than 128x128 (smem
+            # reads per WGMMA stay the same); at the H200's 700 W cap the clock a kernel holds
+            # depends on its work, so it runs faster unless its tiles fill the SMs' rounds more
+            # than _FILL_SLACK worse or its smem leaves fewer stages. Cooperative 256x128 and
+            # 64x256 ping-pong tiles were slower (benchmarks/FINDINGS.md, "Tile shapes and
+            # epilogue subtiles").
+            tall = pingpong(192)
+            fits_tall = stages_of(tall) >= _PINGPONG_STAGES and fill(192, 128) >= fill(128, 128) - _FILL_SLACK
+            tm = 192 if fits_tall else 128
+            # A plain GEMM with a long K has little epilogue to hide: a 128x128 tile's takes
+            # about 2k SM cycles against 115k of WGMMA at K = 14336. There cooperative 128x256
+            # tiles in 2x1 clusters, which read a sixth less smem and a third less L2 per
+            # multiply-add, win where they fill the SMs' rounds as well; so do epilogues that read
+            # only vectors and write at most 4 bytes an element, exposed. Alpha-beta's TILE
+            # operands and two outputs keep ping-pong, which hides them.
+            out_bits = sum(bits(o.dtype) for o in problem.ir.outputs)
+            light = out_bits <= 32 and not tile_operand_indices(problem.ir)
+            if (light and k >= _LONG_K and n >= 256
+                    and fill(128, 256) >= fill(tm, 128) - _FILL_TIE):
+                long_k = GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, swizzle=8)
+                return widened(long_k, _WIDE_TILE_STAGES)
+            # A plain GEMM has no epilogue to hide, only its mainloop to run cheaply: 128x192 tiles
+            # in 2x1 clusters walked along N read about a tenth less smem per multiply-add than
+            # 128x128 or 192x128 (an m64n192 WGMMA reads each A fragment for 192 columns, not 128)
+            # and, multicasting B, as little L2 as 192x128 in 1x2. On the H200 they were faster
+            # than the choice above in 22 of 25 pairs (up to 3.4%; 8192^3, 8192x14336x4096,
+            # 16384x14336x4096, the N = 28672 shapes, either operand transposed), and slower where
+            # they fill the SMs' rounds worse (2.3% at 4096x14336x4096, 5.6% at 16384x4096x4096).
+            # Epilogues with work keep 192x128 where it fits (192 accumulators a thread run their
+            # epilogue dense either way; 128x192 was no faster there) and elsewhere take 128x192
+            # over 128x128 where it fills as well: faster in 27 of 28 pairs (0.9-7.6%) for four
+            # epilogues at 4096x28672x8192, 8192x13824x4096, 4096x22016x4096 and 1000x22016x4096.
+            # The measurements: benchmarks/FINDINGS.md, "Tile shapes and epilogue subtiles".
+            broad = pingpong(128, 192)
+            if ((not has_work or not fits_tall) and fill(128, 192) >= fill(tm, 128) - _FILL_SLACK
+                    and stages_of(broad) >= _PINGPONG_STAGES):
+                return broad
+            cfg = tall if fits_tall else pingpong(128)
+            # The ring's depth is what the mainloop feeds on: a k-tile takes a 128x128 consumer
+            # about 520 SM cycles of WGMMA, and its TMA load (L2 to smem, multicast) takes several
+            # of those (_PINGPONG_STAGES). So pingpong() takes smaller epilogue subtiles where they
+            # give the ring a stage: 64x32 rather than 128x16 of the same size, since each TMA
+            # copy of a 16-bit tensor then moves 64 bytes a row, not 32, and alpha-beta's early
+            # tiles no longer slow down while all CTAs run their first epilogues at once
+            # (benchmarks/FINDINGS.md, "Where the SM cycles go"); on 192x128 tiles 64x16, the
+            # subtile that leaves alpha-beta's ring 5 stages ("Tile shapes and epilogue subtiles").
+            if cfg.epi_m:  # a shorter subtile bought the ring stages: none to spare for wider ones
+                return cfg
+            # 64-wide epilogue subtiles (half the barriers and TMA stores) when they cost the ring
+            # no stage: a 128x128 tile with one 16-bit output keeps 6 either way.
+            return widened(cfg, stages_of(cfg))
+
+        # 128x256 once its tiles fill nearly one wave (a wave of 128x256 tiles beats two of
+        # 128x128: the same work per SM at a higher MMA efficiency), and only while its epilogue
+        # buffers (outputs and TILE operands) leave _WIDE_TILE_STAGES stages.
+        wide_tile = GemmConfig(tile_m=128, tile_n=256)
+        if n >= 256 and tiles(128, 256) >= _ONE_WAVE * sms and stages_of(wide_tile) >= _WIDE_TILE_STAGES:
+            tm, tn = 128, 256
+        elif tiles(128, 128) >= sms // 2 or m > 64:
+            tm, tn = 128, 128
+        else:
+            tm, tn = 64, 128
+        big = -(-m // tm) >= 8 and tiles(tm, tn) >= 2 * sms
+        # Large problems walk bands of 8 clusters (L2 reuse) in 2x1 clusters multicasting B.
+        cfg = GemmConfig(tile_m=tm, tile_n=tn, cluster_m=2 if big else 1, cluster_n=1,
+                         swizzle=8 if big else 1)
+        # 64-wide epilogue subtiles when _WIDE_TILE_STAGES still fit; plain GEMMs, which gained
+        # nothing from them, keep 32.
+        return widened(cfg, _WIDE_TILE_STAGES) if tn == 256 else cfg
+
+
+POLICY = Sm90Policy()

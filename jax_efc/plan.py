@@ -1,0 +1,173 @@
+"""One fused-GEMM call, planned once: the problem it poses (shapes, dtypes, majors, operand
+roles), which backend runs it and why, and for the kernel its config and persistent grid.
+
+The CUDA lowering, :func:`jax_efc.backends` and the launch (:mod:`jax_efc.ffi`) all read the
+plan :func:`plan_call` returns, so they cannot disagree; it is memoised on everything that
+decides it (the call's avals and parameters, the devices, the architecture, the switches).
+No cutlass import: the policies answer before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jax_efc import config as _config
+from jax_efc import device
+from jax_efc.config import GemmConfig
+from jax_efc.epilogue import EpilogueIR
+from jax_efc.kernels import KernelProblem, no_kernel_reason, policy
+from jax_efc.kernels.schedule import TileSchedule, plan_schedule
+
+__all__ = ["Plan", "plan_call", "plan_kernel", "empty_reason", "symbolic_reason"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Which backend runs a call, and how.
+
+    ``reason`` says why the reference runs (``None`` with the kernel) and ``level`` how it is
+    reported: ``logging.WARNING`` for a fallback (strict mode raises instead),
+    ``logging.INFO`` for the heuristic handing a call to XLA's GEMM, 0 for nothing to report
+    (an empty GEMM). With the kernel, ``problem`` holds its compile-time description (the
+    config chosen), ``mnkl`` the GEMM's sizes and ``schedule`` the persistent grid."""
+
+    backend: str  # "kernel" or "reference"
+    reason: str | None = None
+    level: int = 0
+    arch: str | None = None
+    problem: KernelProblem | None = None
+    mnkl: tuple[int, int, int, int] | None = None
+    schedule: TileSchedule | None = None
+
+    @property
+    def config(self) -> GemmConfig | None:
+        return self.problem.config if self.problem is not None else None
+
+
+def _reference(reason: str, level: int = logging.WARNING, arch: str | None = None) -> Plan:
+    return Plan("reference", reason, level, arch)
+
+
+def _spec(x: Any) -> tuple:
+    return tuple(x.shape), np.dtype(x.dtype).name
+
+
+def _dims(a_shape, b_shape, transpose_a: bool, transpose_b: bool) -> tuple[int, int, int, int | None]:
+    """(M, N, K, L or None) from the primitive's canonical shapes."""
+    *la, a0, a1 = a_shape
+    *lb, b0, b1 = b_shape
+    m, k = (a1, a0) if transpose_a else (a0, a1)
+    n = b0 if transpose_b else b1
+    lead = la or lb
+    return m, n, k, (lead[0] if lead else None)
+
+
+def plan_kernel(ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], *, transpose_a: bool,
+                transpose_b: bool, acc_dtype: Any, config: GemmConfig | None, arch: str | None,
+                devices: Sequence[int] | None = None) -> Plan:
+    """The kernel's plan for a call on ``arch``, or the reference's with the reason the kernel
+    cannot run it. ``a``, ``b`` and ``operands`` are avals (``shape``/``dtype``) in the
+    primitive's canonical shapes; ``devices``: the ordinals of the CUDA devices the call runs
+    on (see :func:`jax_efc.device.residency`). Raises ``TypeError`` when ``a`` and ``b``
+    differ in dtype: the kernels take one dtype for both."""
+    if np.dtype(a.dtype) != np.dtype(b.dtype):
+        raise TypeError(f"a is {np.dtype(a.dtype).name} but b is {np.dtype(b.dtype).name}; the kernel "
+                        "takes A and B of one dtype: cast one of them.")
+    return _plan_kernel(ir, _spec(a), _spec(b), tuple(_spec(x) for x in operands), bool(transpose_a),
+                        bool(transpose_b), np.dtype(acc_dtype).name, config, arch,
+                        None if devices is None else tuple(devices), _mps())
+
+
+def _mps() -> str:
+    return os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip()
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch, devices, mps) -> Plan:
+    reason = no_kernel_reason(arch) or device.dsl_reason()
+    if reason:
+        return _reference(reason, arch=arch)
+    pol = policy(arch)
+    m, n, k, batch = _dims(a[0], b[0], transpose_a, transpose_b)
+    mnkl = (m, n, k, batch or 1)
+    problem = KernelProblem(
+        ir=ir, ab_dtype=a[1], acc_dtype=acc_dtype, a_major="m" if transpose_a else "k",
+        b_major="k" if transpose_b else "n", batched=batch is not None, a_batched=len(a[0]) == 3,
+        b_batched=len(b[0]) == 3, operand_batched=tuple(len(x[0]) == 3 for x in operands), arch=arch,
+        config=config if config is not None else GemmConfig(),
+    )
+    sms = device.sm_count(pol.default_sm_count)
+    if config is None:
+        problem = dataclasses.replace(problem, config=pol.choose_config(problem, *mnkl, sm_count=sms))
+    reason = pol.unsupported_reason(problem, mnkl)
+    if reason:
+        return _reference(reason, arch=arch)
+    cfg = problem.config
+    cluster_size = cfg.cluster_m * cfg.cluster_n
+    clusters, resident = device.residency(cluster_size, devices, pol.assumed_max_clusters(cluster_size, sms))
+    schedule = plan_schedule(cfg if resident else dataclasses.replace(cfg, stream_k=False), *mnkl, clusters)
+    return Plan("kernel", arch=arch, problem=problem, mnkl=mnkl, schedule=schedule)
+
+
+def symbolic_reason(avals_in: Sequence[Any]) -> str | None:
+    """Why no kernel runs a call with symbolic dimensions (``jax.export`` with shape
+    polymorphism): its tiles and grid are fixed when it is compiled."""
+    shapes = [tuple(x.shape) for x in avals_in[:2]]
+    if all(isinstance(d, (int, np.integer)) for shape in shapes for d in shape):
+        return None
+    return (f"a and b have symbolic dimensions {shapes}; the kernel is compiled for static shapes "
+            "(export with concrete M, N, K and batch sizes to run it).")
+
+
+def empty_reason(avals_in: Sequence[Any]) -> str | None:
+    """A GEMM with a zero dimension has nothing for a kernel to compute: the reference gives
+    the empty result, or (K = 0) the epilogue of a zero accumulator. Not a fallback."""
+    a, b = avals_in[:2]
+    if 0 in tuple(a.shape) or 0 in tuple(b.shape):
+        return f"the GEMM is empty (a {tuple(a.shape)}, b {tuple(b.shape)})"
+    return None
+
+
+def plan_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence[int] | None = None) -> Plan:
+    """The plan of one ``fused_gemm_p`` equation lowered for CUDA: its input avals and params,
+    and the devices it runs on (``None``: the first; ``()``: unknown, as when exporting).
+
+    Raises ``ValueError`` when the call pins a config that is the only obstacle (the
+    heuristic's config would run): a pinned config is a request, not a hint to drop silently.
+    Only the heuristic hands calls to XLA's GEMM: never with a pinned config or under
+    ``JAX_EFC_STRICT=1``."""
+    reason = empty_reason(avals_in)
+    if reason:
+        return _reference(reason, level=0)
+    reason = symbolic_reason(avals_in)
+    if reason:
+        return _reference(reason)
+    if _config.disabled():
+        return _reference("JAX_EFC_DISABLE is set.")
+    arch = device.arch()
+    if arch is None:
+        return _reference("no CUDA device with a supported architecture was found.")
+    a, b, *operands = avals_in
+    kw = dict(transpose_a=params["transpose_a"], transpose_b=params["transpose_b"],
+              acc_dtype=params["acc_dtype"], arch=arch, devices=devices)
+    pinned = params["config"]
+    plan = plan_kernel(params["ir"], a, b, operands, config=pinned, **kw)
+    if plan.backend != "kernel":
+        if pinned is not None and plan_kernel(params["ir"], a, b, operands, config=None, **kw).backend == "kernel":
+            raise ValueError(f"jax_efc: the kernel for {arch} cannot run {pinned}: {plan.reason} "
+                             "Pass config=None to let the heuristic choose.")
+        return plan
+    if pinned is None and not _config.strict():
+        m, n, _, l = plan.mnkl
+        pol = policy(arch)
+        reason = pol.xla_faster_reason(plan.problem, m, n, l, sm_count=device.sm_count(pol.default_sm_count))
+        if reason:
+            return _reference(reason, level=logging.INFO, arch=arch)
+    return plan
