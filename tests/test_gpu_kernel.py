@@ -254,7 +254,7 @@ def test_math_ops():
 
 
 def test_fast_erf_erfc_float32():
-    """erf/erfc run as rational fits (visitor.py): fp32 outputs hold them to the reference,
+    """erf/erfc run as rational fits (fragment_math.py): fp32 outputs hold them to the reference,
     and log(erfc) of arguments up to about 8 checks erfc's relative accuracy in its tail."""
     import jax.numpy as jnp
     from jax import lax

@@ -1,0 +1,137 @@
+"""The plan of a call (``jax_efc.plan``): computed once per lowering and read by the lowering,
+``efc.backends`` and the launch; the architecture registry that supplies its policy."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_efc as efc
+from conftest import run_for_sm90
+from jax_efc import kernels, plan
+from jax_efc.epilogue import identity_ir
+from jax_efc.kernels.sm90_policy import Sm90Policy
+
+_S = jax.ShapeDtypeStruct
+
+
+def _params(config=None):
+    return dict(ir=identity_ir(jnp.bfloat16), transpose_a=False, transpose_b=False, acc_dtype=jnp.float32,
+                config=config)
+
+
+def test_the_plan_says_which_backend_and_why(monkeypatch):
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.delenv("JAX_EFC_STRICT", raising=False)
+    big, small = _S((4096, 4096), jnp.bfloat16), _S((64, 4096), jnp.bfloat16)
+    p = plan.plan_call([big, big], _params())
+    assert p.backend == "kernel" and p.reason is None and p.arch == "sm_90a"
+    assert p.mnkl == (4096, 4096, 4096, 1) and p.config.pingpong and p.schedule.clusters > 0
+    handed = plan.plan_call([small, big], _params())  # the heuristic's choice: XLA's GEMM
+    assert handed.backend == "reference" and handed.level == logging.INFO and "rows share each B" in handed.reason
+    empty = plan.plan_call([_S((0, 64), jnp.bfloat16), _S((64, 64), jnp.bfloat16)], _params())
+    assert empty.backend == "reference" and empty.level == 0
+    odd = plan.plan_call([_S((256, 1001), jnp.bfloat16), _S((1001, 256), jnp.bfloat16)], _params())
+    assert odd.backend == "reference" and odd.level == logging.WARNING and "K=1001" in odd.reason
+    monkeypatch.setenv("JAX_EFC_DISABLE", "1")
+    assert plan.plan_call([big, big], _params()).reason == "JAX_EFC_DISABLE is set."
+
+
+def test_a_plan_is_memoised_on_what_decides_it(monkeypatch):
+    pytest.importorskip("cutlass")
+    calls = []
+    choose = Sm90Policy.choose_config
+    monkeypatch.setattr(Sm90Policy, "choose_config", lambda self, *a, **k: calls.append(a) or choose(self, *a, **k))
+    plan._plan_kernel.cache_clear()
+    spec = _S((2048, 4096), jnp.bfloat16)
+    kw = dict(transpose_a=False, transpose_b=False, acc_dtype=jnp.float32, config=None, arch="sm_90a")
+    first = plan.plan_kernel(identity_ir(jnp.bfloat16), spec, _S((4096, 4096), jnp.bfloat16), [], **kw)
+    again = plan.plan_kernel(identity_ir(jnp.bfloat16), spec, _S((4096, 4096), jnp.bfloat16), [], **kw)
+    assert again is first and len(calls) == 1
+    # another device set, another N, another dtype: planned anew
+    plan.plan_kernel(identity_ir(jnp.bfloat16), spec, _S((4096, 4096), jnp.bfloat16), [], devices=(), **kw)
+    plan.plan_kernel(identity_ir(jnp.bfloat16), spec, _S((4096, 2048), jnp.bfloat16), [], **kw)
+    f16 = _S((2048, 4096), jnp.float16)
+    plan.plan_kernel(identity_ir(jnp.float16), f16, _S((4096, 4096), jnp.float16), [], **kw)
+    assert len(calls) == 4
+
+
+def test_an_architecture_is_a_registry_line(monkeypatch):
+    """A policy registered for a new architecture decides its calls' plans, and its kernel class
+    is the one the launch builds, with nothing else changed."""
+    pytest.importorskip("cutlass")
+    from jax_efc import ffi
+
+    built = []
+
+    class Kernel:
+        def __init__(self, problem, schedule, timeline):
+            built.append(problem.arch)
+            self.schedule = schedule
+
+    class Policy(Sm90Policy):
+        arch = "sm_00x"
+
+        def kernel_class(self):
+            return Kernel
+
+        def config_reason(self, config):
+            return "sm_00x takes 64-wide tiles only." if config.tile_n != 64 else None
+
+        def choose_config(self, problem, m, n, k, l, sm_count=132):
+            return efc.GemmConfig(tile_m=128, tile_n=64)
+
+    monkeypatch.setitem(kernels._ARCHITECTURES, "sm_00x", "fake")
+    monkeypatch.setattr(kernels, "policy", lambda arch: Policy() if arch == "sm_00x" else None)
+    monkeypatch.setattr(plan, "policy", kernels.policy)
+    monkeypatch.setattr(ffi, "policy", kernels.policy)
+    spec = _S((4096, 4096), jnp.bfloat16)
+    kw = dict(transpose_a=False, transpose_b=False, acc_dtype=jnp.float32, arch="sm_00x")
+    p = plan.plan_kernel(identity_ir(jnp.bfloat16), spec, spec, [], config=None, **kw)
+    assert p.backend == "kernel" and p.config.tile_n == 64
+    refused = plan.plan_kernel(identity_ir(jnp.bfloat16), spec, spec, [], config=efc.GemmConfig(), **kw)
+    assert refused.reason == "sm_00x takes 64-wide tiles only."
+    ffi._kernel(p, False)
+    assert built == ["sm_00x"]
+    assert "no jax_efc kernel for sm_89" in plan.plan_kernel(identity_ir(jnp.bfloat16), spec, spec, [], config=None,
+                                                              **dict(kw, arch="sm_89")).reason
+
+
+_LOWERED_ONCE = """
+import json
+import jax, jax.numpy as jnp
+import jax_efc as efc
+from jax_efc import device
+from jax_efc.kernels.sm90_policy import Sm90Policy
+from cutlass.jax import get_export_disabled_safety_checks
+
+counts = {"choose_config": 0, "arch": 0}
+choose, arch = Sm90Policy.choose_config, device.arch
+def counted_choose(self, *a, **k):
+    counts["choose_config"] += 1
+    return choose(self, *a, **k)
+def counted_arch():
+    counts["arch"] += 1
+    return arch()
+Sm90Policy.choose_config, device.arch = counted_choose, counted_arch
+S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+loss = lambda x, w, b: efc.fused_dense(x, w, b, activation="gelu").astype(jnp.float32).sum()
+exported = jax.export.export(jax.jit(jax.grad(loss, (0, 1, 2))), platforms=["cuda"],
+                             disabled_checks=get_export_disabled_safety_checks())(
+    S((2048, 1536), bf), S((1536, 1536), bf), S((1536,), bf))
+counts["kernels"] = exported.mlir_module().count("custom_call @CuteDSLRT")
+print(json.dumps(counts))
+"""
+
+
+def test_one_lowering_plans_each_call_once():
+    """A training step's three GEMMs: the device's architecture is asked and the config chosen
+    once per GEMM as it is lowered; the launch reads the same plan."""
+    pytest.importorskip("cutlass.jax")
+    counts = json.loads(run_for_sm90(_LOWERED_ONCE).strip().splitlines()[-1])
+    assert counts == {"choose_config": 3, "arch": 3, "kernels": 3}
