@@ -8,11 +8,13 @@
 from . import checkpoint_policies
 from .activations import ACTIVATIONS
 from .config import GemmConfig
+from .device import set_target_arch
 from .epilogue import EpilogueError
+from .ffi import export_checks
 from .mlp import fused_mlp
 from .ops import fused_dense, gemm
 from .primitive import FallbackError, backends
 
 __version__ = "0.1.0"
 __all__ = ["gemm", "fused_dense", "fused_mlp", "GemmConfig", "ACTIVATIONS", "EpilogueError",
-           "FallbackError", "backends", "checkpoint_policies"]
+           "FallbackError", "backends", "checkpoint_policies", "set_target_arch", "export_checks"]

@@ -7,16 +7,36 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from collections.abc import Sequence
 
 from jax_efc.log import log_once
 
-__all__ = ["arch", "sm_count", "residency", "dsl_reason", "use_private_dsl_cache"]
+__all__ = ["arch", "set_target_arch", "sm_count", "residency", "dsl_reason", "use_private_dsl_cache"]
+
+
+def set_target_arch(target: str) -> None:
+    """Build kernels for ``target`` (``"sm_90a"``) whatever GPU this process has, or none:
+    what ``jax.export(..., platforms=["cuda"])`` on a CPU machine needs to hold the kernels
+    rather than the XLA reference. Call it before the first kernel is built; it sets
+    ``CUTE_DSL_ARCH``, which the CuTe DSL reads once, when it is imported."""
+    from jax_efc.kernels import SUPPORTED_ARCHS
+
+    if target not in SUPPORTED_ARCHS:
+        raise ValueError(f"set_target_arch: {target!r} has no jax_efc kernel; use one of {SUPPORTED_ARCHS}.")
+    current = os.environ.get("CUTE_DSL_ARCH")
+    if current == target:
+        return
+    if "cutlass" in sys.modules:
+        raise RuntimeError(f"set_target_arch({target!r}): the CuTe DSL is already imported, building for "
+                           f"{current or 'the GPU it found'}; call set_target_arch before the first kernel "
+                           "is built (or set CUTE_DSL_ARCH in the environment).")
+    os.environ["CUTE_DSL_ARCH"] = target
 
 
 def arch() -> str | None:
-    """``"sm_90a"``/``"sm_100a"`` from ``CUTE_DSL_ARCH`` if set, else from the first CUDA
-    device's compute capability, else ``None``."""
+    """The architecture kernels are built for: :func:`set_target_arch`'s (``CUTE_DSL_ARCH``)
+    if set, else the first CUDA device's (``"sm_90a"``, ``"sm_100a"``), else ``None``."""
     env = os.environ.get("CUTE_DSL_ARCH")
     if env:
         return env

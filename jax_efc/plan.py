@@ -153,6 +153,9 @@ def plan_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence
         return _reference("JAX_EFC_DISABLE is set.")
     arch = device.arch()
     if arch is None:
+        if devices == ():
+            return _reference("exporting for CUDA without a target architecture (no GPU here): the export holds "
+                              "the XLA reference; call jax_efc.set_target_arch('sm_90a') first to hold the kernel.")
         return _reference("no CUDA device with a supported architecture was found.")
     a, b, *operands = avals_in
     kw = dict(transpose_a=params["transpose_a"], transpose_b=params["transpose_b"],

@@ -24,6 +24,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import config as _config
+from . import device
 from .arguments import allowed_acc_dtypes
 from .epilogue import EpilogueIR, Role, canonical_shape, evaluate, identity_ir, with_acc_output
 from .log import log_once
@@ -175,11 +176,12 @@ def fused_gemm_eqns(closed_jaxpr: Any) -> list[Any]:
 
 
 def backends(fn: Any, *args: Any, **kwargs: Any) -> list[str]:
-    """For each fused GEMM that ``fn(*args, **kwargs)`` runs on the default device, which
-    backend runs it: ``"kernel (sm_90a)"`` or ``"reference: <why>"``, judged on the shapes the
-    call has in ``fn`` (a sharded call decides per device, on its shard's shapes) by the plan
-    its lowering would read. Raises the ``ValueError`` compiling would raise for a pinned
-    config the device's kernel cannot run.
+    """For each fused GEMM that ``fn(*args, **kwargs)`` runs, which backend runs it:
+    ``"kernel (sm_90a)"`` or ``"reference: <why>"``, judged on the shapes the call has in
+    ``fn`` (a sharded call decides per device, on its shard's shapes) by the plan its lowering
+    would read: for the default device, or, on a machine without a GPU after
+    :func:`jax_efc.set_target_arch`, for a ``jax.export`` to CUDA. Raises the ``ValueError``
+    compiling would raise for a pinned config the kernel cannot run.
 
     >>> import jax, jax.numpy as jnp, jax_efc as efc
     >>> spec = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
@@ -187,11 +189,13 @@ def backends(fn: Any, *args: Any, **kwargs: Any) -> list[str]:
     ['reference: platform cpu has no jax_efc kernel']
     """
     eqns = fused_gemm_eqns(jax.make_jaxpr(partial(fn, **kwargs))(*args))
-    if jax.default_backend() != "gpu":
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and device.arch() is None:
         return [f"reference: platform {jax.default_backend()} has no jax_efc kernel"] * len(eqns)
     out = []
     for eqn in eqns:
-        plan = plan_call([v.aval for v in eqn.invars], eqn.params)
+        # without a GPU, as an export for CUDA is planned: for a device not known
+        plan = plan_call([v.aval for v in eqn.invars], eqn.params, devices=None if on_gpu else ())
         out.append(f"kernel ({plan.arch})" if plan.backend == "kernel" else f"reference: {plan.reason}")
     return out
 

@@ -135,3 +135,65 @@ def test_one_lowering_plans_each_call_once():
     pytest.importorskip("cutlass.jax")
     counts = json.loads(run_for_sm90(_LOWERED_ONCE).strip().splitlines()[-1])
     assert counts == {"choose_config": 3, "arch": 3, "kernels": 3}
+
+
+_TARGET = """
+import json, logging, os, sys
+import jax, jax.numpy as jnp
+import jax_efc as efc
+
+logged = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        logged.append(record.getMessage())
+logging.getLogger("jax_efc").addHandler(Keep())
+S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+specs = S((4096, 4096), bf), S((4096, 4096), bf), S((4096,), bf)
+dense = lambda x, w, b: efc.fused_dense(x, w, b, activation="gelu")
+out = {}
+try:
+    efc.set_target_arch("sm_75")
+except ValueError as e:
+    out["bad arch"] = str(e)
+if sys.argv[1] == "target":
+    efc.set_target_arch("sm_90a")
+out["backends"] = efc.backends(dense, *specs)
+exported = jax.export.export(jax.jit(dense), platforms=["cuda"], disabled_checks=efc.export_checks())(*specs)
+out["kernels"] = exported.mlir_module().count("custom_call @CuteDSLRT")
+out["logged"] = logged
+try:
+    os.environ.pop("CUTE_DSL_ARCH", None)
+    efc.set_target_arch("sm_90a")
+    out["late"] = "accepted"
+except RuntimeError as e:
+    out["late"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def _target_run(mode: str) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", _TARGET, mode], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_exporting_on_a_cpu_takes_an_explicit_target():
+    """Without a GPU, an export for CUDA holds the kernel only after set_target_arch; without
+    it the reference, with a warning that says how to get the kernel. efc.backends says
+    beforehand which the export will hold."""
+    pytest.importorskip("cutlass.jax")
+    with_target = _target_run("target")
+    assert with_target["backends"] == ["kernel (sm_90a)"] and with_target["kernels"] == 1
+    assert "has no jax_efc kernel; use one of" in with_target["bad arch"]
+    assert "already imported" in with_target["late"]  # the DSL read the arch when it was imported
+    without = _target_run("none")
+    assert without["backends"] == ["reference: platform cpu has no jax_efc kernel"] and without["kernels"] == 0
+    assert any("exporting for CUDA without a target architecture" in m and "set_target_arch" in m
+               for m in without["logged"]), without["logged"]

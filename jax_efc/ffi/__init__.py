@@ -24,11 +24,20 @@ from jax_efc.plan import Plan
 
 from . import kernel_cache
 
-__all__ = ["fused_gemm", "lower", "store_compiled", "KERNEL_CACHE_SIZE"]
+__all__ = ["fused_gemm", "lower", "store_compiled", "export_checks", "KERNEL_CACHE_SIZE"]
 
 # compile key -> kernel object, so that re-lowering reuses it; the least recently used go first
 _KERNELS: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
 KERNEL_CACHE_SIZE = 256
+
+
+def export_checks() -> tuple:
+    """The ``disabled_checks`` ``jax.export`` needs to keep the kernels' custom calls (which
+    promise no compatibility across versions). Imports the CuTe DSL: on a machine without a
+    GPU, call :func:`jax_efc.set_target_arch` first."""
+    from cutlass.jax import get_export_disabled_safety_checks
+
+    return tuple(get_export_disabled_safety_checks())
 
 
 def _mnkl(a, b, problem) -> tuple[int, int, int, int]:
