@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import importlib.metadata
+import json
 import os
 import sys
 import time
@@ -237,12 +238,26 @@ def _add_bench(sub: Any) -> None:
                        description=bench.__doc__.splitlines()[0])
     bench.add_arguments(p)
     p.add_argument("--plot", metavar="FILE.png", help="bar chart of the ratios (needs matplotlib)")
+    p.add_argument("--from-json", metavar="RUN.json",
+                   help="with --plot: draw a saved run's --json file instead of measuring")
     p.set_defaults(func=_bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         args.parser.error("--plot needs matplotlib, which is not installed (pip install matplotlib)")
+    if args.from_json:
+        if not args.plot:
+            args.parser.error("--from-json draws a saved run: give --plot FILE.png too")
+        try:
+            with open(args.from_json) as f:
+                report = json.load(f)
+            report["results"], report.setdefault("no_triton", None), report["device"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            args.parser.error(f"--from-json {args.from_json}: not a benchmark --json file ({type(e).__name__}: {e})")
+        bench.plot(report, args.plot)
+        print(f"wrote {args.plot}")
+        return 0
     report = bench.run_from_args(args)
     if args.plot:
         bench.plot(report, args.plot)

@@ -393,16 +393,11 @@ def test_bench_clocks_need_nvidia_smi(capsys, monkeypatch):
 
 
 def test_bench_plot_without_matplotlib(capsys, monkeypatch):
-    import builtins
+    import importlib.util
 
-    real_import = builtins.__import__
-
-    def no_matplotlib(name, *args, **kwargs):
-        if name.startswith("matplotlib"):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("matplotlib") else real_find_spec(name, *a))
     with pytest.raises(SystemExit) as e:
         main(["bench", "--shapes", "32,32,32", "--plot", "x.png"])
     assert e.value.code == 2 and "matplotlib" in capsys.readouterr().err
@@ -528,3 +523,25 @@ def test_run_says_what_it_is_doing_and_times_a_pinned_config_beside_the_heuristi
     stages = [line.split("] ", 1)[1] for line in err.splitlines() if line.startswith("[")]
     assert stages[1:] == ["compiling, and checking against the float32 reference",
                           "warming up and timing 3 functions in interleaved rounds", "done"]
+
+
+def test_bench_plots_a_saved_run(tmp_path, capsys, monkeypatch):
+    """`--from-json` draws a run's --json file without measuring; a file that is not one, or a
+    missing --plot, is an error naming the flag."""
+    import importlib.util
+
+    drawn = []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # matplotlib "installed"
+    monkeypatch.setattr(bench, "plot", lambda report, path: drawn.append((report, path)))
+    monkeypatch.setattr(bench, "run_from_args", lambda args: pytest.fail("measured"))
+    run = {"device": "NVIDIA H200", "results": [{"shape": [8, 8, 8, 1], "epilogue": "gemm", "ratio": 1.0}],
+           "no_triton": None}
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(run))
+    assert main(["bench", "--from-json", str(saved), "--plot", str(tmp_path / "r.png")]) == 0
+    assert drawn == [(run, str(tmp_path / "r.png"))]
+    for argv, needle in ((["--from-json", str(saved)], "give --plot"),
+                         (["--from-json", str(tmp_path / "none.json"), "--plot", "r.png"], "not a benchmark --json file")):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", *argv])
+        assert e.value.code == 2 and needle in capsys.readouterr().err
