@@ -14,7 +14,8 @@ from .ffi import export_checks
 from .mlp import fused_mlp
 from .ops import fused_dense, gemm
 from .primitive import FallbackError, backends
+from .warmup import warmup
 
 __version__ = "0.1.0"
 __all__ = ["gemm", "fused_dense", "fused_mlp", "GemmConfig", "ACTIVATIONS", "EpilogueError",
-           "FallbackError", "backends", "checkpoint_policies", "set_target_arch", "export_checks"]
+           "FallbackError", "backends", "checkpoint_policies", "set_target_arch", "export_checks", "warmup"]

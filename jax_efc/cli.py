@@ -312,7 +312,7 @@ def _info(args: argparse.Namespace) -> int:
     state = "on" if kernel_cache.enabled() else "off"
     print("caches:")
     print(f"  {'jax_efc kernels:':<24}{kernel_cache.directory()}: {entries} entries, {size / 2**20:.1f} MiB, "
-          f"{state} (JAX_EFC_KERNEL_CACHE=1; clear: jax-efc cache clear)")
+          f"{state} (off: JAX_EFC_KERNEL_CACHE=0; clear: jax-efc cache clear)")
     print(f"  {'CuTe DSL kernels:':<24}{os.environ.get('CUTE_DSL_CACHE_DIR', 'the DSL default')} (CUTE_DSL_CACHE_DIR)")
     print(f"  {'JAX compilation:':<24}{jax.config.jax_compilation_cache_dir or 'off (jax_compilation_cache_dir)'}")
     print(f"  {'in memory:':<24}compiled kernels, per process (at most {ffi.KERNEL_CACHE_SIZE})")

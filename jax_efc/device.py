@@ -19,7 +19,14 @@ def set_target_arch(target: str) -> None:
     """Build kernels for ``target`` (``"sm_90a"``) whatever GPU this process has, or none:
     what ``jax.export(..., platforms=["cuda"])`` on a CPU machine needs to hold the kernels
     rather than the XLA reference. Call it before the first kernel is built; it sets
-    ``CUTE_DSL_ARCH``, which the CuTe DSL reads once, when it is imported."""
+    ``CUTE_DSL_ARCH``, which the CuTe DSL reads once, when it is imported.
+
+    >>> import jax_efc as efc
+    >>> efc.set_target_arch("sm_75")
+    Traceback (most recent call last):
+    ...
+    ValueError: set_target_arch: 'sm_75' has no jax_efc kernel; use one of ('sm_90a',).
+    """
     from jax_efc.kernels import SUPPORTED_ARCHS
 
     if target not in SUPPORTED_ARCHS:

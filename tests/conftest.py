@@ -12,6 +12,18 @@ import pytest
 # eight host devices, so the sharding tests run on any machine
 jax.config.update("jax_num_cpu_devices", 8)
 
+# Tests count on kernels being compiled (their PTX, forced compile failures): the on-disk kernel
+# cache is off for them unless a test turns it on, and jax_efc's caches live in a directory of
+# this run's, not the user's.
+os.environ.setdefault("JAX_EFC_KERNEL_CACHE", "0")
+if "JAX_EFC_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["JAX_EFC_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_efc-tests-")
+    atexit.register(shutil.rmtree, os.environ["JAX_EFC_CACHE_DIR"], ignore_errors=True)
+
 
 def _has_gpu() -> bool:
     try:

@@ -545,3 +545,21 @@ def test_bench_plots_a_saved_run(tmp_path, capsys, monkeypatch):
         with pytest.raises(SystemExit) as e:
             main(["bench", *argv])
         assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_run_names_the_config_each_kernel_ran_with(monkeypatch):
+    """On the kernel path `run` prints the config from the very plan the lowering reads: the
+    pinned one, or the heuristic's (planned here for sm_90a as on an H200)."""
+    pytest.importorskip("cutlass")
+    from jax_efc import cli
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    auto = bench.bench_problem("bias+gelu_tanh", (8192, 8192, 8192, 1))
+    (line,) = cli._configs_that_ran(auto)
+    assert line.startswith("kernel config: tile ") and line.endswith("(the heuristic's)") and "ping-pong" in line
+    pinned = bench.bench_problem("bias+gelu_tanh", (8192, 8192, 8192, 1), config=bench.parse_config("128,256,2,1"))
+    assert cli._configs_that_ran(pinned) == [
+        "kernel config: tile 128x256, cluster 2x1, cooperative, epilogue subtile 128x32 (pinned)"]
+    handed = bench.bench_problem("gemm", (64, 4096, 4096, 1))  # XLA's GEMM is faster: no kernel line
+    assert cli._configs_that_ran(handed) == []

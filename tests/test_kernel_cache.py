@@ -45,9 +45,13 @@ def test_the_key_covers_what_the_module_depends_on(cache, monkeypatch):
     base = _key()
     assert _key(compile_key=("other",)) != base
     assert _key(shape=(2, 64, 64)) != base
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    monkeypatch.setenv("CUTE_DSL_OPT_LEVEL", "1")  # a DSL setting that changes its code
     assert _key() != base
-    monkeypatch.delenv("CUTE_DSL_ARCH")
+    monkeypatch.delenv("CUTE_DSL_OPT_LEVEL")
+    assert _key() == base
+    # the arch is in the compile key, set or found; the DSL's cache location changes no code
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("CUTE_DSL_CACHE_DIR", "/elsewhere")
     assert _key() == base
 
 
@@ -182,3 +186,38 @@ def test_a_stored_kernel_runs_and_gives_the_compiled_kernels_bits(tmp_path):
     for f, s, w in zip(first, stored, want):
         assert np.array_equal(f, s)
         assert np.linalg.norm(f - w) <= 2e-2 * np.linalg.norm(w)
+
+
+_WARMUP = """
+import json, sys, time
+import jax, jax.numpy as jnp
+import jax_efc as efc
+S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+def loss(x, w, b):
+    return efc.fused_dense(x, w, b, activation="gelu").astype(jnp.float32).sum()
+step = jax.grad(loss, (0, 1, 2))
+specs = S((2048, 1536), bf), S((1536, 1536), bf), S((1536,), bf)
+t0 = time.perf_counter()
+lines = efc.warmup(step, *specs, processes=int(sys.argv[1]))
+took = time.perf_counter() - t0
+import cutlass.cute
+def compile(*args, **kwargs):
+    raise RuntimeError("the DSL compiled a kernel")
+cutlass.cute.compile = compile
+exported = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=efc.export_checks())(*specs)
+print(json.dumps({"lines": lines, "kernels": exported.mlir_module().count("custom_call @CuteDSLRT"),
+                  "again": efc.warmup(step, *specs), "seconds": took}))
+"""
+
+
+def test_warmup_builds_a_steps_kernels_in_parallel_for_the_lowering(tmp_path):
+    """efc.warmup compiles a training step's three kernels in worker processes; the step's own
+    lowering then finds every one in the cache (its DSL compile is disabled), and a second
+    warmup finds nothing to do."""
+    pytest.importorskip("cutlass.jax")
+    out = json.loads(run_for_sm90(_WARMUP, "2", JAX_EFC_CACHE_DIR=str(tmp_path), JAX_EFC_KERNEL_CACHE="1")
+                     .strip().splitlines()[-1])
+    assert out["lines"] == ["compiled"] * 3, out
+    assert out["kernels"] == 3
+    assert out["again"] == ["cached"] * 3
+    assert len(list((tmp_path / "kernels").glob("*.kernel"))) == 3

@@ -34,7 +34,12 @@ KERNEL_CACHE_SIZE = 256
 def export_checks() -> tuple:
     """The ``disabled_checks`` ``jax.export`` needs to keep the kernels' custom calls (which
     promise no compatibility across versions). Imports the CuTe DSL: on a machine without a
-    GPU, call :func:`jax_efc.set_target_arch` first."""
+    GPU, call :func:`jax_efc.set_target_arch` first.
+
+    >>> import jax_efc as efc
+    >>> sorted(check.is_custom_call() for check in efc.export_checks())[0]
+    'CuteDSLRT_NvJaxCutlassCallNoCudaGraph_v1'
+    """
     from cutlass.jax import get_export_disabled_safety_checks
 
     return tuple(get_export_disabled_safety_checks())

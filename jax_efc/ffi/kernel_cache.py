@@ -2,12 +2,12 @@
 
 On a hit the lowering emits the kernel's custom call from the stored module, without running
 the CuTe DSL; on a miss the DSL compiles it as usual (``cutlass_call``) and, once the call
-is lowered, the compiled module is stored. Opt in with ``JAX_EFC_KERNEL_CACHE=1``.
+is lowered, the compiled module is stored. On by default; ``JAX_EFC_KERNEL_CACHE=0`` turns it off.
 
 An entry's key covers everything its module depends on: the kernel's compile key (epilogue
 IR and constants, dtypes, majors, config, schedule, arch), the shapes, dtypes and layouts of
 its arguments, the versions of jax_efc, the DSL and JAX, a digest of jax_efc's kernel
-sources, and the ``CUTE_DSL_*`` settings. Entries live owner-only under
+sources, and the ``CUTE_DSL_*`` settings that change its code. Entries live owner-only under
 ``jax_efc.config.cache_dir()/kernels``, are written atomically (a temporary file renamed into
 place) with a checksum, so a torn or foreign file is ignored (and removed), never loaded; past
 ``JAX_EFC_KERNEL_CACHE_BYTES`` (default 2 GiB) the least recently used are deleted.
@@ -44,7 +44,8 @@ class Entry:
 
 
 def enabled() -> bool:
-    return os.environ.get("JAX_EFC_KERNEL_CACHE", "0") not in ("", "0")
+    """Whether the cache is on: unless ``JAX_EFC_KERNEL_CACHE`` is ``0``."""
+    return os.environ.get("JAX_EFC_KERNEL_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def directory() -> str:
@@ -80,7 +81,10 @@ def _versions() -> tuple:
 def entry_key(compile_key: Any, inputs: Sequence[Any], in_modes: Sequence[Any],
               outputs: Sequence[Any], aliases: dict[int, int]) -> str:
     """The file name of the entry for one kernel call."""
-    settings = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("CUTE_DSL_")))
+    # the DSL's settings, but for the two that do not change its code: the arch (in the compile
+    # key already, whether set or found on the GPU) and where its own cache lives
+    settings = tuple(sorted((k, v) for k, v in os.environ.items()
+                            if k.startswith("CUTE_DSL_") and k not in ("CUTE_DSL_ARCH", "CUTE_DSL_CACHE_DIR")))
     text = repr((_MAGIC, compile_key, [(tuple(x.shape), str(x.dtype)) for x in inputs], tuple(in_modes),
                  [(tuple(x.shape), str(x.dtype)) for x in outputs], sorted(aliases.items()),
                  _versions(), settings))
