@@ -25,7 +25,7 @@ from jax_efc.epilogue import EpilogueIR
 from jax_efc.kernels import KernelProblem, no_kernel_reason, policy
 from jax_efc.kernels.schedule import TileSchedule, plan_schedule
 
-__all__ = ["Plan", "plan_call", "plan_kernel", "empty_reason", "symbolic_reason"]
+__all__ = ["Plan", "plan_call", "plan_kernel", "gemm_dims", "empty_reason", "symbolic_reason"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ def _spec(x: Any) -> tuple:
     return tuple(x.shape), np.dtype(x.dtype).name
 
 
-def _dims(a_shape, b_shape, transpose_a: bool, transpose_b: bool) -> tuple[int, int, int, int | None]:
+def gemm_dims(a_shape, b_shape, transpose_a: bool, transpose_b: bool) -> tuple[int, int, int, int | None]:
     """(M, N, K, L or None) from the primitive's canonical shapes."""
     *la, a0, a1 = a_shape
     *lb, b0, b1 = b_shape
@@ -95,7 +95,7 @@ def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config
     if reason:
         return _reference(reason, arch=arch)
     pol = policy(arch)
-    m, n, k, batch = _dims(a[0], b[0], transpose_a, transpose_b)
+    m, n, k, batch = gemm_dims(a[0], b[0], transpose_a, transpose_b)
     mnkl = (m, n, k, batch or 1)
     problem = KernelProblem(
         ir=ir, ab_dtype=a[1], acc_dtype=acc_dtype, a_major="m" if transpose_a else "k",

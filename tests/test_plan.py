@@ -197,3 +197,22 @@ def test_exporting_on_a_cpu_takes_an_explicit_target():
     assert without["backends"] == ["reference: platform cpu has no jax_efc kernel"] and without["kernels"] == 0
     assert any("exporting for CUDA without a target architecture" in m and "set_target_arch" in m
                for m in without["logged"]), without["logged"]
+
+
+def test_the_launch_refuses_arrays_its_plan_was_not_made_for():
+    pytest.importorskip("cutlass.jax")
+    from jax_efc import ffi
+
+    spec = _S((256, 256), jnp.bfloat16)
+    p = plan.plan_kernel(identity_ir(jnp.bfloat16), spec, spec, [], transpose_a=False, transpose_b=False,
+                         acc_dtype=jnp.float32, config=None, arch="sm_90a")
+    for a, b in ((_S((256, 512), jnp.bfloat16), _S((512, 256), jnp.bfloat16)),  # another K
+                 (_S((256, 256), jnp.float16), _S((256, 256), jnp.float16)),  # another dtype
+                 (_S((2, 256, 256), jnp.bfloat16), spec)):  # batched
+        with pytest.raises(ValueError, match="not the ones the plan was made for"):
+            jax.jit(lambda a, b: ffi.fused_gemm(a, b, plan=p)).trace(a, b)
+    refused = plan.plan_kernel(identity_ir(jnp.bfloat16), _S((256, 1001), jnp.bfloat16), _S((1001, 256), jnp.bfloat16),
+                               [], transpose_a=False, transpose_b=False, acc_dtype=jnp.float32, config=None,
+                               arch="sm_90a")
+    with pytest.raises(ValueError, match="kernel cannot run this GEMM: .*K=1001"):
+        jax.jit(lambda a, b: ffi.fused_gemm(a, b, plan=refused)).trace(spec, spec)

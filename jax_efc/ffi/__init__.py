@@ -20,7 +20,7 @@ import numpy as np
 
 from jax_efc.kernels import TIMELINE_EVENTS, TIMELINE_UNITS, policy
 from jax_efc.log import log_once
-from jax_efc.plan import Plan
+from jax_efc.plan import Plan, gemm_dims
 
 from . import kernel_cache
 
@@ -43,16 +43,6 @@ def export_checks() -> tuple:
     from cutlass.jax import get_export_disabled_safety_checks
 
     return tuple(get_export_disabled_safety_checks())
-
-
-def _mnkl(a, b, problem) -> tuple[int, int, int, int]:
-    """(M, N, K, L) of arrays ``a`` and ``b`` read with ``problem``'s majors."""
-    *la, a0, a1 = a.shape
-    *lb, b0, b1 = b.shape
-    m, k = (a1, a0) if problem.a_major == "m" else (a0, a1)
-    n = b0 if problem.b_major == "k" else b1
-    lead = la or lb
-    return m, n, k, (lead[0] if lead else 1)
 
 
 def _as3d(x):
@@ -164,7 +154,8 @@ def fused_gemm(a, b, *operands, plan: Plan, timeline: bool = False) -> list:
     got = (np.dtype(a.dtype).name, np.dtype(b.dtype).name, len(a.shape) == 3, len(b.shape) == 3,
            tuple(len(x.shape) == 3 for x in operands))
     want = (problem.ab_dtype, problem.ab_dtype, problem.a_batched, problem.b_batched, problem.operand_batched)
-    if got != want or _mnkl(a, b, problem) != plan.mnkl:
+    m, n, k, batch = gemm_dims(a.shape, b.shape, problem.a_major == "m", problem.b_major == "k")
+    if got != want or (m, n, k, batch or 1) != plan.mnkl:
         raise ValueError(f"the arrays (a {a.dtype}{tuple(a.shape)}, b {b.dtype}{tuple(b.shape)}) are not the "
                          f"ones the plan was made for ({problem.ab_dtype}, M, N, K, L = {plan.mnkl}).")
     transpose_a, transpose_b = problem.a_major == "m", problem.b_major == "k"
