@@ -14,7 +14,7 @@ from .ffi import export_checks
 from .mlp import fused_mlp
 from .ops import fused_dense, gemm
 from .primitive import FallbackError, backends
-from .warmup import warmup
+from .ahead_of_time import warmup
 
 __version__ = "0.1.0"
 __all__ = ["gemm", "fused_dense", "fused_mlp", "GemmConfig", "ACTIVATIONS", "EpilogueError",

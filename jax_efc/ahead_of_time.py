@@ -32,6 +32,13 @@ def warmup(fn: Callable[..., Any], *args: Any, processes: int | None = None, **k
     the partitioner splits across devices (a sharded ``jit``) are planned at their global
     shapes, which the devices' kernels do not have; inside ``jax.shard_map`` the local shapes
     are planned. Needs the kernel cache (``JAX_EFC_KERNEL_CACHE``, on by default).
+
+    >>> import jax, jax.numpy as jnp, jax_efc as efc
+    >>> spec = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    >>> efc.warmup(lambda a, b: efc.gemm(a, b, jax.nn.relu), spec, spec)  # on a CPU machine
+    Traceback (most recent call last):
+    ...
+    RuntimeError: warmup on a machine without a GPU builds for a target architecture: call jax_efc.set_target_arch('sm_90a') first.
     """
     import jax
 
@@ -40,12 +47,12 @@ def warmup(fn: Callable[..., Any], *args: Any, processes: int | None = None, **k
     from jax_efc.plan import plan_call
     from jax_efc.primitive import fused_gemm_eqns
 
-    if not kernel_cache.enabled():
-        raise RuntimeError("warmup fills the on-disk kernel cache, which JAX_EFC_KERNEL_CACHE=0 turns off.")
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and device.arch() is None:
         raise RuntimeError("warmup on a machine without a GPU builds for a target architecture: call "
                            "jax_efc.set_target_arch('sm_90a') first.")
+    if not kernel_cache.enabled():
+        raise RuntimeError("warmup fills the on-disk kernel cache, which JAX_EFC_KERNEL_CACHE=0 turns off.")
     lines: list[str] = []
     jobs: dict[tuple, list] = {}  # kernel -> (specs, plan), in the order first met
     first: dict[tuple, int] = {}
@@ -84,7 +91,7 @@ def _build_all(jobs: list, processes: int) -> list[str]:
             with open(path, "wb") as f:
                 pickle.dump([jobs[i] for i in indices], f)
             arch_env = dict(env, CUTE_DSL_ARCH=jobs[indices[0]][1].arch)
-            proc = subprocess.run([sys.executable, "-m", "jax_efc.warmup", path], env=arch_env,
+            proc = subprocess.run([sys.executable, "-m", "jax_efc.ahead_of_time", path], env=arch_env,
                                   capture_output=True, text=True)
             done = proc.stdout.split() if proc.returncode == 0 else []
             for j, i in enumerate(indices):
