@@ -57,8 +57,8 @@ def allowed_acc_dtypes(ab_dtype: Any) -> list[str]:
 def acc_dtype(value: Any, ab_dtype: np.dtype) -> np.dtype:
     """The accumulator dtype: float32 by default (float64 for float64 inputs), else one of
     :func:`allowed_acc_dtypes`."""
-    if value is None:
-        return np.dtype(jnp.promote_types(ab_dtype, jnp.float32))
+    if value is None:  # (8-bit floats promote to nothing implicitly: float32 explicitly)
+        return np.dtype(jnp.float32) if ab_dtype.itemsize == 1 else np.dtype(jnp.promote_types(ab_dtype, jnp.float32))
     acc = dtype("acc_dtype", value)
     allowed = allowed_acc_dtypes(ab_dtype)
     if acc.name not in allowed:

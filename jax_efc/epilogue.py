@@ -500,7 +500,18 @@ def evaluate(ir: EpilogueIR, acc: Any, operands: Sequence[Any]) -> list[Any]:
         else:
             values.append(OPS[ins.op][1](*args).astype(ins.dtype))
     shape = jnp.broadcast_shapes(*(jnp.shape(v) for v in values[: len(ir.inputs)]))
-    return [jnp.broadcast_to(values[o.value], shape).astype(o.dtype) for o in ir.outputs]
+    return [store_as(jnp.broadcast_to(values[o.value], shape), o.dtype) for o in ir.outputs]
+
+
+def store_as(v: Any, dtype: Any) -> Any:
+    """``v`` converted to an output's dtype as the kernels store it: to 8-bit floats rounded to
+    nearest even and saturated to the finite range (NaN stays NaN; e4m3fn has no Inf, and a
+    plain cast would make an overflow NaN), to other dtypes by a plain cast."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+        top = float(jnp.finfo(dtype).max)
+        v = jnp.clip(v, -top, top)
+    return v.astype(dtype)
 
 
 def identity_ir(out_dtype: Any, epi_dtype: Any = jnp.float32) -> EpilogueIR:

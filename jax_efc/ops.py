@@ -21,7 +21,9 @@ from .primitive import fused_gemm, gemm_cotangents, match_varying, problem_shape
 
 __all__ = ["gemm", "fused_dense"]
 
-_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
+# A and B dtypes; the 8-bit floats accumulate in float32 (their scales are epilogue scalars or
+# row/column operands)
+_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64, jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +87,8 @@ def gemm(
     a, b = arguments.array("a", a), arguments.array("b", b)
     for name, x in (("a", a), ("b", b)):
         if x.dtype not in _FLOATS:
-            raise TypeError(f"{name} has dtype {x.dtype}; gemm takes float32, bfloat16, float16 or float64.")
+            raise TypeError(f"{name} has dtype {x.dtype}; gemm takes float32, bfloat16, float16, float64, "
+                            "float8_e4m3fn or float8_e5m2.")
     if a.dtype != b.dtype:
         raise TypeError(f"a is {a.dtype} but b is {b.dtype}; cast one so both have the same dtype.")
     transpose_a, transpose_b, recompute_acc = (

@@ -82,15 +82,18 @@ def plan_kernel(ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], *, tran
                         "takes A and B of one dtype: cast one of them.")
     return _plan_kernel(ir, _spec(a), _spec(b), tuple(_spec(x) for x in operands), bool(transpose_a),
                         bool(transpose_b), np.dtype(acc_dtype).name, config, arch,
-                        None if devices is None else tuple(devices), _mps())
+                        None if devices is None else tuple(devices), _switches())
 
 
-def _mps() -> str:
-    return os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip()
+def _switches() -> tuple[str, str]:
+    """The environment the plan reads besides its arguments (the memo's key holds it): the MPS
+    thread limit (residency) and whether unverified kernels may run (the policies)."""
+    return (os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip(),
+            os.environ.get("JAX_EFC_UNVERIFIED_KERNELS", "0"))
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch, devices, mps) -> Plan:
+def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch, devices, switches) -> Plan:
     reason = no_kernel_reason(arch) or device.dsl_reason()
     if reason:
         return _reference(reason, arch=arch)
@@ -112,7 +115,8 @@ def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config
     cfg = problem.config
     cluster_size = cfg.cluster_m * cfg.cluster_n
     clusters, resident = device.residency(cluster_size, devices, pol.assumed_max_clusters(cluster_size, sms))
-    schedule = plan_schedule(cfg if resident else dataclasses.replace(cfg, stream_k=False), *mnkl, clusters)
+    schedule = plan_schedule(cfg if resident else dataclasses.replace(cfg, stream_k=False), *mnkl, clusters,
+                             problem.tile_k)
     return Plan("kernel", arch=arch, problem=problem, mnkl=mnkl, schedule=schedule)
 
 

@@ -147,7 +147,7 @@ def test_stream_k(config, m, n, k, batch, epilogue, transpose):
 
     cfg = GemmConfig(*config[:4], **config[4])
     clusters, _ = device.residency(cfg.cluster_m * cfg.cluster_n, None, 0)
-    assert plan_schedule(cfg, m, n, k, batch or 1, clusters).stream_k, "the shape no longer splits"
+    assert plan_schedule(cfg, m, n, k, batch or 1, clusters, 64).stream_k, "the shape no longer splits"
     acc = (m, n) if batch is None else (batch, m, n)
     if epilogue == "bias_gelu":
         fn, operands, outs = lambda acc, bias: jax.nn.gelu(acc + bias), [((1, n), "bfloat16")], None

@@ -75,6 +75,14 @@ VARIANTS = {
                                                           (128, 192, 2, 1, {"pingpong": True, "swizzle": 8,
                                                                             "raster": "n", "epi_m": 64,
                                                                             "epi_n": 16}), "alpha_beta"),
+    # 8-bit float A and B (K-major both: b stored (N, K)); 128-deep k-tiles, m64nNk32 WGMMAs;
+    # bf16 epilogue operands, 8-bit or wider outputs
+    "fp8e4m3_nk_bias_gelu_128x128": ("float8_e4m3fn", False, True, None, (128, 128, 1, 1), "bias_gelu"),
+    "fp8e5m2_nk_pingpong_128x128_c1x2": ("float8_e5m2", False, True, None,
+                                         (128, 128, 1, 2, {"pingpong": True, "swizzle": 8}), "identity"),
+    "fp8e4m3_nk_alpha_beta_128x256_c2x1": ("float8_e4m3fn", False, True, None, (128, 256, 2, 1), "alpha_beta"),
+    "fp8e4m3_nk_pingpong_192x128_multi": ("float8_e4m3fn", False, True, None,
+                                          (192, 128, 1, 2, {"pingpong": True, "epi_m": 64, "epi_n": 16}), "multi"),
     # cooperative 256x128: two warpgroups of 128 rows, two m64n128 WGMMAs each per k-step
     "bf16_256x128_c1x2_swizzle8": ("bfloat16", False, True, None, (256, 128, 1, 2, {"swizzle": 8}),
                                    "bias_gelu"),
@@ -138,11 +146,14 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
     from jax_efc.epilogue import trace_epilogue
 
     acc_shape = (m, n) if batch is None else (batch, m, n)
+    out_dtype = dtype
+    if jnp.dtype(dtype).itemsize == 1:  # 8-bit inputs: 16-bit epilogue operands
+        dtype = jnp.bfloat16
     if name == "identity":
-        fn, shapes, dtypes, outs = (lambda acc: acc), [], [], dtype
+        fn, shapes, dtypes, outs = (lambda acc: acc), [], [], out_dtype
     elif name == "alpha_beta":
         fn = lambda acc, c, x: {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}  # noqa: E731
-        shapes, dtypes, outs = [acc_shape, acc_shape], [dtype, dtype], {"D": dtype, "Y": dtype}
+        shapes, dtypes, outs = [acc_shape, acc_shape], [dtype, dtype], {"D": out_dtype, "Y": dtype}
     elif name == "f32_tile":
         fn = lambda acc, c: jnp.maximum(acc, c) * c  # noqa: E731
         shapes, dtypes, outs = [(m, n)], [jnp.float32], jnp.float32
@@ -151,16 +162,16 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
         shapes, dtypes, outs = [(1, n)], [dtype], dtype
     elif name == "bias_gelu":
         fn = lambda acc, bias: jax.nn.gelu(acc + bias)  # noqa: E731
-        shapes, dtypes, outs = [(1, n)], [dtype], dtype
+        shapes, dtypes, outs = [(1, n)], [dtype], out_dtype
     else:  # tile + row + col + scalar operands, three outputs of three dtypes
         def fn(acc, c, bias, col, s, *, alpha):
             y = acc * alpha + c * s + bias
             return {"D": jax.nn.gelu(y) * col, "Y": jnp.where(y > 0, y, 0.0), "Z": jnp.tanh(y)}
         shapes = [acc_shape, (batch, 1, n) if batch else (1, n), (m, 1), (batch, 1, 1) if batch else ()]
         dtypes = [dtype, jnp.float32, dtype, jnp.float32]
-        outs = {"D": dtype, "Y": jnp.float32, "Z": jnp.float16}
+        outs = {"D": out_dtype, "Y": jnp.float32, "Z": jnp.float16}
     ir, *_ = trace_epilogue(fn, acc_shape, shapes, dtypes, {"alpha": 2.0} if name == "multi" else {},
-                            {}, outs, dtype)
+                            {}, outs, out_dtype)
     return ir, [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
 
 
@@ -211,7 +222,7 @@ def compiled(tmp_path_factory):
     dump = tmp_path_factory.mktemp("ptx")
     out = dump / "results.json"
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump),
-               JAX_PLATFORMS="cpu")
+               JAX_PLATFORMS="cpu", JAX_EFC_UNVERIFIED_KERNELS="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, __file__, str(dump), str(out)], env=env,
@@ -301,6 +312,19 @@ def test_variant_compiles_to_wgmma(compiled, name):
         assert "setmaxnreg" in ptx
 
 
+def test_8bit_kernels_use_the_8bit_wgmma_and_saturating_stores(compiled):
+    for name, kind, tile_n in (("fp8e4m3_nk_bias_gelu_128x128", "e4m3", 128),
+                               ("fp8e5m2_nk_pingpong_128x128_c1x2", "e5m2", 128),
+                               ("fp8e4m3_nk_alpha_beta_128x256_c2x1", "e4m3", 256),
+                               ("fp8e4m3_nk_pingpong_192x128_multi", "e4m3", 128)):
+        ptx = compiled[name]["ptx"]
+        assert compiled[name]["custom_call"], name
+        assert f"wgmma.mma_async.sync.aligned.m64n{tile_n}k32.f32.{kind}.{kind}" in ptx, name
+        assert "k16.f32.bf16" not in ptx, name
+        # stores to 8-bit outputs round to nearest even and saturate (no NaN from an overflow)
+        assert f"cvt.rn.satfinite.{kind}x2.f32" in ptx, name
+
+
 def test_output_shapes(compiled):
     assert compiled["bf16_batched_64x128"]["out_shapes"] == [[3, 128 * 6 + 8, 512]]
     assert len(compiled["bf16_multi_batched_c2x1"]["out_shapes"]) == 3
@@ -346,6 +370,29 @@ def test_unsupported_reasons(change, needle):
         arch=change.get("arch", "sm_90a"),
     ).reason
     assert reason is not None and needle in reason, reason
+
+
+def test_8bit_kernels_run_only_when_asked_and_only_k_major(monkeypatch):
+    """8-bit kernels compile (above) but have not run on a GPU: the plan keeps the reference
+    unless JAX_EFC_UNVERIFIED_KERNELS=1, and then needs A and B both K-major."""
+    pytest.importorskip("cutlass.jax")
+    import jax.numpy as jnp
+
+    import jax_efc.plan as P
+    from jax_efc.epilogue import identity_ir
+
+    ir = identity_ir(jnp.bfloat16)
+    a, b_kn, b_nk = (_aval(s, jnp.float8_e4m3fn) for s in ((1024, 512), (512, 1024), (1024, 512)))
+
+    def plan(b, transpose_b):
+        return P.plan_kernel(ir, a, b, [], transpose_a=False, transpose_b=transpose_b, acc_dtype=jnp.float32,
+                             config=None, arch="sm_90a")
+
+    monkeypatch.delenv("JAX_EFC_UNVERIFIED_KERNELS", raising=False)
+    assert "has not yet been run on a GPU; set JAX_EFC_UNVERIFIED_KERNELS=1" in plan(b_nk, True).reason
+    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
+    assert plan(b_nk, True).backend == "kernel" and plan(b_nk, True).problem.tile_k == 128
+    assert "must both be K-major" in plan(b_kn, False).reason
 
 
 def test_too_few_stages_names_the_subtiles_that_fit():
@@ -412,7 +459,7 @@ def test_last_tile_ring_slots(epilogue, dtype, cfg, mnk, fits, outputs_fit):
     problem = KernelProblem(ir, dtype, "float32", "k", "n", False, False, False, (False,) * len(ops),
                             "sm_90a", _config(cfg))
     clusters = 132 // (problem.config.cluster_m * problem.config.cluster_n)
-    kernel = Sm90FusedGemm(problem, plan_schedule(problem.config, m, n, k, 1, clusters))
+    kernel = Sm90FusedGemm(problem, plan_schedule(problem.config, m, n, k, 1, clusters, problem.tile_k))
     if not fits:
         assert kernel.ring_slots is None and kernel.ring_out_slots is None
         return

@@ -303,7 +303,7 @@ def test_the_kernel_cache_is_bounded(monkeypatch):
     for tile_n in (64, 128, 192, 256, 64):
         cfg = efc.GemmConfig(tile_n=tile_n)
         ffi._kernel(plan.Plan("kernel", arch="sm_90a", problem=_problem(cfg), mnkl=mnkl,
-                              schedule=plan_schedule(cfg, *mnkl, 132)), False)
+                              schedule=plan_schedule(cfg, *mnkl, 132, 64)), False)
     assert len(ffi._KERNELS) == 3 and len(built) == 5  # 64 was evicted, then built again
 
 

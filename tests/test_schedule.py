@@ -21,7 +21,7 @@ COOP = GemmConfig(128, 256, 2, 1, swizzle=8)
 
 def _walks(cfg, m, n, k, l, clusters):
     """(schedule, {cluster: {cta: [units]}}, cluster tiles (M, N, L), k-tiles)."""
-    schedule = plan_schedule(cfg, m, n, k, l, clusters)
+    schedule = plan_schedule(cfg, m, n, k, l, clusters, 64)
     tiles = cluster_tiles(m, n, l, (cfg.tile_m, cfg.tile_n), (cfg.cluster_m, cfg.cluster_n))
     k_tiles = -(-k // 64)
     grid = clusters if schedule.stream_k else min(clusters, tiles[0] * tiles[1] * l)
@@ -102,7 +102,7 @@ def test_stream_k_pieces_wait_only_on_partials_written_first(cfg, m, n, k, l, cl
 
 def test_stream_k_only_when_the_last_round_leaves_clusters_idle():
     def split(m, n, k, clusters=66, cfg=PINGPONG):
-        return plan_schedule(cfg, m, n, k, 1, clusters).stream_k
+        return plan_schedule(cfg, m, n, k, 1, clusters, 64).stream_k
 
     sk = split(8192, 8192, 8192)  # 2048 cluster tiles = 31 rounds of 66, and 2
     assert (sk.whole_rounds, sk.split_tiles, sk.k_tiles) == (30, 68, 128)
@@ -115,7 +115,7 @@ def test_stream_k_only_when_the_last_round_leaves_clusters_idle():
     assert (sk.whole_rounds, sk.split_tiles, sk.k_tiles) == (0, 32, 128)
     assert split(1024, 1024, 512) is None  # 32 x 8 k-tiles: under 8 for each cluster
     assert split(8192, 8192, 64) is None  # one k-tile: nothing to split
-    assert plan_schedule(PINGPONG, 8192, 8192, 8192, 1, 66).slots == 132
+    assert plan_schedule(PINGPONG, 8192, 8192, 8192, 1, 66, 64).slots == 132
     assert split(8192, 8192, 8192, cfg=dataclasses.replace(PINGPONG, stream_k=False)) is None
 
 
@@ -128,7 +128,7 @@ def test_cluster_tiles_round_partial_tiles_up():
 def test_swizzled_raster_walks_bands():
     """Raster "m", swizzle 2 on 3 x 5 cluster tiles: down M in bands of two N columns; the
     last band is one column wide."""
-    schedule = plan_schedule(GemmConfig(128, 128, swizzle=2), 3 * 128, 5 * 128, 64, 1, 15)
+    schedule = plan_schedule(GemmConfig(128, 128, swizzle=2), 3 * 128, 5 * 128, 64, 1, 15, 64)
     walk = TileWalk(schedule, (3, 5, 1), 0, (0, 0), 15, 1)
     order = [walk._cta_tile(t)[:2] for t in range(15)]
     assert order == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1),

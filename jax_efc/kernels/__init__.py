@@ -14,10 +14,10 @@ import functools
 import importlib
 
 from jax_efc.kernels.policy import ArchPolicy
-from jax_efc.kernels.problem import (EPI_STAGES, SMEM_ALIGN, TILE_K, TIMELINE_EVENTS, TIMELINE_UNITS,
-                                     KernelProblem, epilogue_tile, tile_operand_indices)
+from jax_efc.kernels.problem import (EPI_STAGES, SMEM_ALIGN, TIMELINE_EVENTS, TIMELINE_UNITS, KernelProblem,
+                                     epilogue_tile, tile_k, tile_operand_indices)
 
-__all__ = ["ArchPolicy", "KernelProblem", "SUPPORTED_ARCHS", "policy", "no_kernel_reason", "TILE_K",
+__all__ = ["ArchPolicy", "KernelProblem", "SUPPORTED_ARCHS", "policy", "no_kernel_reason", "tile_k",
            "EPI_STAGES", "SMEM_ALIGN", "TIMELINE_EVENTS", "TIMELINE_UNITS", "epilogue_tile",
            "tile_operand_indices"]
 

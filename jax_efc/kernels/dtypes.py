@@ -10,6 +10,8 @@ _DTYPES = {
     "float32": (32, "Float32"),
     "bfloat16": (16, "BFloat16"),
     "float16": (16, "Float16"),
+    "float8_e4m3fn": (8, "Float8E4M3FN"),
+    "float8_e5m2": (8, "Float8E5M2"),
     "bool": (8, "Boolean"),
 }
 

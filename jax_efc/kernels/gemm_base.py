@@ -26,7 +26,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cutlass.memory import SmemAllocator
 
 from jax_efc.kernels.dtypes import cutlass_dtype
-from jax_efc.kernels.problem import (EPI_STAGES, SMEM_ALIGN, TILE_K, TIMELINE_EVENTS, TIMELINE_UNITS,
+from jax_efc.kernels.problem import (EPI_STAGES, SMEM_ALIGN, TIMELINE_EVENTS, TIMELINE_UNITS,
                                      KernelProblem, epilogue_tile, tile_operand_indices)
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, Unit
 from jax_efc.kernels.visitor import EpilogueVisitor
@@ -90,7 +90,7 @@ class FusedGemmBase:
         cfg = problem.config
         self.schedule = schedule
         self.timeline = timeline
-        self.tile_mnk = (cfg.tile_m, cfg.tile_n, TILE_K)
+        self.tile_mnk = (cfg.tile_m, cfg.tile_n, problem.tile_k)
         self.cluster_mn = (cfg.cluster_m, cfg.cluster_n)
         self.ab_dtype = cutlass_dtype(problem.ab_dtype)
         self.a_batched = problem.a_batched
@@ -158,7 +158,7 @@ class FusedGemmBase:
         if not self.tile_ops or self.schedule.stream_k is not None:
             return None, None, None
         ab = self.ab_dtype.width // 8
-        room = (cfg.tile_m * TILE_K * ab, cfg.tile_n * TILE_K * ab)
+        room = (cfg.tile_m * self.tile_mnk[2] * ab, cfg.tile_n * self.tile_mnk[2] * ab)
 
         def nbytes(dt):
             return self.subtile_elems * dt.width // 8
@@ -421,7 +421,7 @@ class FusedGemmBase:
         layout = self._epi_smem_layout(dtype, 1)
         ab = self.ab_dtype.width // 8
         # a stage spans whole SMEM_ALIGN blocks: say so, or the pointer loses its alignment
-        stage_offset = cute.assume(stage_index * (self.tile_mnk[part] * TILE_K), divby=SMEM_ALIGN // ab)
+        stage_offset = cute.assume(stage_index * (self.tile_mnk[part] * self.tile_mnk[2]), divby=SMEM_ALIGN // ab)
         ptr = ring[part].iterator + stage_offset + offset // ab
         return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=dtype), layout.outer)
 

@@ -8,6 +8,7 @@ a sentence rather than a compiler error."""
 from __future__ import annotations
 
 import importlib
+import os
 
 from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR, Role
@@ -18,6 +19,10 @@ __all__ = ["ArchPolicy", "MAX_ELEMENTS"]
 
 # the most elements one tensor may hold: the kernels' offsets are 32-bit signed integers
 MAX_ELEMENTS = 2**31 - 1
+
+
+def _unverified_allowed() -> bool:
+    return os.environ.get("JAX_EFC_UNVERIFIED_KERNELS", "0") not in ("", "0")
 
 
 class ArchPolicy:
@@ -34,6 +39,9 @@ class ArchPolicy:
     operand_dtypes: tuple[str, ...]
     # dtypes the epilogue visitor evaluates in
     value_dtypes: tuple[str, ...]
+    # A/B dtypes whose kernels compile and pass the instruction checks but have not yet run on
+    # a GPU of this architecture: they run only under JAX_EFC_UNVERIFIED_KERNELS=1
+    unverified_ab_dtypes: tuple[str, ...] = ()
 
     def kernel_class(self) -> type:
         module, name = self.kernel.split(":")
@@ -48,6 +56,10 @@ class ArchPolicy:
         """Why ``problem``'s kernel does not fit the SM (shared memory, registers)."""
         raise NotImplementedError
 
+    def layout_reason(self, problem: KernelProblem) -> str | None:
+        """Why the MMA cannot read A and B in ``problem``'s majors (``None``: it can)."""
+        return None
+
     def unsupported_reason(self, problem: KernelProblem,
                            mnkl: tuple[int, int, int, int] | None = None) -> str | None:
         """``None`` if the kernel can run ``problem`` (on an M x N x K x L GEMM when ``mnkl`` is
@@ -58,8 +70,14 @@ class ArchPolicy:
             return f"A/B dtype {problem.ab_dtype} is not supported; use {' or '.join(self.ab_dtypes)}."
         if problem.acc_dtype not in self.acc_dtypes:
             return f"accumulator dtype {problem.acc_dtype} is not supported; use {' or '.join(self.acc_dtypes)}."
+        if problem.ab_dtype in self.unverified_ab_dtypes and not _unverified_allowed():
+            return (f"the {self.arch} kernel for {problem.ab_dtype} inputs compiles but has not yet been run "
+                    "on a GPU; set JAX_EFC_UNVERIFIED_KERNELS=1 to run it (and please report what it gives).")
         if problem.a_major not in ("k", "m") or problem.b_major not in ("k", "n"):
             return f"bad majors a={problem.a_major!r}, b={problem.b_major!r}."
+        reason = self.layout_reason(problem)
+        if reason:
+            return reason
         if len(problem.operand_batched) != len(problem.ir.operands):
             return "operand_batched must have one flag per epilogue operand."
         reason = (self.config_reason(problem.config) or self._ir_reason(problem.ir)

@@ -8,13 +8,14 @@ import dataclasses
 
 from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR, Role
+from jax_efc.kernels.dtypes import bits
 
-__all__ = ["KernelProblem", "TILE_K", "EPI_STAGES", "SMEM_ALIGN", "TIMELINE_EVENTS", "TIMELINE_UNITS",
+__all__ = ["KernelProblem", "tile_k", "EPI_STAGES", "SMEM_ALIGN", "TIMELINE_EVENTS", "TIMELINE_UNITS",
            "epilogue_tile", "tile_operand_indices"]
 
-# The MMA consumes K in steps of 16 16-bit values; four steps per pipeline stage make a
-# 64-deep k-tile = 128 bytes of a K-major row, exactly one 128-byte swizzle atom.
-TILE_K = 64
+# A pipeline stage's k-tile is 128 bytes of a K-major row, exactly one 128-byte swizzle atom:
+# 64 16-bit values (four 16-deep MMA steps), 128 8-bit ones (four 32-deep steps).
+_K_TILE_BYTES = 128
 # Two smem buffers per output (TMA stores) and per TILE operand (TMA loads, prefetched two
 # subtiles ahead; a tile's first two are issued before its mainloop when cooperative, at
 # the start of its epilogue with ping-pong, where the other consumer may hold the buffers).
@@ -52,6 +53,10 @@ class KernelProblem:
     config: GemmConfig
 
     @property
+    def tile_k(self) -> int:
+        return tile_k(self.ab_dtype)
+
+    @property
     def compile_key(self) -> tuple:
         """Everything that changes the generated code, as a hashable, process-stable key."""
         return (
@@ -68,6 +73,11 @@ class KernelProblem:
             self.arch,
             dataclasses.astuple(self.config),
         )
+
+
+def tile_k(ab_dtype: str) -> int:
+    """Depth of one pipeline stage's k-tile for A/B of ``ab_dtype``."""
+    return _K_TILE_BYTES * 8 // bits(ab_dtype)
 
 
 def epilogue_tile(config: GemmConfig) -> tuple[int, int]:

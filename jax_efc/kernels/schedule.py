@@ -31,7 +31,6 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from jax_efc.config import GemmConfig
-from jax_efc.kernels.problem import TILE_K
 
 __all__ = ["StreamK", "TileSchedule", "TileWalk", "Unit", "cluster_tiles", "plan_schedule"]
 
@@ -97,13 +96,14 @@ def cluster_tiles(m, n, l, tile_mn: tuple[int, int], cluster_mn: tuple[int, int]
     return tuple((x + t * c - 1) // (t * c) for x, t, c in zip((m, n), tile_mn, cluster_mn)) + (l,)
 
 
-def plan_schedule(config: GemmConfig, m: int, n: int, k: int, l: int, clusters: int) -> TileSchedule:
-    """The schedule of an M x N x K x L GEMM run with ``config`` on a grid of ``clusters``."""
+def plan_schedule(config: GemmConfig, m: int, n: int, k: int, l: int, clusters: int, tile_k: int) -> TileSchedule:
+    """The schedule of an M x N x K x L GEMM run with ``config`` on a grid of ``clusters``, in
+    k-tiles ``tile_k`` deep (:func:`jax_efc.kernels.problem.tile_k`: the kernel's own)."""
     cm, cn = config.cluster_m, config.cluster_n
     base = TileSchedule(clusters, (cm, cn), config.raster == "m", config.swizzle)
     mc, nc, _ = cluster_tiles(m, n, l, (config.tile_m, config.tile_n), (cm, cn))
     tiles = mc * nc * l
-    k_tiles = -(-k // TILE_K)
+    k_tiles = -(-k // tile_k)
     rounds, last = divmod(tiles, clusters)
     if rounds == 0:  # one partial round: split all of it, if each cluster gets enough k-tiles
         whole, split = 0, last

@@ -49,7 +49,7 @@ __all__ = ["Sm90FusedGemm"]
 # subtile is as small as a 128x16 one, but each TMA copy of a 16-bit tensor moves 64 bytes a
 # row instead of 32; with them, the tiles whose mainloops run while all CTAs do their first
 # epilogues at once no longer slow down (benchmarks/FINDINGS.md). The k-tile depth, the
-# epilogue buffer count and the smem alignment (TILE_K, EPI_STAGES, SMEM_ALIGN) live in
+# epilogue buffer count and the smem alignment (tile_k, EPI_STAGES, SMEM_ALIGN) live in
 # kernels/problem.py; sm90_policy.pipeline_stages counts the stages that fit Hopper's 227 KiB
 # next to them.
 # Register split across warpgroups (setmaxnreg): the producer needs few, the consumers hold

@@ -8,7 +8,7 @@ import dataclasses
 from jax_efc.config import GemmConfig
 from jax_efc.kernels.dtypes import bits
 from jax_efc.kernels.policy import ArchPolicy
-from jax_efc.kernels.problem import EPI_STAGES, SMEM_ALIGN, TILE_K, KernelProblem, epilogue_tile, tile_operand_indices
+from jax_efc.kernels.problem import EPI_STAGES, SMEM_ALIGN, KernelProblem, epilogue_tile, tile_operand_indices
 
 __all__ = ["POLICY", "Sm90Policy", "DEFAULT_SM_COUNT", "mma_warpgroups", "pipeline_stages"]
 
@@ -16,8 +16,10 @@ __all__ = ["POLICY", "Sm90Policy", "DEFAULT_SM_COUNT", "mma_warpgroups", "pipeli
 # without a GPU (with one, the device's own count is used)
 DEFAULT_SM_COUNT = 132
 
-_AB_DTYPES = ("bfloat16", "float16")
-_OUT_DTYPES = ("bfloat16", "float16", "float32")
+_FP8 = ("float8_e4m3fn", "float8_e5m2")
+_AB_DTYPES = ("bfloat16", "float16", *_FP8)
+# 8-bit outputs round to nearest even and saturate to the finite range (cvt.rn.satfinite)
+_OUT_DTYPES = ("bfloat16", "float16", "float32", *_FP8)
 _OPERAND_DTYPES = ("bfloat16", "float16", "float32")
 # dtypes the visitor evaluates in: 16-bit values are computed in fp32 and rounded per op
 _VALUE_DTYPES = ("float32", "bfloat16", "float16", "bool")
@@ -94,7 +96,7 @@ def pipeline_stages(problem: KernelProblem) -> int:
     as fit next to the epilogue buffers (two per output and per TILE operand; the ping-pong
     consumers take turns with one set)."""
     cfg = problem.config
-    ab_bytes = (cfg.tile_m + cfg.tile_n) * TILE_K * bits(problem.ab_dtype) // 8
+    ab_bytes = (cfg.tile_m + cfg.tile_n) * problem.tile_k * bits(problem.ab_dtype) // 8
     epi_dtypes = [o.dtype for o in problem.ir.outputs] + \
         [problem.ir.operands[i].dtype for i in tile_operand_indices(problem.ir)]
     epi_m, epi_n = epilogue_tile(cfg)
@@ -112,8 +114,8 @@ def _tiles(m: int, n: int, l: int, tm: int, tn: int) -> int:
 
 
 class Sm90Policy(ArchPolicy):
-    """Hopper's kernel (:class:`~jax_efc.kernels.sm90.Sm90FusedGemm`): 16-bit inputs, fp32
-    accumulation, warp-specialized cooperative and ping-pong schedules."""
+    """Hopper's kernel (:class:`~jax_efc.kernels.sm90.Sm90FusedGemm`): 16-bit and 8-bit float inputs,
+    fp32 accumulation, warp-specialized cooperative and ping-pong schedules."""
 
     arch = "sm_90a"
     kernel = "jax_efc.kernels.sm90:Sm90FusedGemm"
@@ -123,6 +125,14 @@ class Sm90Policy(ArchPolicy):
     out_dtypes = _OUT_DTYPES
     operand_dtypes = _OPERAND_DTYPES
     value_dtypes = _VALUE_DTYPES
+    unverified_ab_dtypes = _FP8
+
+    def layout_reason(self, problem: KernelProblem) -> str | None:
+        # WGMMA reads 8-bit A and B from shared memory K-major only (16-bit ones either way)
+        if bits(problem.ab_dtype) == 8 and (problem.a_major, problem.b_major) != ("k", "k"):
+            return (f"{problem.ab_dtype} A and B must both be K-major (the 8-bit WGMMA reads no other "
+                    "layout): a stored (M, K) and b stored (N, K), i.e. transpose_b=True.")
+        return None
 
     def config_reason(self, config: GemmConfig) -> str | None:
         if config.tile_m not in _TILE_M:

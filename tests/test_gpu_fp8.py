@@ -1,0 +1,97 @@
+"""8-bit float A and B through the Hopper kernel (marked ``gpu``), against a float64 NumPy
+oracle of the same 8-bit values: per-tensor scales as dynamic scalars, per-row / per-column
+scales as vector operands, partial tiles, 8-bit outputs saturating at their finite range, and
+NaN inputs. These kernels run only under ``JAX_EFC_UNVERIFIED_KERNELS=1`` until this file has
+passed on a GPU."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_efc as efc
+
+pytestmark = pytest.mark.gpu
+
+FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+
+
+@pytest.fixture(autouse=True)
+def kernel_only(monkeypatch):
+    monkeypatch.setenv("JAX_EFC_STRICT", "1")
+    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
+
+
+def _quantized(rng, shape, dtype, scale=1.0):
+    return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32).astype(dtype)
+
+
+def _f64(x):
+    return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def _rel(got, want):
+    got = _f64(got)
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("m, n, k", [(1000, 776, 4096), (300, 264, 200), (8192, 4096, 4096)])
+def test_scaled_bias_gelu_to_bf16(rng, dtype, m, n, k):
+    a, b = _quantized(rng, (m, k), dtype), _quantized(rng, (n, k), dtype)  # b stored (N, K)
+    bias = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+    sa, sb = jnp.float32(0.5 / math.sqrt(k)), jnp.float32(1.5)
+    fn = jax.jit(lambda a, b, bias, sa, sb: efc.gemm(a, b, lambda acc, bias, *, sa, sb: jax.nn.gelu(acc * (sa * sb) + bias),
+                                                     bias, transpose_b=True, sa=sa, sb=sb, out_dtypes=jnp.bfloat16))
+    assert efc.backends(fn, a, b, bias, sa, sb) == ["kernel (sm_90a)"]
+    want = _gelu_tanh(_f64(a) @ _f64(b).T * (float(sa) * float(sb)) + _f64(bias))
+    assert _rel(fn(a, b, bias, sa, sb), want) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=lambda d: jnp.dtype(d).name)
+def test_per_token_and_per_channel_scales(rng, dtype):
+    m, n, k = 520, 392, 1024
+    a, b = _quantized(rng, (m, k), dtype), _quantized(rng, (n, k), dtype)
+    row_scale = jnp.asarray(rng.uniform(0.5, 2.0, (m, 1)) / math.sqrt(k), jnp.float32)  # per token
+    col_scale = jnp.asarray(rng.uniform(0.5, 2.0, n), jnp.float32)  # per channel
+    y = jax.jit(lambda *x: efc.gemm(x[0], x[1], lambda acc, r, c: acc * r * c, x[2], x[3], transpose_b=True,
+                                    out_dtypes=jnp.float32))(a, b, row_scale, col_scale)
+    want = _f64(a) @ _f64(b).T * _f64(row_scale) * _f64(col_scale)
+    assert _rel(y, want) < 1e-5  # fp32 accumulation of exact 8-bit products, fp32 output
+
+
+@pytest.mark.parametrize("out", FP8, ids=lambda d: jnp.dtype(d).name)
+def test_8bit_outputs_round_and_saturate_like_the_reference(rng, out):
+    m, n, k = 384, 256, 512
+    a, b = _quantized(rng, (m, k), jnp.float8_e4m3fn), _quantized(rng, (n, k), jnp.float8_e4m3fn)
+    top = float(jnp.finfo(out).max)
+    # scaled so that a share of the outputs overflow the 8-bit range
+    scale = jnp.float32(top / 20)
+    got = jax.jit(lambda a, b, s: efc.gemm(a, b, lambda acc, *, s: acc * s, transpose_b=True, s=s,
+                                           out_dtypes=out))(a, b, scale)
+    acc = _f64(a) @ _f64(b).T * float(scale)
+    assert (np.abs(acc) > top).mean() > 0.05
+    want = np.asarray(jnp.asarray(np.clip(acc, -top, top), jnp.float32).astype(out).astype(jnp.float32))
+    got = np.asarray(got.astype(jnp.float32))
+    assert not np.isnan(got).any()
+    assert np.array_equal(got[np.abs(acc) > top], want[np.abs(acc) > top])  # saturated, not NaN
+    close = np.abs(got - want) <= np.abs(want) * 2.0 ** -(3 if out == jnp.float8_e4m3fn else 2)
+    assert close.mean() > 0.999  # round to nearest even, up to fp32 accumulation order
+
+
+def test_nan_inputs_reach_their_outputs(rng):
+    m, n, k = 256, 128, 256
+    a = np.array(_quantized(rng, (m, k), jnp.float8_e4m3fn).astype(jnp.float32))
+    a[3, 7] = np.nan
+    a = jnp.asarray(a).astype(jnp.float8_e4m3fn)
+    b = _quantized(rng, (n, k), jnp.float8_e4m3fn)
+    y = np.asarray(jax.jit(lambda a, b: efc.gemm(a, b, transpose_b=True, out_dtypes=jnp.float32))(a, b))
+    assert np.isnan(y[3]).all() and not np.isnan(np.delete(y, 3, axis=0)).any()

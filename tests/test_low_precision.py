@@ -1,0 +1,65 @@
+"""8-bit float inputs and outputs on the reference path (any machine): the numerics the kernel
+is held to in ``test_gpu_fp8.py``, the 8-bit stores' rounding and saturation, and the plan."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_efc as efc
+from jax_efc.epilogue import store_as
+
+FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+
+
+def _f64(x):
+    return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=lambda d: jnp.dtype(d).name)
+def test_scaled_8bit_gemm_with_bias_matches_the_float64_oracle(rng, dtype):
+    m, n, k = 96, 80, 256
+    a = jnp.asarray(rng.standard_normal((m, k)), jnp.float32).astype(dtype)
+    b = jnp.asarray(rng.standard_normal((n, k)), jnp.float32).astype(dtype)
+    bias = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+    y = efc.gemm(a, b, lambda acc, bias, *, s: jax.nn.relu(acc * s + bias), bias, transpose_b=True,
+                 s=jnp.float32(1 / math.sqrt(k)), out_dtypes=jnp.float32)
+    want = np.maximum(_f64(a) @ _f64(b).T / math.sqrt(k) + _f64(bias), 0)
+    assert y.dtype == jnp.float32
+    assert np.abs(_f64(y) - want).max() < 1e-5 * np.abs(want).max()
+    assert efc.gemm(a, b, transpose_b=True).dtype == dtype  # outputs default to the input dtype
+
+
+@pytest.mark.parametrize("out", FP8, ids=lambda d: jnp.dtype(d).name)
+def test_8bit_stores_round_to_nearest_and_saturate(out):
+    top = float(jnp.finfo(out).max)
+    x = jnp.array([1e9, -1e9, jnp.inf, -jnp.inf, jnp.nan, top, 0.3, -0.3], jnp.float32)
+    got = np.asarray(store_as(x, out).astype(jnp.float32))
+    assert got[:4].tolist() == [top, -top, top, -top] and np.isnan(got[4])
+    assert got[5] == top and got[6:].tolist() == np.asarray(x[6:].astype(out).astype(jnp.float32)).tolist()
+    # through the op: the scaled accumulator overflows the 8-bit range and saturates, no NaN
+    a = jnp.full((16, 32), 2.0, jnp.float8_e4m3fn)
+    y = efc.gemm(a, a, lambda acc, *, s: acc * s, transpose_b=True, s=jnp.float32(top), out_dtypes=out)
+    assert np.all(np.asarray(y.astype(jnp.float32)) == top)
+
+
+def test_8bit_kernels_are_planned_for_k_major_operands_only(monkeypatch):
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
+    from jax_efc.plan import plan_call
+    from jax_efc.primitive import fused_gemm_eqns
+
+    spec = jax.ShapeDtypeStruct((4096, 4096), jnp.float8_e4m3fn)
+
+    def plan(transpose_b):
+        (eqn,) = fused_gemm_eqns(jax.make_jaxpr(lambda a, b: efc.gemm(a, b, transpose_b=transpose_b,
+                                                                      out_dtypes=jnp.bfloat16))(spec, spec))
+        return plan_call([v.aval for v in eqn.invars], eqn.params)
+
+    assert plan(True).backend == "kernel" and plan(True).problem.tile_k == 128
+    assert "must both be K-major" in plan(False).reason
