@@ -36,7 +36,9 @@ class Plan:
     reported: ``logging.WARNING`` for a fallback (strict mode raises instead),
     ``logging.INFO`` for the heuristic handing a call to XLA's GEMM, 0 for nothing to report
     (an empty GEMM). With the kernel, ``problem`` holds its compile-time description (the
-    config chosen), ``mnkl`` the GEMM's sizes and ``schedule`` the persistent grid."""
+    config chosen), ``mnkl`` the GEMM's sizes and ``schedule`` the persistent grid;
+    ``transposes`` says which of A and B the launch transposes first (stored in a major the
+    MMA cannot read), and ``note`` says so (logged at INFO)."""
 
     backend: str  # "kernel" or "reference"
     reason: str | None = None
@@ -45,6 +47,8 @@ class Plan:
     problem: KernelProblem | None = None
     mnkl: tuple[int, int, int, int] | None = None
     schedule: TileSchedule | None = None
+    transposes: tuple[bool, bool] = (False, False)
+    note: str | None = None
 
     @property
     def config(self) -> GemmConfig | None:
@@ -106,6 +110,14 @@ def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config
         b_batched=len(b[0]) == 3, operand_batched=tuple(len(x[0]) == 3 for x in operands), arch=arch,
         config=config if config is not None else GemmConfig(),
     )
+    transposes, note = (False, False), None
+    need = pol.mma_majors(problem)
+    if need is not None and (problem.a_major, problem.b_major) != need:
+        transposes = (problem.a_major != need[0], problem.b_major != need[1])
+        moved = " and ".join(x for x, t in zip("ab", transposes) if t)
+        note = (f"{moved} {'is' if sum(transposes) == 1 else 'are'} transposed once before the kernel, which reads "
+                f"{problem.ab_dtype} A and B only K-major (one pass over {moved}; store them K-major to skip it)")
+        problem = dataclasses.replace(problem, a_major=need[0], b_major=need[1])
     sms = device.sm_count(pol.default_sm_count)
     if config is None:
         problem = dataclasses.replace(problem, config=pol.choose_config(problem, *mnkl, sm_count=sms))
@@ -117,7 +129,7 @@ def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config
     clusters, resident = device.residency(cluster_size, devices, pol.assumed_max_clusters(cluster_size, sms))
     schedule = plan_schedule(cfg if resident else dataclasses.replace(cfg, stream_k=False), *mnkl, clusters,
                              problem.tile_k)
-    return Plan("kernel", arch=arch, problem=problem, mnkl=mnkl, schedule=schedule)
+    return Plan("kernel", arch=arch, problem=problem, mnkl=mnkl, schedule=schedule, transposes=transposes, note=note)
 
 
 def symbolic_reason(avals_in: Sequence[Any]) -> str | None:

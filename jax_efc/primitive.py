@@ -196,7 +196,10 @@ def backends(fn: Any, *args: Any, **kwargs: Any) -> list[str]:
     for eqn in eqns:
         # without a GPU, as an export for CUDA is planned: for a device not known
         plan = plan_call([v.aval for v in eqn.invars], eqn.params, devices=None if on_gpu else ())
-        out.append(f"kernel ({plan.arch})" if plan.backend == "kernel" else f"reference: {plan.reason}")
+        if plan.backend != "kernel":
+            out.append(f"reference: {plan.reason}")
+        else:
+            out.append(f"kernel ({plan.arch})" + (f": {plan.note}" if plan.note else ""))
     return out
 
 
@@ -223,6 +226,8 @@ def _cuda_lowering(ctx, *args, **params):
         elif plan.level:
             log_once(plan.level, f"using the XLA reference: {plan.reason}")
         return _reference_lowering(ctx, *args, **params)
+    if plan.note:
+        log_once(logging.INFO, f"the kernel runs, and {plan.note}.")
     from jax_efc import ffi
 
     try:

@@ -95,3 +95,13 @@ def test_nan_inputs_reach_their_outputs(rng):
     b = _quantized(rng, (n, k), jnp.float8_e4m3fn)
     y = np.asarray(jax.jit(lambda a, b: efc.gemm(a, b, transpose_b=True, out_dtypes=jnp.float32))(a, b))
     assert np.isnan(y[3]).all() and not np.isnan(np.delete(y, 3, axis=0)).any()
+
+
+def test_b_stored_k_by_n_is_transposed_once_for_the_kernel(rng):
+    m, n, k = 1000, 1024, 2048
+    a, b = _quantized(rng, (m, k), jnp.float8_e4m3fn), _quantized(rng, (k, n), jnp.float8_e4m3fn)
+    fn = jax.jit(lambda a, b: efc.gemm(a, b, out_dtypes=jnp.float32))
+    (line,) = efc.backends(fn, a, b)
+    assert line.startswith("kernel (sm_90a): b is transposed once")
+    want = _f64(a) @ _f64(b)
+    assert _rel(fn(a, b), want) < 1e-5

@@ -374,7 +374,8 @@ def test_unsupported_reasons(change, needle):
 
 def test_8bit_kernels_run_only_when_asked_and_only_k_major(monkeypatch):
     """8-bit kernels compile (above) but have not run on a GPU: the plan keeps the reference
-    unless JAX_EFC_UNVERIFIED_KERNELS=1, and then needs A and B both K-major."""
+    unless JAX_EFC_UNVERIFIED_KERNELS=1; then a B stored (K, N) is transposed once, K-major,
+    before the kernel, and the plan says so."""
     pytest.importorskip("cutlass.jax")
     import jax.numpy as jnp
 
@@ -392,7 +393,10 @@ def test_8bit_kernels_run_only_when_asked_and_only_k_major(monkeypatch):
     assert "has not yet been run on a GPU; set JAX_EFC_UNVERIFIED_KERNELS=1" in plan(b_nk, True).reason
     monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
     assert plan(b_nk, True).backend == "kernel" and plan(b_nk, True).problem.tile_k == 128
-    assert "must both be K-major" in plan(b_kn, False).reason
+    assert plan(b_nk, True).transposes == (False, False) and plan(b_nk, True).note is None
+    moved = plan(b_kn, False)
+    assert moved.backend == "kernel" and moved.transposes == (False, True) and moved.problem.b_major == "k"
+    assert moved.note.startswith("b is transposed once before the kernel")
 
 
 def test_too_few_stages_names_the_subtiles_that_fit():

@@ -47,7 +47,7 @@ def test_8bit_stores_round_to_nearest_and_saturate(out):
     assert np.all(np.asarray(y.astype(jnp.float32)) == top)
 
 
-def test_8bit_kernels_are_planned_for_k_major_operands_only(monkeypatch):
+def test_8bit_operands_stored_otherwise_are_transposed_once_for_the_kernel(monkeypatch):
     pytest.importorskip("cutlass")
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
@@ -62,4 +62,34 @@ def test_8bit_kernels_are_planned_for_k_major_operands_only(monkeypatch):
         return plan_call([v.aval for v in eqn.invars], eqn.params)
 
     assert plan(True).backend == "kernel" and plan(True).problem.tile_k == 128
-    assert "must both be K-major" in plan(False).reason
+    assert plan(True).transposes == (False, False)
+    assert plan(False).transposes == (False, True) and "b is transposed once" in plan(False).note
+
+
+_EXPORT_8BIT = """
+import json
+import jax, jax.numpy as jnp
+import jax_efc as efc
+S = jax.ShapeDtypeStruct
+out = {}
+for name, transpose_b, b_shape in (("nk", True, (1024, 2048)), ("kn", False, (2048, 1024))):
+    specs = S((4096, 2048), jnp.float8_e4m3fn), S(b_shape, jnp.float8_e4m3fn)
+    f = jax.jit(lambda a, b: efc.gemm(a, b, transpose_b=transpose_b, out_dtypes=jnp.bfloat16))
+    text = jax.export.export(f, platforms=["cuda"], disabled_checks=efc.export_checks())(*specs).mlir_module()
+    out[name] = {"kernels": text.count("custom_call @CuteDSLRT"), "transposes": text.count("stablehlo.transpose"),
+                 "backends": efc.backends(f, *specs)}
+print(json.dumps(out))
+"""
+
+
+def test_an_8bit_export_holds_the_kernel_and_the_one_transpose():
+    pytest.importorskip("cutlass.jax")
+    import json
+
+    from conftest import run_for_sm90
+
+    out = json.loads(run_for_sm90(_EXPORT_8BIT, JAX_EFC_UNVERIFIED_KERNELS="1").strip().splitlines()[-1])
+    assert out["nk"] == {"kernels": 1, "transposes": 0, "backends": ["kernel (sm_90a)"]}
+    assert out["kn"]["kernels"] == 1 and out["kn"]["transposes"] == 1
+    (line,) = out["kn"]["backends"]
+    assert line.startswith("kernel (sm_90a): b is transposed once before the kernel")

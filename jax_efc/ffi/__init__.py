@@ -150,6 +150,8 @@ def fused_gemm(a, b, *operands, plan: Plan, timeline: bool = False) -> list:
 
     if plan.backend != "kernel":
         raise ValueError(f"jax_efc kernel cannot run this GEMM: {plan.reason}")
+    # inputs stored in a major the MMA cannot read: transposed once, here (plan.note says so)
+    a, b = (jnp.swapaxes(x, -1, -2) if t else x for x, t in zip((a, b), plan.transposes))
     problem = plan.problem
     got = (np.dtype(a.dtype).name, np.dtype(b.dtype).name, len(a.shape) == 3, len(b.shape) == 3,
            tuple(len(x.shape) == 3 for x in operands))

@@ -56,8 +56,9 @@ class ArchPolicy:
         """Why ``problem``'s kernel does not fit the SM (shared memory, registers)."""
         raise NotImplementedError
 
-    def layout_reason(self, problem: KernelProblem) -> str | None:
-        """Why the MMA cannot read A and B in ``problem``'s majors (``None``: it can)."""
+    def mma_majors(self, problem: KernelProblem) -> tuple[str, str] | None:
+        """The (A, B) majors the MMA reads ``problem``'s inputs in, or ``None`` for any: the plan
+        transposes an input stored otherwise once, before the kernel."""
         return None
 
     def unsupported_reason(self, problem: KernelProblem,
@@ -75,9 +76,10 @@ class ArchPolicy:
                     "on a GPU; set JAX_EFC_UNVERIFIED_KERNELS=1 to run it (and please report what it gives).")
         if problem.a_major not in ("k", "m") or problem.b_major not in ("k", "n"):
             return f"bad majors a={problem.a_major!r}, b={problem.b_major!r}."
-        reason = self.layout_reason(problem)
-        if reason:
-            return reason
+        need = self.mma_majors(problem)
+        if need is not None and (problem.a_major, problem.b_major) != need:
+            return (f"{problem.ab_dtype} A and B must be {need[0]}-major and {need[1]}-major for the MMA "
+                    f"(A is {problem.a_major}-major, B {problem.b_major}-major).")
         if len(problem.operand_batched) != len(problem.ir.operands):
             return "operand_batched must have one flag per epilogue operand."
         reason = (self.config_reason(problem.config) or self._ir_reason(problem.ir)

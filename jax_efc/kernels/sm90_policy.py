@@ -127,12 +127,9 @@ class Sm90Policy(ArchPolicy):
     value_dtypes = _VALUE_DTYPES
     unverified_ab_dtypes = _FP8
 
-    def layout_reason(self, problem: KernelProblem) -> str | None:
+    def mma_majors(self, problem: KernelProblem) -> tuple[str, str] | None:
         # WGMMA reads 8-bit A and B from shared memory K-major only (16-bit ones either way)
-        if bits(problem.ab_dtype) == 8 and (problem.a_major, problem.b_major) != ("k", "k"):
-            return (f"{problem.ab_dtype} A and B must both be K-major (the 8-bit WGMMA reads no other "
-                    "layout): a stored (M, K) and b stored (N, K), i.e. transpose_b=True.")
-        return None
+        return ("k", "k") if bits(problem.ab_dtype) == 8 else None
 
     def config_reason(self, config: GemmConfig) -> str | None:
         if config.tile_m not in _TILE_M:
