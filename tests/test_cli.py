@@ -563,3 +563,18 @@ def test_run_names_the_config_each_kernel_ran_with(monkeypatch):
         "kernel config: tile 128x256, cluster 2x1, cooperative, epilogue subtile 128x32 (pinned)"]
     handed = bench.bench_problem("gemm", (64, 4096, 4096, 1))  # XLA's GEMM is faster: no kernel line
     assert cli._configs_that_ran(handed) == []
+
+
+@pytest.mark.parametrize("name", bench.FP8_EPILOGUES)
+def test_bench_fp8_problems(name):
+    """The 8-bit problems: e4m3 A and B in the named layout, both sides checked against float32
+    math of the same 8-bit values; the baseline is XLA's FP8 dot."""
+    m, n, k = 96, 128, 256
+    problem = bench.bench_problem(name, (m, n, k, 1))
+    assert problem.dtype == "float8_e4m3fn"
+    assert problem.specs[1].shape == ((k, n) if name.startswith("fp8kn") else (n, k))
+    (r,) = bench.run([problem], rounds=2, calls=1)
+    tolerance = 7e-2 if name.endswith("->fp8") else 1e-2  # an e4m3 output keeps 3 mantissa bits
+    assert r.err < tolerance and r.baseline_err < tolerance, (r.err, r.baseline_err)
+    with pytest.raises(ValueError, match="takes no batch"):
+        bench.bench_problem(name, (m, n, k, 2))

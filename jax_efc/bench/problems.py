@@ -34,7 +34,12 @@ MLP_STEPS = ("train:mlp+gelu_tanh", "train:gated_mlp+silu")
 # L dense layers of width K under lax.scan over stacked kernels and biases (shape M,K,K,L), as
 # models that scan their layers run them: the forward, or with "train:" the training step
 SCAN_EPILOGUES = tuple(f"{step}scan:{e}" for step in ("", "train:") for e in EPILOGUES if e.startswith("bias+"))
-NAMED_EPILOGUES = EPILOGUES + TRAIN_EPILOGUES + MLP_STEPS + SCAN_EPILOGUES  # every name --epilogues takes
+# 8-bit float (e4m3) A and B whatever --dtype says, against XLA's FP8 dot in the same layout:
+# B stored (N, K) (K-major, the layout both the WGMMA and XLA's fastest FP8 dot read) or, with
+# "fp8kn", (K, N); a plain GEMM to bf16, and per-tensor scales (dynamic scalars) + bias +
+# gelu_tanh to bf16 or to e4m3
+FP8_EPILOGUES = ("fp8:gemm", "fp8kn:gemm", "fp8:scaled+bias+gelu_tanh", "fp8:scaled+bias+gelu_tanh->fp8")
+NAMED_EPILOGUES = EPILOGUES + TRAIN_EPILOGUES + MLP_STEPS + SCAN_EPILOGUES + FP8_EPILOGUES  # every name --epilogues takes
 ALPHA_BETA_SCALARS = {"alpha": 2.0, "beta": 1.0, "x_factor": 3.0}
 
 
@@ -277,7 +282,62 @@ def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
         return epilogue_problem(epilogue, example_epilogues.alpha_beta, shape, dtype,
                                 [("tile", dtype), ("tile", dtype)], scalars=ALPHA_BETA_SCALARS,
                                 config=config)
+    if epilogue in FP8_EPILOGUES:
+        return fp8_problem(epilogue, shape, config)
     raise ValueError(f"unknown epilogue {epilogue!r}; choose from {', '.join(NAMED_EPILOGUES)}.")
+
+
+def fp8_problem(epilogue: str, shape: Shape, config: GemmConfig | None = None) -> Problem:
+    """One of ``FP8_EPILOGUES`` at one shape (L = 1): e4m3 A (M, K) and B (N, K) or, for
+    "fp8kn", (K, N); the scaled epilogues take the scales of A and B as float32 scalars and a
+    bf16 bias. The baseline is ``lax.dot_general`` of the 8-bit operands in the same layout."""
+    m, n, k, l = shape
+    if l != 1:
+        raise ValueError(f"{epilogue} takes no batch; got L={l}.")
+    e4m3, bf16 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.bfloat16)
+    k_major = not epilogue.startswith("fp8kn")
+    contract = (((1,), (1,)), ((), ())) if k_major else (((1,), (0,)), ((), ()))
+    b_shape = (n, k) if k_major else (k, n)
+    to = e4m3 if epilogue.endswith("->fp8") else bf16
+    S = jax.ShapeDtypeStruct
+    if epilogue.endswith(":gemm"):
+        specs = (S((m, k), e4m3), S(b_shape, e4m3))
+
+        def ours(a, b):
+            return gemm(a, b, transpose_b=k_major, out_dtypes=bf16, config=config)
+
+        def baseline(a, b):
+            return jax.lax.dot_general(a, b, contract, preferred_element_type=bf16)
+
+        def reference(a, b):
+            return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), contract,
+                                       precision=jax.lax.Precision.HIGHEST)
+
+        return Problem(epilogue, tuple(shape), e4m3.name, config_label(config), specs, jax.jit(ours),
+                       jax.jit(baseline), jax.jit(reference))
+    specs = (S((m, k), e4m3), S(b_shape, e4m3), S((n,), bf16), S((), jnp.float32), S((), jnp.float32))
+    gelu = activations.resolve("gelu_tanh")
+    top = float(jnp.finfo(e4m3).max)
+
+    def stored(y):  # as the kernels store an 8-bit output: saturated, then rounded
+        return (jnp.clip(y, -top, top) if to == e4m3 else y).astype(to)
+
+    def ours(a, b, bias, sa, sb):
+        return gemm(a, b, lambda acc, bias, *, sa, sb: gelu(acc * (sa * sb) + bias), bias, transpose_b=k_major,
+                    sa=sa, sb=sb, out_dtypes=to, config=config)
+
+    def baseline(a, b, bias, sa, sb):
+        acc = jax.lax.dot_general(a, b, contract, preferred_element_type=jnp.float32)
+        return stored(gelu(acc * (sa * sb) + bias))
+
+    def reference(a, b, bias, sa, sb):
+        acc = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), contract,
+                                  precision=jax.lax.Precision.HIGHEST)
+        return gelu(acc * (sa * sb) + bias.astype(jnp.float32))
+
+    # the scales keep the accumulator's magnitude (about sqrt(K)) near 1 before the bias
+    return Problem(epilogue, tuple(shape), e4m3.name, config_label(config), specs, jax.jit(ours),
+                   jax.jit(baseline), jax.jit(reference), stds=(1.0, 1.0, 1.0, 1 / k ** 0.5, 1.0))
 
 
 def random_inputs(specs: Sequence[jax.ShapeDtypeStruct], key: Any,
