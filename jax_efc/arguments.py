@@ -11,7 +11,7 @@ import numpy as np
 
 from .config import GemmConfig
 
-__all__ = ["array", "flag", "dtype", "allowed_acc_dtypes", "acc_dtype", "out_dtypes", "check_x64", "check_config", "precision"]
+__all__ = ["array", "flag", "dtype", "mixes_8bit_floats", "allowed_acc_dtypes", "acc_dtype", "out_dtypes", "check_x64", "check_config", "precision"]
 
 
 def array(name: str, x: Any) -> Any:
@@ -43,6 +43,11 @@ def dtype(name: str, value: Any, floating: bool = False) -> np.dtype:
     if not (dtype.kind in "biu" or jnp.issubdtype(dtype, jnp.floating)):
         raise TypeError(f"{name} must be a real numeric dtype, got {dtype.name}.")
     return dtype
+
+
+def mixes_8bit_floats(a_dtype, b_dtype) -> bool:
+    """Whether A and B are two different 8-bit float formats (e4m3 x e5m2), which GEMMs take."""
+    return all(np.dtype(d).itemsize == 1 and jnp.issubdtype(d, jnp.floating) for d in (a_dtype, b_dtype))
 
 
 def allowed_acc_dtypes(ab_dtype: Any) -> list[str]:

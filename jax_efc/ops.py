@@ -89,8 +89,9 @@ def gemm(
         if x.dtype not in _FLOATS:
             raise TypeError(f"{name} has dtype {x.dtype}; gemm takes float32, bfloat16, float16, float64, "
                             "float8_e4m3fn or float8_e5m2.")
-    if a.dtype != b.dtype:
-        raise TypeError(f"a is {a.dtype} but b is {b.dtype}; cast one so both have the same dtype.")
+    if a.dtype != b.dtype and not arguments.mixes_8bit_floats(a.dtype, b.dtype):
+        raise TypeError(f"a is {a.dtype} but b is {b.dtype}; cast one so both have the same dtype "
+                        "(only the two 8-bit float formats mix).")
     transpose_a, transpose_b, recompute_acc = (
         arguments.flag(name, v) for name, v in
         (("transpose_a", transpose_a), ("transpose_b", transpose_b), ("recompute_acc", recompute_acc)))

@@ -20,6 +20,7 @@ import numpy as np
 
 from jax_efc import config as _config
 from jax_efc import device
+from jax_efc.arguments import mixes_8bit_floats
 from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR
 from jax_efc.kernels import KernelProblem, no_kernel_reason, policy
@@ -81,9 +82,9 @@ def plan_kernel(ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], *, tran
     primitive's canonical shapes; ``devices``: the ordinals of the CUDA devices the call runs
     on (see :func:`jax_efc.device.residency`). Raises ``TypeError`` when ``a`` and ``b``
     differ in dtype: the kernels take one dtype for both."""
-    if np.dtype(a.dtype) != np.dtype(b.dtype):
+    if np.dtype(a.dtype) != np.dtype(b.dtype) and not mixes_8bit_floats(a.dtype, b.dtype):
         raise TypeError(f"a is {np.dtype(a.dtype).name} but b is {np.dtype(b.dtype).name}; the kernel "
-                        "takes A and B of one dtype: cast one of them.")
+                        "takes A and B of one dtype (or two 8-bit float formats): cast one of them.")
     return _plan_kernel(ir, _spec(a), _spec(b), tuple(_spec(x) for x in operands), bool(transpose_a),
                         bool(transpose_b), np.dtype(acc_dtype).name, config, arch,
                         None if devices is None else tuple(devices), _switches())
@@ -105,7 +106,7 @@ def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config
     m, n, k, batch = gemm_dims(a[0], b[0], transpose_a, transpose_b)
     mnkl = (m, n, k, batch or 1)
     problem = KernelProblem(
-        ir=ir, ab_dtype=a[1], acc_dtype=acc_dtype, a_major="m" if transpose_a else "k",
+        ir=ir, ab_dtype=a[1], b_dtype=b[1], acc_dtype=acc_dtype, a_major="m" if transpose_a else "k",
         b_major="k" if transpose_b else "n", batched=batch is not None, a_batched=len(a[0]) == 3,
         b_batched=len(b[0]) == 3, operand_batched=tuple(len(x[0]) == 3 for x in operands), arch=arch,
         config=config if config is not None else GemmConfig(),

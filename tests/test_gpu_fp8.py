@@ -105,3 +105,11 @@ def test_b_stored_k_by_n_is_transposed_once_for_the_kernel(rng):
     assert line.startswith("kernel (sm_90a): b is transposed once")
     want = _f64(a) @ _f64(b)
     assert _rel(fn(a, b), want) < 1e-5
+
+
+def test_mixed_8bit_formats(rng):
+    m, n, k = 700, 520, 1024
+    a, b = _quantized(rng, (m, k), jnp.float8_e4m3fn), _quantized(rng, (n, k), jnp.float8_e5m2)
+    fn = jax.jit(lambda a, b: efc.gemm(a, b, transpose_b=True, out_dtypes=jnp.float32))
+    assert efc.backends(fn, a, b) == ["kernel (sm_90a)"]
+    assert _rel(fn(a, b), _f64(a) @ _f64(b).T) < 1e-5

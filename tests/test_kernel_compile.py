@@ -81,6 +81,9 @@ VARIANTS = {
     "fp8e5m2_nk_pingpong_128x128_c1x2": ("float8_e5m2", False, True, None,
                                          (128, 128, 1, 2, {"pingpong": True, "swizzle": 8}), "identity"),
     "fp8e4m3_nk_alpha_beta_128x256_c2x1": ("float8_e4m3fn", False, True, None, (128, 256, 2, 1), "alpha_beta"),
+    # mixed 8-bit formats (A e4m3, B e5m2), B stored (K, N): transposed once before the kernel
+    "fp8mixed_kn_bias_gelu_128x256": ("float8_e4m3fn+float8_e5m2", False, False, None, (128, 256, 1, 1),
+                                      "bias_gelu"),
     "fp8e4m3_nk_pingpong_192x128_multi": ("float8_e4m3fn", False, True, None,
                                           (192, 128, 1, 2, {"pingpong": True, "epi_m": 64, "epi_n": 16}), "multi"),
     # cooperative 256x128: two warpgroups of 128 rows, two m64n128 WGMMAs each per k-step
@@ -185,13 +188,13 @@ def _compile_all(dump_dir: str) -> dict:
     import jax_efc.plan as P
     results = {}
     for i, (name, (dt, ta, tb, batch, cfg, epi, *mnk)) in enumerate(VARIANTS.items()):
-        dtype = jnp.dtype(dt)
+        dtype, b_dtype = (jnp.dtype(d) for d in (dt.split("+") * 2)[:2])
         m, n, k = mnk[0] if mnk else (128 * (i + 2) + 8, 512, 256)
         ir, ops = _epilogue(epi, m, n, batch, dtype)
         a_shape = (k, m) if ta else (m, k)
         b_shape = (n, k) if tb else (k, n)
         a = jax.ShapeDtypeStruct(a_shape if batch is None else (batch, *a_shape), dtype)
-        b = jax.ShapeDtypeStruct(b_shape, dtype)  # B shared across the batch
+        b = jax.ShapeDtypeStruct(b_shape, b_dtype)  # B shared across the batch
         kw = dict(transpose_a=ta, transpose_b=tb, acc_dtype=jnp.float32, config=_config(cfg),
                   arch="sm_90a")
         plan = P.plan_kernel(ir, a, b, ops, **kw)
@@ -316,10 +319,12 @@ def test_8bit_kernels_use_the_8bit_wgmma_and_saturating_stores(compiled):
     for name, kind, tile_n in (("fp8e4m3_nk_bias_gelu_128x128", "e4m3", 128),
                                ("fp8e5m2_nk_pingpong_128x128_c1x2", "e5m2", 128),
                                ("fp8e4m3_nk_alpha_beta_128x256_c2x1", "e4m3", 256),
-                               ("fp8e4m3_nk_pingpong_192x128_multi", "e4m3", 128)):
+                               ("fp8e4m3_nk_pingpong_192x128_multi", "e4m3", 128),
+                               ("fp8mixed_kn_bias_gelu_128x256", "e4m3", 256)):
         ptx = compiled[name]["ptx"]
         assert compiled[name]["custom_call"], name
-        assert f"wgmma.mma_async.sync.aligned.m64n{tile_n}k32.f32.{kind}.{kind}" in ptx, name
+        b_kind = "e5m2" if "mixed" in name else kind
+        assert f"wgmma.mma_async.sync.aligned.m64n{tile_n}k32.f32.{kind}.{b_kind}" in ptx, name
         assert "k16.f32.bf16" not in ptx, name
         # stores to 8-bit outputs round to nearest even and saturate (no NaN from an overflow)
         assert f"cvt.rn.satfinite.{kind}x2.f32" in ptx, name

@@ -93,3 +93,14 @@ def test_an_8bit_export_holds_the_kernel_and_the_one_transpose():
     assert out["kn"]["kernels"] == 1 and out["kn"]["transposes"] == 1
     (line,) = out["kn"]["backends"]
     assert line.startswith("kernel (sm_90a): b is transposed once before the kernel")
+
+
+def test_the_two_8bit_formats_mix_and_nothing_else_does(rng):
+    a = jnp.asarray(rng.standard_normal((64, 128)), jnp.float32).astype(jnp.float8_e4m3fn)
+    b = jnp.asarray(rng.standard_normal((48, 128)), jnp.float32).astype(jnp.float8_e5m2)
+    y = efc.gemm(a, b, transpose_b=True, out_dtypes=jnp.float32)
+    assert np.abs(_f64(y) - _f64(a) @ _f64(b).T).max() < 1e-4
+    with pytest.raises(TypeError, match="only the two 8-bit float formats mix"):
+        efc.gemm(a, b.astype(jnp.bfloat16), transpose_b=True)
+    with pytest.raises(TypeError, match="a is bfloat16 but b is float16"):
+        efc.gemm(a.astype(jnp.bfloat16), b.astype(jnp.float16), transpose_b=True)

@@ -155,7 +155,7 @@ def fused_gemm(a, b, *operands, plan: Plan, timeline: bool = False) -> list:
     problem = plan.problem
     got = (np.dtype(a.dtype).name, np.dtype(b.dtype).name, len(a.shape) == 3, len(b.shape) == 3,
            tuple(len(x.shape) == 3 for x in operands))
-    want = (problem.ab_dtype, problem.ab_dtype, problem.a_batched, problem.b_batched, problem.operand_batched)
+    want = (problem.ab_dtype, problem.b_dtype, problem.a_batched, problem.b_batched, problem.operand_batched)
     m, n, k, batch = gemm_dims(a.shape, b.shape, problem.a_major == "m", problem.b_major == "k")
     if got != want or (m, n, k, batch or 1) != plan.mnkl:
         raise ValueError(f"the arrays (a {a.dtype}{tuple(a.shape)}, b {b.dtype}{tuple(b.shape)}) are not the "

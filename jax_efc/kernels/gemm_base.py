@@ -92,7 +92,8 @@ class FusedGemmBase:
         self.timeline = timeline
         self.tile_mnk = (cfg.tile_m, cfg.tile_n, problem.tile_k)
         self.cluster_mn = (cfg.cluster_m, cfg.cluster_n)
-        self.ab_dtype = cutlass_dtype(problem.ab_dtype)
+        self.ab_dtype = cutlass_dtype(problem.ab_dtype)  # A's
+        self.b_dtype = cutlass_dtype(problem.b_dtype)
         self.a_batched = problem.a_batched
         self.b_batched = problem.b_batched
         self.visitor = EpilogueVisitor(problem.ir, problem.operand_batched)
@@ -157,8 +158,8 @@ class FusedGemmBase:
         and the kernel ran 0.3% to 5% faster at four shapes (``benchmarks/FINDINGS.md``)."""
         if not self.tile_ops or self.schedule.stream_k is not None:
             return None, None, None
-        ab = self.ab_dtype.width // 8
-        room = (cfg.tile_m * self.tile_mnk[2] * ab, cfg.tile_n * self.tile_mnk[2] * ab)
+        room = (cfg.tile_m * self.tile_mnk[2] * self.ab_dtype.width // 8,
+                cfg.tile_n * self.tile_mnk[2] * self.b_dtype.width // 8)
 
         def nbytes(dt):
             return self.subtile_elems * dt.width // 8
@@ -419,7 +420,7 @@ class FusedGemmBase:
         offset) of the (sA, sB) ``ring``, its stage at ring index ``stage_index``."""
         _, part, offset = slot
         layout = self._epi_smem_layout(dtype, 1)
-        ab = self.ab_dtype.width // 8
+        ab = (self.ab_dtype, self.b_dtype)[part].width // 8
         # a stage spans whole SMEM_ALIGN blocks: say so, or the pointer loses its alignment
         stage_offset = cute.assume(stage_index * (self.tile_mnk[part] * self.tile_mnk[2]), divby=SMEM_ALIGN // ab)
         ptr = ring[part].iterator + stage_offset + offset // ab

@@ -13,7 +13,7 @@ import os
 from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR, Role
 from jax_efc.kernels.dtypes import align_elems
-from jax_efc.kernels.problem import KernelProblem
+from jax_efc.kernels.problem import KernelProblem, tile_k
 
 __all__ = ["ArchPolicy", "MAX_ELEMENTS"]
 
@@ -67,12 +67,16 @@ class ArchPolicy:
         given), else one sentence naming the offending value and what to do."""
         if problem.arch != self.arch:
             return f"the {self.arch} policy was asked about a kernel for {problem.arch}."
-        if problem.ab_dtype not in self.ab_dtypes:
-            return f"A/B dtype {problem.ab_dtype} is not supported; use {' or '.join(self.ab_dtypes)}."
+        for dtype in {problem.ab_dtype, problem.b_dtype}:
+            if dtype not in self.ab_dtypes:
+                return f"A/B dtype {dtype} is not supported; use {' or '.join(self.ab_dtypes)}."
+        if problem.b_dtype != problem.ab_dtype and tile_k(problem.b_dtype) != problem.tile_k:
+            return f"A is {problem.ab_dtype} but B is {problem.b_dtype}; only dtypes of one width mix."
         if problem.acc_dtype not in self.acc_dtypes:
             return f"accumulator dtype {problem.acc_dtype} is not supported; use {' or '.join(self.acc_dtypes)}."
-        if problem.ab_dtype in self.unverified_ab_dtypes and not _unverified_allowed():
-            return (f"the {self.arch} kernel for {problem.ab_dtype} inputs compiles but has not yet been run "
+        unverified = [d for d in (problem.ab_dtype, problem.b_dtype) if d in self.unverified_ab_dtypes]
+        if unverified and not _unverified_allowed():
+            return (f"the {self.arch} kernel for {unverified[0]} inputs compiles but has not yet been run "
                     "on a GPU; set JAX_EFC_UNVERIFIED_KERNELS=1 to run it (and please report what it gives).")
         if problem.a_major not in ("k", "m") or problem.b_major not in ("k", "n"):
             return f"bad majors a={problem.a_major!r}, b={problem.b_major!r}."
@@ -118,13 +122,13 @@ class ArchPolicy:
             if size > MAX_ELEMENTS:
                 return (f"{what} would hold {size} elements, more than the {MAX_ELEMENTS} the kernel's "
                         "32-bit indexing reaches; split the GEMM (e.g. over the batch or M).")
-        ab = align_elems(problem.ab_dtype)
         contiguous_a = ("K", k) if problem.a_major == "k" else ("M", m)
         contiguous_b = ("K", k) if problem.b_major == "k" else ("N", n)
-        for what, (dim, size) in (("A", contiguous_a), ("B", contiguous_b)):
+        for what, (dim, size), dtype in (("A", contiguous_a, problem.ab_dtype), ("B", contiguous_b, problem.b_dtype)):
+            ab = align_elems(dtype)
             if size % ab:
                 return (f"{what}'s contiguous dimension {dim}={size} is not a multiple of {ab} "
-                        f"{problem.ab_dtype} elements (16 bytes), which TMA requires; pad {dim} "
+                        f"{dtype} elements (16 bytes), which TMA requires; pad {dim} "
                         f"to a multiple of {ab}.")
         for inp in problem.ir.operands:
             if inp.role is Role.TILE and n % align_elems(inp.dtype):

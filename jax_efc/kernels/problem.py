@@ -34,7 +34,8 @@ TIMELINE_UNITS = 256
 class KernelProblem:
     """The compile-time description of one fused GEMM kernel.
 
-    ``a_major`` is ``"k"`` (A stored (M, K) row-major) or ``"m"`` (stored (K, M));
+    ``ab_dtype`` is A's dtype, ``b_dtype`` B's (A's unless given: only two 8-bit float
+    formats differ). ``a_major`` is ``"k"`` (A stored (M, K) row-major) or ``"m"`` (stored (K, M));
     ``b_major`` is ``"n"`` (B stored (K, N)) or ``"k"`` (stored (N, K)). ``batched`` says
     whether the GEMM has a leading batch L; ``a_batched``/``b_batched``/``operand_batched``
     say which tensors carry it (the others are shared across the batch).
@@ -51,6 +52,11 @@ class KernelProblem:
     operand_batched: tuple[bool, ...]
     arch: str
     config: GemmConfig
+    b_dtype: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.b_dtype:
+            object.__setattr__(self, "b_dtype", self.ab_dtype)
 
     @property
     def tile_k(self) -> int:
@@ -63,6 +69,7 @@ class KernelProblem:
             "jax_efc.fused_gemm.v5",
             self.ir.fingerprint,
             self.ab_dtype,
+            self.b_dtype,
             self.acc_dtype,
             self.a_major,
             self.b_major,

@@ -129,12 +129,12 @@ class Sm90FusedGemm(FusedGemmBase):
                 (4, self.n_epi_threads, self.acc_per_thread // 4, self.schedule.slots),
                 stride=(1, 4, 4 * self.n_epi_threads, tile_elems))))
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype,
+            self.ab_dtype, self.b_dtype,
             self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
             cutlass.Float32, (self.n_mma_wg, 1, 1), tiler_mn=(64, self.tile_mnk[1]),
         )
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.ab_dtype, self.stages)
-        b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.ab_dtype, self.stages)
+        b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.b_dtype, self.stages)
         d_smem = tuple(
             self._epi_smem_layout(dt, EPI_STAGES)
             for dt in self.out_dtypes
@@ -219,7 +219,7 @@ class Sm90FusedGemm(FusedGemmBase):
         smem = SmemAllocator()
         barriers = smem.allocate_array(cutlass.Int64, 2 * self.stages, byte_alignment=8)
         sA = smem.allocate_tensor(self.ab_dtype, a_smem.outer, SMEM_ALIGN, a_smem.inner)
-        sB = smem.allocate_tensor(self.ab_dtype, b_smem.outer, SMEM_ALIGN, b_smem.inner)
+        sB = smem.allocate_tensor(self.b_dtype, b_smem.outer, SMEM_ALIGN, b_smem.inner)
         sD = [smem.allocate_tensor(self.out_dtypes[i], d_smem[i].outer, SMEM_ALIGN, d_smem[i].inner)
               for i in range(n_out)]
         sC = [smem.allocate_tensor(self.tile_op_dtypes[j], c_smem[j].outer, SMEM_ALIGN, c_smem[j].inner)
@@ -231,7 +231,7 @@ class Sm90FusedGemm(FusedGemmBase):
         n_sub = self.n_sub
 
         stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + \
-            cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem, (None, None, 0)))
+            cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0)))
         # every consumer warp (of the warpgroups that consume the stage: one per stage with
         # ping-pong) of every CTA that multicasts into this CTA's stage must release it before
         # the producer may overwrite it

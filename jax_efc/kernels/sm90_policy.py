@@ -96,7 +96,7 @@ def pipeline_stages(problem: KernelProblem) -> int:
     as fit next to the epilogue buffers (two per output and per TILE operand; the ping-pong
     consumers take turns with one set)."""
     cfg = problem.config
-    ab_bytes = (cfg.tile_m + cfg.tile_n) * problem.tile_k * bits(problem.ab_dtype) // 8
+    ab_bytes = (cfg.tile_m * bits(problem.ab_dtype) + cfg.tile_n * bits(problem.b_dtype)) * problem.tile_k // 8
     epi_dtypes = [o.dtype for o in problem.ir.outputs] + \
         [problem.ir.operands[i].dtype for i in tile_operand_indices(problem.ir)]
     epi_m, epi_n = epilogue_tile(cfg)
@@ -129,7 +129,7 @@ class Sm90Policy(ArchPolicy):
 
     def mma_majors(self, problem: KernelProblem) -> tuple[str, str] | None:
         # WGMMA reads 8-bit A and B from shared memory K-major only (16-bit ones either way)
-        return ("k", "k") if bits(problem.ab_dtype) == 8 else None
+        return ("k", "k") if bits(problem.ab_dtype) == 8 or bits(problem.b_dtype) == 8 else None
 
     def config_reason(self, config: GemmConfig) -> str | None:
         if config.tile_m not in _TILE_M:
