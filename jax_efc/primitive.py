@@ -257,7 +257,7 @@ def _partitioned_first(local_lowering):
         if not local:
             from . import sharding
 
-            return sharding.lower_partitioned(ctx, *args, **params)
+            return sharding.lower_partitioned(ctx, fused_gemm_p, *args, **params)
         return local_lowering(ctx, *args, **params)
 
     return lowering

@@ -33,27 +33,27 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .epilogue import Role, evaluate, identity_ir
-from .primitive import fused_gemm_p
 
 __all__ = ["lower_partitioned"]
 
 
-def lower_partitioned(ctx: Any, *args: Any, **params: Any) -> Any:
-    """The primitive's lowering before partitioning: hand the call to the partitioner."""
-    key = tuple(sorted(params.items()))
+def lower_partitioned(ctx: Any, primitive: Any, *args: Any, **params: Any) -> Any:
+    """The lowering of ``primitive`` (the fused GEMM's) before partitioning: hand the call to
+    the partitioner, which binds ``primitive`` again on each device's shard with ``local=True``."""
+    key = (primitive, tuple(sorted(params.items())))
     a, b, *ops = args
     return mlir.lower_fun(
         lambda a, b, *ops: _partitioned(key, a, b, tuple(ops)), multiple_results=True
     )(ctx, a, b, *ops)
 
 
-def _local(params: dict[str, Any], a: Any, b: Any, ops: tuple[Any, ...]) -> list[Any]:
-    return fused_gemm_p.bind(a, b, *ops, local=True, **params)
+def _local(primitive: Any, params: dict[str, Any], a: Any, b: Any, ops: tuple[Any, ...]) -> list[Any]:
+    return primitive.bind(a, b, *ops, local=True, **params)
 
 
 @partial(custom_partitioning, static_argnums=(0,))
 def _partitioned(key, a, b, ops):
-    return _local(dict(key), a, b, ops)
+    return _local(key[0], dict(key[1]), a, b, ops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,14 +129,14 @@ def _shardings(params, mesh, arg_shapes):
 
 
 def _partition(key, mesh, arg_shapes, result_shape):
-    params = dict(key)
+    primitive, params = key[0], dict(key[1])
     plan, args, out = _shardings(params, mesh, arg_shapes)
     if plan.k is None:
-        return mesh, partial(_local, params), out, args
+        return mesh, partial(_local, primitive, params), out, args
 
     def row_parallel(a, b, ops):
         plain = identity_ir(_partial_sum_dtype(params), params["ir"].epi_dtype)
-        (part,) = _local({**params, "ir": plain}, a, b, ())
+        (part,) = _local(primitive, {**params, "ir": plain}, a, b, ())
         return evaluate(params["ir"], lax.psum(part, plan.k), ops)
 
     return mesh, row_parallel, out, args
@@ -156,11 +156,11 @@ def _partial_sum_dtype(params: dict[str, Any]) -> np.dtype:
 
 
 def _infer(key, mesh, arg_shapes, result_shape):
-    return _shardings(dict(key), mesh, arg_shapes)[2]
+    return _shardings(dict(key[1]), mesh, arg_shapes)[2]
 
 
 def _rule(key, mesh, value_types, result_types):
-    params = dict(key)
+    params = dict(key[1])
     a_rank = len(value_types[0].shape)
     lead = "l " if a_rank == 3 else ""
     a = lead + ("k m" if params["transpose_a"] else "m k")
