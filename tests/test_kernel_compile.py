@@ -84,8 +84,9 @@ VARIANTS = {
     # mixed 8-bit formats (A e4m3, B e5m2), B stored (K, N): transposed once before the kernel
     "fp8mixed_kn_bias_gelu_128x256": ("float8_e4m3fn+float8_e5m2", False, False, None, (128, 256, 1, 1),
                                       "bias_gelu"),
-    "fp8e4m3_nk_pingpong_192x128_multi": ("float8_e4m3fn", False, True, None,
-                                          (192, 128, 1, 2, {"pingpong": True, "epi_m": 64, "epi_n": 16}), "multi"),
+    "fp8e4m3_nk_pingpong_192x128_bias_gelu": ("float8_e4m3fn", False, True, None,
+                                              (192, 128, 1, 2, {"pingpong": True, "epi_m": 64, "epi_n": 16}),
+                                              "bias_gelu"),
     # cooperative 256x128: two warpgroups of 128 rows, two m64n128 WGMMAs each per k-step
     "bf16_256x128_c1x2_swizzle8": ("bfloat16", False, True, None, (256, 128, 1, 2, {"swizzle": 8}),
                                    "bias_gelu"),
@@ -319,7 +320,7 @@ def test_8bit_kernels_use_the_8bit_wgmma_and_saturating_stores(compiled):
     for name, kind, tile_n in (("fp8e4m3_nk_bias_gelu_128x128", "e4m3", 128),
                                ("fp8e5m2_nk_pingpong_128x128_c1x2", "e5m2", 128),
                                ("fp8e4m3_nk_alpha_beta_128x256_c2x1", "e4m3", 256),
-                               ("fp8e4m3_nk_pingpong_192x128_multi", "e4m3", 128),
+                               ("fp8e4m3_nk_pingpong_192x128_bias_gelu", "e4m3", 128),
                                ("fp8mixed_kn_bias_gelu_128x256", "e4m3", 256)):
         ptx = compiled[name]["ptx"]
         assert compiled[name]["custom_call"], name
@@ -328,6 +329,61 @@ def test_8bit_kernels_use_the_8bit_wgmma_and_saturating_stores(compiled):
         assert "k16.f32.bf16" not in ptx, name
         # stores to 8-bit outputs round to nearest even and saturate (no NaN from an overflow)
         assert f"cvt.rn.satfinite.{kind}x2.f32" in ptx, name
+
+
+# Local-memory spills ptxas reports today for pinned variants that are not the heuristic's
+# choices (bytes stored, bytes loaded): the bound is today's; every other variant spills none.
+_KNOWN_SPILLS = {
+    "fp16_pingpong_alpha_beta_128x192_mk": (20, 20),
+    "fp16_256x192_mk": (4, 4),
+    "fp16_pingpong_bias_gelu_192x128_epi64x64": (376, 448),
+    "bf16_pingpong_multi_c1x2": (376, 420),
+}
+
+
+def _ptxas() -> str:
+    """The ptxas of the nvidia-cuda-nvcc wheel (the [test] extra), else one on PATH."""
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(root, "cu13", "bin", "ptxas")
+        if os.path.exists(path):
+            return path
+    path = shutil.which("ptxas")
+    assert path, "ptxas not found: install the [test] extra (nvidia-cuda-nvcc)"
+    return path
+
+
+@pytest.fixture(scope="module")
+def assembled(compiled, tmp_path_factory):
+    """{variant: ptxas -v output} for every variant's PTX, assembled for sm_90a."""
+    folder = tmp_path_factory.mktemp("sass")
+    out = {}
+    for name, result in compiled.items():
+        if "error" in result:
+            continue
+        ptx = folder / f"{name}.ptx"
+        ptx.write_text(result["ptx"])
+        proc = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, (name, proc.stderr[-2000:])
+        out[name] = proc.stdout + proc.stderr
+    return out
+
+
+def test_variants_do_not_spill_and_fit_the_register_budget(assembled):
+    """ptxas's report per variant: no local-memory spills (beyond the known ones of a few
+    pinned variants, which must not grow), and every kernel within the 168 registers a thread
+    that 384 threads leave (setmaxnreg hands the consumers 232 of them)."""
+    for name, report in assembled.items():
+        (stores, loads), = [tuple(map(int, m)) for m in
+                            re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)]
+        allowed = _KNOWN_SPILLS.get(name, (0, 0))
+        assert stores <= allowed[0] and loads <= allowed[1], (name, stores, loads)
+        registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
+        assert registers and max(registers) <= 232, (name, registers)
 
 
 def test_output_shapes(compiled):
