@@ -43,6 +43,14 @@ def _rel(got, want):
     return np.linalg.norm(got - want) / np.linalg.norm(want)
 
 
+def _xla_err(a, b, want, contract=(((1,), (1,)), ((), ()))):
+    """The relative error of XLA's FP8 dot (fp32 out) of ``a`` and ``b`` against ``want``: how
+    accurate the kernel must be at least (Hopper's 8-bit WGMMA accumulates in fewer bits than
+    fp32 unless partial sums are promoted)."""
+    return _rel(jax.jit(lambda a, b: jax.lax.dot_general(a, b, contract, preferred_element_type=jnp.float32))(a, b),
+                want)
+
+
 @pytest.mark.parametrize("dtype", FP8, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("m, n, k", [(1000, 776, 4096), (300, 264, 200), (8192, 4096, 4096)])
 def test_scaled_bias_gelu_to_bf16(rng, dtype, m, n, k):
@@ -65,7 +73,7 @@ def test_per_token_and_per_channel_scales(rng, dtype):
     y = jax.jit(lambda *x: efc.gemm(x[0], x[1], lambda acc, r, c: acc * r * c, x[2], x[3], transpose_b=True,
                                     out_dtypes=jnp.float32))(a, b, row_scale, col_scale)
     want = _f64(a) @ _f64(b).T * _f64(row_scale) * _f64(col_scale)
-    assert _rel(y, want) < 1e-5  # fp32 accumulation of exact 8-bit products, fp32 output
+    assert _rel(y, want) <= 1.5 * _xla_err(a, b, _f64(a) @ _f64(b).T) + 1e-6
 
 
 @pytest.mark.parametrize("out", FP8, ids=lambda d: jnp.dtype(d).name)
@@ -104,7 +112,7 @@ def test_b_stored_k_by_n_is_transposed_once_for_the_kernel(rng):
     (line,) = efc.backends(fn, a, b)
     assert line.startswith("kernel (sm_90a): b is transposed once")
     want = _f64(a) @ _f64(b)
-    assert _rel(fn(a, b), want) < 1e-5
+    assert _rel(fn(a, b), want) <= 1.5 * _xla_err(a, b, want, (((1,), (0,)), ((), ()))) + 1e-6
 
 
 def test_mixed_8bit_formats(rng):
@@ -112,4 +120,15 @@ def test_mixed_8bit_formats(rng):
     a, b = _quantized(rng, (m, k), jnp.float8_e4m3fn), _quantized(rng, (n, k), jnp.float8_e5m2)
     fn = jax.jit(lambda a, b: efc.gemm(a, b, transpose_b=True, out_dtypes=jnp.float32))
     assert efc.backends(fn, a, b) == ["kernel (sm_90a)"]
-    assert _rel(fn(a, b), _f64(a) @ _f64(b).T) < 1e-5
+    want = _f64(a) @ _f64(b).T
+    assert _rel(fn(a, b), want) <= 1.5 * _xla_err(a, b, want) + 1e-6
+
+
+@pytest.mark.parametrize("k", [4096, 16384])
+def test_long_k_is_as_accurate_as_xlas_fp8_dot(rng, k):
+    """The issue's bar: at K = 16384 the kernel's fp32 result is as accurate as XLA's FP8 dot."""
+    m, n = 512, 512
+    a, b = _quantized(rng, (m, k), jnp.float8_e4m3fn), _quantized(rng, (n, k), jnp.float8_e4m3fn)
+    want = _f64(a) @ _f64(b).T
+    got = jax.jit(lambda a, b: efc.gemm(a, b, transpose_b=True, out_dtypes=jnp.float32))(a, b)
+    assert _rel(got, want) <= 1.5 * _xla_err(a, b, want) + 1e-6
