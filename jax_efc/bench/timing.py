@@ -26,6 +26,11 @@ from .problems import EPILOGUES, Problem, random_inputs
 from .report import Result, label, shape_str
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense peak of the reference H200
+
+
+def peak_tflops(dtype: str) -> float:
+    """The tensor cores' peak for A/B of ``dtype``: twice the 16-bit one for 8-bit types."""
+    return PEAK_TFLOPS * (2 if jnp.dtype(dtype).itemsize == 1 else 1)
 L2_BYTES = 60 * 2**20
 # inputs and outputs that ``calls_per_jit`` may hold on the device at once
 _CHAIN_BYTES = 16 * 2**30
@@ -277,7 +282,7 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
         tflops = 2 * p.gemms * m * n * k * l / t / 1e12
         backend = "; ".join(dict.fromkeys(backends(p.ours, *p.specs))) or "none"
         results.append(Result(p.epilogue, p.shape, p.dtype, p.config, backend, t, base_s, tflops,
-                              base_s / t, tflops / PEAK_TFLOPS, moved / 1e9, err, base_err,
+                              base_s / t, tflops / peak_tflops(p.dtype), moved / 1e9, err, base_err,
                               mhz, base_mhz, watts, base_watts, plain_s, calls_per_jit, plain_mhz,
                               plain_watts))
     return results
