@@ -15,8 +15,8 @@ step() {  # step NAME COMMAND...: run, log, and remember the exit status
   summary+=("$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$(tail -n 1 "$logs/$name.log")")")
 }
 step gpu-tests python3 -m pytest -q -m gpu tests
-# the 8-bit kernels, compiled but gated until these pass here
-step gpu-fp8 env JAX_EFC_UNVERIFIED_KERNELS=1 python3 -m pytest -q tests/test_gpu_fp8.py
+# the 8-bit and fp16-accumulating kernels, compiled but gated until these pass here
+step gpu-fp8 env JAX_EFC_UNVERIFIED_KERNELS=1 python3 -m pytest -q tests/test_gpu_low_precision.py
 step jax-efc-run python3 -m jax_efc run --mnkl 8192,8192,8192,1 --ab_dtype Float16 --c_dtype Float16 --d_dtype Float16 \
   --x_dtype Float16 --y_dtype Float16 --epilogue alpha-beta --alpha 2.0 --beta 1.0 --x_factor 3.0
 step alpha-beta python3 examples/alpha_beta.py --mnkl 8192,8192,8192,1

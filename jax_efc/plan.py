@@ -128,7 +128,9 @@ def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config
     cfg = problem.config
     cluster_size = cfg.cluster_m * cfg.cluster_n
     clusters, resident = device.residency(cluster_size, devices, pol.assumed_max_clusters(cluster_size, sms))
-    schedule = plan_schedule(cfg if resident else dataclasses.replace(cfg, stream_k=False), *mnkl, clusters,
+    # stream-K makes CTAs wait on one another: only where the whole grid is known resident
+    split = resident and pol.splits_k(problem)
+    schedule = plan_schedule(cfg if split else dataclasses.replace(cfg, stream_k=False), *mnkl, clusters,
                              problem.tile_k)
     return Plan("kernel", arch=arch, problem=problem, mnkl=mnkl, schedule=schedule, transposes=transposes, note=note)
 

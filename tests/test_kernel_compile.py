@@ -81,6 +81,12 @@ VARIANTS = {
     "fp8e5m2_nk_pingpong_128x128_c1x2": ("float8_e5m2", False, True, None,
                                          (128, 128, 1, 2, {"pingpong": True, "swizzle": 8}), "identity"),
     "fp8e4m3_nk_alpha_beta_128x256_c2x1": ("float8_e4m3fn", False, True, None, (128, 256, 2, 1), "alpha_beta"),
+    # fp16 accumulation (fp16 inputs): the f16-accumulating WGMMA, read as fp32 by the epilogue
+    "fp16_acc16_bias_gelu_128x256": ("float16", False, False, None, (128, 256, 1, 1, {"acc": "float16"}),
+                                     "bias_gelu"),
+    "fp16_acc16_pingpong_128x128_c1x2": ("float16", False, True, None,
+                                         (128, 128, 1, 2, {"pingpong": True, "swizzle": 8, "acc": "float16"}),
+                                         "alpha_beta"),
     # mixed 8-bit formats (A e4m3, B e5m2), B stored (K, N): transposed once before the kernel
     "fp8mixed_kn_bias_gelu_128x256": ("float8_e4m3fn+float8_e5m2", False, False, None, (128, 256, 1, 1),
                                       "bias_gelu"),
@@ -138,8 +144,13 @@ VARIANTS = {
 def _config(cfg):
     from jax_efc.config import GemmConfig
 
-    extra = cfg[4] if len(cfg) > 4 else {}
+    extra = {k: v for k, v in (cfg[4] if len(cfg) > 4 else {}).items() if k != "acc"}
     return GemmConfig(*cfg[:4], **extra)
+
+
+def _acc_dtype(cfg) -> str:
+    """A variant's accumulator dtype: ``"acc"`` among its config's extras, else float32."""
+    return (cfg[4] if len(cfg) > 4 else {}).get("acc", "float32")
 
 
 def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
@@ -196,7 +207,7 @@ def _compile_all(dump_dir: str) -> dict:
         b_shape = (n, k) if tb else (k, n)
         a = jax.ShapeDtypeStruct(a_shape if batch is None else (batch, *a_shape), dtype)
         b = jax.ShapeDtypeStruct(b_shape, b_dtype)  # B shared across the batch
-        kw = dict(transpose_a=ta, transpose_b=tb, acc_dtype=jnp.float32, config=_config(cfg),
+        kw = dict(transpose_a=ta, transpose_b=tb, acc_dtype=_acc_dtype(cfg), config=_config(cfg),
                   arch="sm_90a")
         plan = P.plan_kernel(ir, a, b, ops, **kw)
         if plan.reason:
@@ -384,6 +395,13 @@ def test_variants_do_not_spill_and_fit_the_register_budget(assembled):
         assert stores <= allowed[0] and loads <= allowed[1], (name, stores, loads)
         registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
         assert registers and max(registers) <= 232, (name, registers)
+
+
+def test_fp16_accumulation_uses_the_f16_accumulating_wgmma(compiled):
+    for name, tile_n in (("fp16_acc16_bias_gelu_128x256", 256), ("fp16_acc16_pingpong_128x128_c1x2", 128)):
+        ptx = compiled[name]["ptx"]
+        assert f"wgmma.mma_async.sync.aligned.m64n{tile_n}k16.f16.f16.f16" in ptx, name
+        assert ".f32.f16.f16" not in ptx, name
 
 
 def test_output_shapes(compiled):

@@ -104,3 +104,26 @@ def test_the_two_8bit_formats_mix_and_nothing_else_does(rng):
         efc.gemm(a, b.astype(jnp.bfloat16), transpose_b=True)
     with pytest.raises(TypeError, match="a is bfloat16 but b is float16"):
         efc.gemm(a.astype(jnp.bfloat16), b.astype(jnp.float16), transpose_b=True)
+
+
+def test_fp16_accumulation_is_planned_only_when_asked_and_never_split(monkeypatch):
+    pytest.importorskip("cutlass")
+    from jax_efc.epilogue import identity_ir
+    from jax_efc.plan import plan_kernel
+
+    spec = jax.ShapeDtypeStruct((1024, 8192), jnp.float16)
+    kw = dict(transpose_a=False, transpose_b=True, config=efc.GemmConfig(128, 128), arch="sm_90a")
+    monkeypatch.delenv("JAX_EFC_UNVERIFIED_KERNELS", raising=False)
+    gated = plan_kernel(identity_ir(jnp.float16), spec, jax.ShapeDtypeStruct((512, 8192), jnp.float16), [],
+                        acc_dtype=jnp.float16, **kw)
+    assert "float16 accumulation compiles but has not yet been run" in gated.reason
+    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
+    b = jax.ShapeDtypeStruct((512, 8192), jnp.float16)
+    f16 = plan_kernel(identity_ir(jnp.float16), spec, b, [], acc_dtype=jnp.float16, **kw)
+    f32 = plan_kernel(identity_ir(jnp.float16), spec, b, [], acc_dtype=jnp.float32, **kw)
+    # 32 tiles on 132 SMs: fp32 accumulation splits every tile's k-iterations; fp16 does not
+    assert f32.schedule.stream_k is not None
+    assert f16.backend == "kernel" and f16.schedule.stream_k is None
+    bf16 = jax.ShapeDtypeStruct((1024, 8192), jnp.bfloat16)
+    assert "takes float16 inputs" in plan_kernel(identity_ir(jnp.bfloat16), bf16, bf16, [], acc_dtype=jnp.float16,
+                                                 **kw).reason

@@ -94,6 +94,7 @@ class FusedGemmBase:
         self.cluster_mn = (cfg.cluster_m, cfg.cluster_n)
         self.ab_dtype = cutlass_dtype(problem.ab_dtype)  # A's
         self.b_dtype = cutlass_dtype(problem.b_dtype)
+        self.acc_dtype = cutlass_dtype(problem.acc_dtype)  # the MMA's; the epilogue reads it as fp32
         self.a_batched = problem.a_batched
         self.b_batched = problem.b_batched
         self.visitor = EpilogueVisitor(problem.ir, problem.operand_batched)

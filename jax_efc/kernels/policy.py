@@ -42,6 +42,7 @@ class ArchPolicy:
     # A/B dtypes whose kernels compile and pass the instruction checks but have not yet run on
     # a GPU of this architecture: they run only under JAX_EFC_UNVERIFIED_KERNELS=1
     unverified_ab_dtypes: tuple[str, ...] = ()
+    unverified_acc_dtypes: tuple[str, ...] = ()
 
     def kernel_class(self) -> type:
         module, name = self.kernel.split(":")
@@ -55,6 +56,15 @@ class ArchPolicy:
     def resources_reason(self, problem: KernelProblem) -> str | None:
         """Why ``problem``'s kernel does not fit the SM (shared memory, registers)."""
         raise NotImplementedError
+
+    def accumulator_reason(self, problem: KernelProblem) -> str | None:
+        """Why the MMA cannot accumulate ``problem``'s inputs in its ``acc_dtype``."""
+        return None
+
+    def splits_k(self, problem: KernelProblem) -> bool:
+        """Whether stream-K may split ``problem``'s k-iterations: its partial sums meet in an
+        fp32 workspace, written in the accumulator's register order."""
+        return problem.acc_dtype == "float32"
 
     def mma_majors(self, problem: KernelProblem) -> tuple[str, str] | None:
         """The (A, B) majors the MMA reads ``problem``'s inputs in, or ``None`` for any: the plan
@@ -74,10 +84,15 @@ class ArchPolicy:
             return f"A is {problem.ab_dtype} but B is {problem.b_dtype}; only dtypes of one width mix."
         if problem.acc_dtype not in self.acc_dtypes:
             return f"accumulator dtype {problem.acc_dtype} is not supported; use {' or '.join(self.acc_dtypes)}."
-        unverified = [d for d in (problem.ab_dtype, problem.b_dtype) if d in self.unverified_ab_dtypes]
+        unverified = [f"{d} inputs" for d in (problem.ab_dtype, problem.b_dtype) if d in self.unverified_ab_dtypes]
+        if problem.acc_dtype in self.unverified_acc_dtypes:
+            unverified.append(f"{problem.acc_dtype} accumulation")
         if unverified and not _unverified_allowed():
-            return (f"the {self.arch} kernel for {unverified[0]} inputs compiles but has not yet been run "
+            return (f"the {self.arch} kernel with {unverified[0]} compiles but has not yet been run "
                     "on a GPU; set JAX_EFC_UNVERIFIED_KERNELS=1 to run it (and please report what it gives).")
+        reason = self.accumulator_reason(problem)
+        if reason:
+            return reason
         if problem.a_major not in ("k", "m") or problem.b_major not in ("k", "n"):
             return f"bad majors a={problem.a_major!r}, b={problem.b_major!r}."
         need = self.mma_majors(problem)

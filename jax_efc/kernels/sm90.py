@@ -131,7 +131,7 @@ class Sm90FusedGemm(FusedGemmBase):
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.b_dtype,
             self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-            cutlass.Float32, (self.n_mma_wg, 1, 1), tiler_mn=(64, self.tile_mnk[1]),
+            self.acc_dtype, (self.n_mma_wg, 1, 1), tiler_mn=(64, self.tile_mnk[1]),
         )
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.ab_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.b_dtype, self.stages)
@@ -326,7 +326,7 @@ class Sm90FusedGemm(FusedGemmBase):
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             epi = self._consumer_epilogue(tiled_mma, ctid, group, warp_idx, mD, sD, tma_d,
                                           operands, mC, sC, tma_c, c_bar, sA, sB)
-            acc = cute.make_rmem_tensor(cute.shape(epi.tCcT), cutlass.Float32)
+            acc = cute.make_rmem_tensor(cute.shape(epi.tCcT), self.acc_dtype)
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             # subtiles through the shared epilogue buffers so far (both consumers' with
@@ -532,8 +532,9 @@ class Sm90FusedGemm(FusedGemmBase):
 def _gather_registers(frag: cute.Tensor, acc: cute.Tensor, indices: list[int]) -> None:
     """``frag[v] = acc[indices[v]]``: register renames, unrolled by Python at trace time (a
     subtile holds up to 96 values a thread, past the DSL's static-loop warning)."""
+    widen = acc.element_type is not frag.element_type  # a 16-bit accumulator, read as fp32
     for v, i in enumerate(indices):
-        frag[v] = acc[i]
+        frag[v] = frag.element_type(acc[i]) if widen else acc[i]
 
 
 def _tile_coords(tCcT: cute.Tensor, indices: list[int], m0, n0) -> list[tuple]:

@@ -121,11 +121,18 @@ class Sm90Policy(ArchPolicy):
     kernel = "jax_efc.kernels.sm90:Sm90FusedGemm"
     default_sm_count = DEFAULT_SM_COUNT
     ab_dtypes = _AB_DTYPES
-    acc_dtypes = ("float32",)
+    # fp16 accumulation (fp16 inputs only) halves the accumulators' registers
+    acc_dtypes = ("float32", "float16")
     out_dtypes = _OUT_DTYPES
     operand_dtypes = _OPERAND_DTYPES
     value_dtypes = _VALUE_DTYPES
     unverified_ab_dtypes = _FP8
+    unverified_acc_dtypes = ("float16",)
+
+    def accumulator_reason(self, problem: KernelProblem) -> str | None:
+        if problem.acc_dtype == "float16" and problem.ab_dtype != "float16":
+            return f"float16 accumulation takes float16 inputs, not {problem.ab_dtype}; use float32."
+        return None
 
     def mma_majors(self, problem: KernelProblem) -> tuple[str, str] | None:
         # WGMMA reads 8-bit A and B from shared memory K-major only (16-bit ones either way)

@@ -1,4 +1,4 @@
-"""8-bit float A and B through the Hopper kernel (marked ``gpu``), against a float64 NumPy
+"""8-bit float A and B, and fp16 accumulation, through the Hopper kernel (marked ``gpu``), against a float64 NumPy
 oracle of the same 8-bit values: per-tensor scales as dynamic scalars, per-row / per-column
 scales as vector operands, partial tiles, 8-bit outputs saturating at their finite range, and
 NaN inputs. These kernels run only under ``JAX_EFC_UNVERIFIED_KERNELS=1`` until this file has
@@ -132,3 +132,16 @@ def test_long_k_is_as_accurate_as_xlas_fp8_dot(rng, k):
     want = _f64(a) @ _f64(b).T
     got = jax.jit(lambda a, b: efc.gemm(a, b, transpose_b=True, out_dtypes=jnp.float32))(a, b)
     assert _rel(got, want) <= 1.5 * _xla_err(a, b, want) + 1e-6
+
+
+def test_fp16_accumulation(rng):
+    """fp16 inputs accumulated in fp16 (the f16-accumulating WGMMA): within fp16 accumulation's
+    rounding of the float64 oracle."""
+    m, n, k = 1000, 776, 1024
+    a = jnp.asarray(rng.standard_normal((m, k)) / math.sqrt(k), jnp.float16)
+    b = jnp.asarray(rng.standard_normal((k, n)), jnp.float16)
+    bias = jnp.asarray(rng.standard_normal(n), jnp.float16)
+    fn = jax.jit(lambda a, b, bias: efc.gemm(a, b, lambda acc, bias: jax.nn.gelu(acc + bias), bias,
+                                             acc_dtype=jnp.float16, out_dtypes=jnp.float32))
+    assert efc.backends(fn, a, b, bias) == ["kernel (sm_90a)"]
+    assert _rel(fn(a, b, bias), _gelu_tanh(_f64(a) @ _f64(b) + _f64(bias))) < 3e-2
