@@ -1,5 +1,5 @@
-"""8-bit float A and B, and fp16 accumulation, through the Hopper kernel (marked ``gpu``), against a float64 NumPy
-oracle of the same 8-bit values: per-tensor scales as dynamic scalars, per-row / per-column
+"""8-bit float A and B, and fp16 accumulation, through the Hopper kernel (marked ``gpu``),
+against a float64 NumPy oracle of the same 8-bit values: per-tensor scales as dynamic scalars, per-row / per-column
 scales as vector operands, partial tiles, 8-bit outputs saturating at their finite range, and
 NaN inputs. These kernels run only under ``JAX_EFC_UNVERIFIED_KERNELS=1`` until this file has
 passed on a GPU."""

@@ -1,5 +1,5 @@
 """8-bit float inputs and outputs on the reference path (any machine): the numerics the kernel
-is held to in ``test_gpu_fp8.py``, the 8-bit stores' rounding and saturation, and the plan."""
+is held to in ``test_gpu_low_precision.py``, the 8-bit stores' rounding and saturation, and the plan."""
 
 from __future__ import annotations
 
