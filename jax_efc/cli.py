@@ -286,7 +286,7 @@ def _info(args: argparse.Namespace) -> int:
     for dist in ("jax_efc", "jax", "jaxlib", "nvidia-cutlass-dsl", "flax"):
         print(f"{dist + ':':<20}{_version(dist)}")
     print(f"{'devices:':<20}{', '.join(f'{d.platform}:{d.id} {d.device_kind}' for d in jax.devices())}")
-    print(f"{'GPU arch:':<20}{device.arch() or 'none (no CUDA device; CUTE_DSL_ARCH unset)'}")
+    print(f"{'GPU arch:':<20}{device.arch() or 'none (no CUDA device; efc.set_target_arch or CUTE_DSL_ARCH names one to export for)'}")
     switches = {k: os.environ[k] for k in ("JAX_EFC_DISABLE", "JAX_EFC_STRICT", "JAX_EFC_KERNEL_CACHE", "CUTE_DSL_ARCH")
                 if k in os.environ}
     print(f"{'switches:':<20}{switches or 'none set'}")
