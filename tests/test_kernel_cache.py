@@ -221,3 +221,20 @@ def test_warmup_builds_a_steps_kernels_in_parallel_for_the_lowering(tmp_path):
     assert out["kernels"] == 3
     assert out["again"] == ["cached"] * 3
     assert len(list((tmp_path / "kernels").glob("*.kernel"))) == 3
+
+
+def test_warmup_says_what_it_needs(monkeypatch):
+    """Without a GPU warmup needs a target architecture; with the kernel cache off it has
+    nowhere to put the kernels: each a RuntimeError saying so, nothing compiled."""
+    import jax.numpy as jnp
+
+    import jax_efc as efc
+
+    spec = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
+    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
+    with pytest.raises(RuntimeError, match="set_target_arch"):
+        efc.warmup(lambda a, b: efc.gemm(a, b), spec, spec)
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("JAX_EFC_KERNEL_CACHE", "0")
+    with pytest.raises(RuntimeError, match="JAX_EFC_KERNEL_CACHE=0 turns off"):
+        efc.warmup(lambda a, b: efc.gemm(a, b), spec, spec)
