@@ -81,7 +81,7 @@ def plan_kernel(ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], *, tran
     cannot run it. ``a``, ``b`` and ``operands`` are avals (``shape``/``dtype``) in the
     primitive's canonical shapes; ``devices``: the ordinals of the CUDA devices the call runs
     on (see :func:`jax_efc.device.residency`). Raises ``TypeError`` when ``a`` and ``b``
-    differ in dtype: the kernels take one dtype for both."""
+    differ in dtype, unless they are the two 8-bit float formats."""
     if np.dtype(a.dtype) != np.dtype(b.dtype) and not mixes_8bit_floats(a.dtype, b.dtype):
         raise TypeError(f"a is {np.dtype(a.dtype).name} but b is {np.dtype(b.dtype).name}; the kernel "
                         "takes A and B of one dtype (or two 8-bit float formats): cast one of them.")
