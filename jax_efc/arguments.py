@@ -11,7 +11,7 @@ import numpy as np
 
 from .config import GemmConfig
 
-__all__ = ["array", "flag", "dtype", "mixes_8bit_floats", "allowed_acc_dtypes", "acc_dtype", "out_dtypes", "check_x64", "check_config", "precision"]
+__all__ = ["array", "flag", "dtype", "INPUT_DTYPES", "inputs", "mixes_8bit_floats", "allowed_acc_dtypes", "acc_dtype", "out_dtypes", "check_x64", "check_config", "precision"]
 
 
 def array(name: str, x: Any) -> Any:
@@ -43,6 +43,24 @@ def dtype(name: str, value: Any, floating: bool = False) -> np.dtype:
     if not (dtype.kind in "biu" or jnp.issubdtype(dtype, jnp.floating)):
         raise TypeError(f"{name} must be a real numeric dtype, got {dtype.name}.")
     return dtype
+
+
+# A and B dtypes; the 8-bit floats accumulate in float32 (their scales are epilogue scalars or
+# row/column operands)
+INPUT_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64,
+                                           jnp.float8_e4m3fn, jnp.float8_e5m2))
+
+
+def inputs(op: str, a_name: str, a: Any, b_name: str, b: Any) -> None:
+    """Check the two GEMM inputs of ``op``: each of ``INPUT_DTYPES``, and one dtype for both
+    (or the two 8-bit float formats)."""
+    for name, x in ((a_name, a), (b_name, b)):
+        if x.dtype not in INPUT_DTYPES:
+            raise TypeError(f"{name} has dtype {x.dtype}; {op} takes "
+                            f"{', '.join(d.name for d in INPUT_DTYPES[:-1])} or {INPUT_DTYPES[-1].name}.")
+    if a.dtype != b.dtype and not mixes_8bit_floats(a.dtype, b.dtype):
+        raise TypeError(f"{a_name} is {a.dtype} but {b_name} is {b.dtype}; cast one so both have the same dtype "
+                        "(only the two 8-bit float formats mix).")
 
 
 def mixes_8bit_floats(a_dtype, b_dtype) -> bool:

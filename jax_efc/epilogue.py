@@ -503,6 +503,18 @@ def evaluate(ir: EpilogueIR, acc: Any, operands: Sequence[Any]) -> list[Any]:
     return [store_as(jnp.broadcast_to(values[o.value], shape), o.dtype) for o in ir.outputs]
 
 
+def restructure(structure: Any, ir: EpilogueIR, outs: list[Any]) -> Any:
+    """``ir``'s outputs ``outs`` in the structure the epilogue returned them in (an array, a
+    tuple, a dict), as ``trace_epilogue`` recorded it."""
+    kind, keys = structure
+    if kind == "dict":
+        by_name = dict(zip([o.name for o in ir.outputs], outs))
+        return {k: by_name[str(k)] for k in keys}
+    if kind == "tuple":
+        return tuple(outs)
+    return outs[0]
+
+
 def store_as(v: Any, dtype: Any) -> Any:
     """``v`` converted to an output's dtype as the kernels store it: to 8-bit floats rounded to
     nearest even and saturated to the finite range (NaN stays NaN; e4m3fn has no Inf, and a

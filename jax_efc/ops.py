@@ -15,15 +15,12 @@ import numpy as np
 
 from . import activations, arguments
 from .config import GemmConfig
-from .epilogue import (EpilogueIR, Role, canonical_shape, evaluate, exact, identity_ir,
+from .epilogue import (EpilogueIR, Role, canonical_shape, evaluate, exact, identity_ir, restructure,
                        trace_epilogue, with_acc_output)
 from .primitive import fused_gemm, gemm_cotangents, match_varying, problem_shape
 
-__all__ = ["gemm", "fused_dense"]
+__all__ = ["gemm", "fused_dense", "prepare_epilogue"]
 
-# A and B dtypes; the 8-bit floats accumulate in float32 (their scales are epilogue scalars or
-# row/column operands)
-_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64, jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,13 +82,7 @@ def gemm(
     ((256, 64), dtype(bfloat16), 8.5, dtype('float32'))
     """
     a, b = arguments.array("a", a), arguments.array("b", b)
-    for name, x in (("a", a), ("b", b)):
-        if x.dtype not in _FLOATS:
-            raise TypeError(f"{name} has dtype {x.dtype}; gemm takes float32, bfloat16, float16, float64, "
-                            "float8_e4m3fn or float8_e5m2.")
-    if a.dtype != b.dtype and not arguments.mixes_8bit_floats(a.dtype, b.dtype):
-        raise TypeError(f"a is {a.dtype} but b is {b.dtype}; cast one so both have the same dtype "
-                        "(only the two 8-bit float formats mix).")
+    arguments.inputs("gemm", "a", a, "b", b)
     transpose_a, transpose_b, recompute_acc = (
         arguments.flag(name, v) for name, v in
         (("transpose_a", transpose_a), ("transpose_b", transpose_b), ("recompute_acc", recompute_acc)))
@@ -104,6 +95,38 @@ def gemm(
     batch, m, n, _ = problem_shape(*_batched_shapes(a.shape, b.shape), transpose_a, transpose_b)
     acc_shape = (m, n) if batch is None else (batch, m, n)
 
+    ir, structure, arrays = prepare_epilogue(epilogue, acc_shape, operands, scalars, out_dtypes, a.dtype,
+                                             acc_dtype, epi_dtype)
+    static = _Static(ir, transpose_a, transpose_b, acc_dtype, precision, config, recompute_acc,
+                     _backward_reads_acc(ir, acc_shape))
+    a, b, arrays, unfold = _fold_batch(a, b, arrays, static, batch)
+    # under shard_map, differentiable inputs are made alike outside the VJP, so that the
+    # gradient of an input that varies over fewer mesh axes is summed over the others
+    a, b, *arrays = match_varying((a, b, *arrays))
+    try:
+        outs = [unfold(o) for o in _fused(static, a, b, tuple(arrays))]
+    except TypeError as e:
+        if "forward-mode autodiff" not in str(e):
+            raise
+        raise TypeError(_NO_FORWARD_MODE) from None
+    return restructure(structure, ir, outs)
+
+
+_NO_FORWARD_MODE = (
+    "jax_efc's ops are differentiable in reverse mode only (jax.grad, jax.vjp, jax.jacrev, and "
+    "their compositions, Hessians included); forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) "
+    "is not supported. A Jacobian-vector product J @ t is the VJP of the VJP: with "
+    "y, vjp = jax.vjp(f, x), it is jax.vjp(vjp, y)[1]((t,))[0].")
+
+
+def prepare_epilogue(epilogue: Callable[..., Any] | None, acc_shape: tuple[int, ...], operands: Any,
+                     scalars: dict[str, Any], out_dtypes: Any, default_out_dtype: Any, acc_dtype: Any,
+                     epi_dtype: Any) -> tuple[EpilogueIR, Any, list[Any]]:
+    """An epilogue of an accumulator shaped ``acc_shape`` ((M, N) or (L, M, N)) traced into its
+    IR, with its output structure and its array inputs (the operands, then the dynamic scalars
+    by name) in canonical shapes: the part every op with a fused epilogue shares."""
+    batch = acc_shape[0] if len(acc_shape) == 3 else None
+    m, n = acc_shape[-2:]
     static_kw, dynamic_kw = {}, {}
     for k, v in scalars.items():
         if isinstance(v, (numbers.Number, np.number, np.bool_)):
@@ -128,7 +151,7 @@ def gemm(
         epilogue, acc_shape, tuple(x.shape for x in operands), tuple(x.dtype for x in operands),
         tuple((k, exact(v), v) for k, v in sorted(static_kw.items())),
         tuple((k, jnp.shape(v), jnp.result_type(v).name) for k, v in sorted(dynamic_kw.items())),
-        out_dtypes, a.dtype.name, epi_dtype.name,
+        out_dtypes, np.dtype(default_out_dtype).name, epi_dtype.name,
     )
     arguments.check_x64(acc_dtype, epi_dtype, *(o.dtype for o in ir.outputs))
     arrays = operands + [_as_float(dynamic_kw[k], ir.epi_dtype) for k in sorted(dynamic_kw)]
@@ -136,26 +159,7 @@ def gemm(
         jnp.reshape(x, canonical_shape(r, batch if bt else None, m, n))
         for x, r, bt in zip(arrays, roles, batched)
     ]
-    static = _Static(ir, transpose_a, transpose_b, acc_dtype, precision, config, recompute_acc,
-                     _backward_reads_acc(ir, acc_shape))
-    a, b, arrays, unfold = _fold_batch(a, b, arrays, static, batch)
-    # under shard_map, differentiable inputs are made alike outside the VJP, so that the
-    # gradient of an input that varies over fewer mesh axes is summed over the others
-    a, b, *arrays = match_varying((a, b, *arrays))
-    try:
-        outs = [unfold(o) for o in _fused(static, a, b, tuple(arrays))]
-    except TypeError as e:
-        if "forward-mode autodiff" not in str(e):
-            raise
-        raise TypeError(_NO_FORWARD_MODE) from None
-    return _restructure(structure, [o.name for o in ir.outputs], outs)
-
-
-_NO_FORWARD_MODE = (
-    "jax_efc's ops are differentiable in reverse mode only (jax.grad, jax.vjp, jax.jacrev, and "
-    "their compositions, Hessians included); forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) "
-    "is not supported. A Jacobian-vector product J @ t is the VJP of the VJP: with "
-    "y, vjp = jax.vjp(f, x), it is jax.vjp(vjp, y)[1]((t,))[0].")
+    return ir, structure, arrays
 
 
 def _identity(acc: Any) -> Any:
@@ -187,16 +191,6 @@ def _trace(fn, acc_shape, shapes, dtypes, static_items, dyn_scalars, out_dtypes,
     static = {k: v for k, _, v in static_items}
     return trace_epilogue(fn, acc_shape, shapes, dtypes, static, dynamic, out_dtypes,
                           default_dtype, epi_dtype)
-
-
-def _restructure(structure: Any, names: list[str], outs: list[Any]) -> Any:
-    kind, keys = structure
-    if kind == "dict":
-        by_name = dict(zip(names, outs))
-        return {k: by_name[str(k)] for k in keys}
-    if kind == "tuple":
-        return tuple(outs)
-    return outs[0]
 
 
 def _batched_shapes(a_shape: tuple, b_shape: tuple) -> tuple[tuple, tuple]:

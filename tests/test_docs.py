@@ -5,10 +5,10 @@ import doctest
 import jax
 import pytest
 
-from jax_efc import ahead_of_time, device, ffi, mlp, ops, primitive
+from jax_efc import ahead_of_time, device, ffi, grouped, mlp, ops, primitive
 
 
-@pytest.mark.parametrize("module", [ops, mlp, primitive, device, ffi, ahead_of_time], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [ops, mlp, primitive, device, ffi, ahead_of_time, grouped], ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     if jax.default_backend() != "cpu":
         pytest.skip("the examples show what a CPU machine prints")

@@ -1,0 +1,122 @@
+"""``efc.grouped_gemm`` (reference path): ``jax.lax.ragged_dot``'s meaning with a fused
+epilogue, against a per-group float64 loop; gradients, traced group sizes, vmap, errors."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_efc as efc
+
+
+def _gelu(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def _oracle(lhs, rhs, sizes, bias, c, col):
+    """epilogue(ragged product) row by row in float64; rows past the groups have product 0 and bias 0."""
+    lhs, rhs, bias, c, col = (np.asarray(x, np.float64) for x in (lhs, rhs, bias, c, col))
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    start = 0
+    for g, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        out[rows] = _gelu(lhs[rows] @ rhs[g] + bias[g]) * c[rows] + col[rows]
+        start += size
+    out[start:] = _gelu(np.zeros_like(out[start:])) * c[start:] + col[start:]
+    return out
+
+
+def _epilogue(acc, c, col, bias):
+    return jax.nn.gelu(acc + bias) * c + col
+
+
+@pytest.mark.parametrize("sizes", [(16, 16, 16, 16), (50, 0, 3, 11), (0, 0, 64, 0), (10, 20, 5, 0)],
+                         ids=["balanced", "skewed", "one_group", "rows_past_the_groups"])
+def test_matches_a_per_group_float64_loop(rng, sizes):
+    t, k, n, g = 64, 48, 40, len(sizes)
+    lhs = jnp.asarray(rng.standard_normal((t, k)) / math.sqrt(k), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((g, k, n)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((g, n)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((t, n)), jnp.float32)
+    col = jnp.asarray(rng.standard_normal((t, 1)), jnp.float32)
+    y = efc.grouped_gemm(lhs, rhs, jnp.asarray(sizes), _epilogue, c, col, group_operands=[bias])
+    assert y.shape == (t, n) and y.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y), _oracle(lhs, rhs, sizes, bias, c, col), rtol=2e-5, atol=2e-5)
+
+
+def test_bf16_outputs_and_several_of_them(rng):
+    t, k, n = 32, 64, 16
+    lhs = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((2, k, n)), jnp.bfloat16)
+    out = efc.grouped_gemm(lhs, rhs, jnp.array([12, 20]), lambda acc, *, s: {"y": acc * s, "acc": acc}, s=0.5,
+                           out_dtypes={"y": jnp.bfloat16, "acc": jnp.float32})
+    want = np.concatenate([np.asarray(lhs[:12], np.float64) @ np.asarray(rhs[0], np.float64),
+                           np.asarray(lhs[12:], np.float64) @ np.asarray(rhs[1], np.float64)])
+    assert out["y"].dtype == jnp.bfloat16 and out["acc"].dtype == jnp.float32
+    assert np.abs(np.asarray(out["acc"], np.float64) - want).max() < 1e-3 * np.abs(want).max()
+    assert np.abs(np.asarray(out["y"], np.float64) - want / 2).max() < 1e-2 * np.abs(want).max()
+
+
+def test_gradients_match_plain_jax(rng):
+    t, k, n, sizes = 24, 16, 8, jnp.array([10, 0, 14])
+    lhs = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((3, k, n)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((3, n)), jnp.float32)
+    group = jnp.repeat(jnp.arange(3), sizes, total_repeat_length=t)
+
+    def ours(lhs, rhs, bias):
+        return (efc.grouped_gemm(lhs, rhs, sizes, lambda acc, b: jnp.tanh(acc + b), group_operands=[bias]) ** 2).sum()
+
+    def plain(lhs, rhs, bias):
+        acc = jax.lax.ragged_dot(lhs, rhs, sizes)
+        return (jnp.tanh(acc + bias[group]) ** 2).sum()
+
+    for got, want in zip(jax.grad(ours, (0, 1, 2))(lhs, rhs, bias), jax.grad(plain, (0, 1, 2))(lhs, rhs, bias)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_traced_group_sizes_do_not_recompile(rng):
+    traces = []
+    lhs = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((4, 16, 8)), jnp.float32)
+
+    @jax.jit
+    def f(lhs, rhs, sizes):
+        traces.append(1)
+        return efc.grouped_gemm(lhs, rhs, sizes, jax.nn.relu)
+
+    for sizes in ((8, 8, 8, 8), (32, 0, 0, 0), (1, 2, 3, 26)):
+        y = f(lhs, rhs, jnp.asarray(sizes, jnp.int32))
+        want = jax.nn.relu(jax.lax.ragged_dot(lhs, rhs, jnp.asarray(sizes, jnp.int32)))
+        np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert len(traces) == 1
+
+
+def test_vmap_over_batches_of_tokens_and_experts(rng):
+    lhs = jnp.asarray(rng.standard_normal((3, 20, 8)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((3, 2, 8, 4)), jnp.float32)
+    sizes = jnp.array([[5, 15], [20, 0], [0, 20]])
+    y = jax.vmap(lambda x, w, s: efc.grouped_gemm(x, w, s, jnp.exp))(lhs, rhs, sizes)
+    for i in range(3):
+        np.testing.assert_allclose(np.asarray(y[i]), np.asarray(jnp.exp(jax.lax.ragged_dot(lhs[i], rhs[i], sizes[i]))),
+                                   rtol=1e-5)
+
+
+def test_arguments_are_checked():
+    lhs, rhs, sizes = jnp.ones((8, 4)), jnp.ones((2, 4, 3)), jnp.array([4, 4])
+    with pytest.raises(ValueError, match=r"lhs must be \(T, K\) and rhs \(G, K, N\)"):
+        efc.grouped_gemm(lhs, rhs[0], sizes)
+    with pytest.raises(ValueError, match="lhs has K=4 but rhs has K=5"):
+        efc.grouped_gemm(lhs, jnp.ones((2, 5, 3)), sizes)
+    with pytest.raises(ValueError, match=r"group_sizes must be \(2,\) integers"):
+        efc.grouped_gemm(lhs, rhs, jnp.array([4.0, 4.0]))
+    with pytest.raises(ValueError, match=r"group operand 0 must be \(2, 3\)"):
+        efc.grouped_gemm(lhs, rhs, sizes, lambda acc, b: acc + b, group_operands=[jnp.ones((3,))])
+    with pytest.raises(TypeError, match="lhs is float32 but rhs is float16"):
+        efc.grouped_gemm(lhs, rhs.astype(jnp.float16), sizes)
+    with pytest.raises(efc.EpilogueError):
+        efc.grouped_gemm(lhs, rhs, sizes, lambda acc: acc @ acc.T)
