@@ -11,7 +11,7 @@ import numpy as np
 
 from .config import GemmConfig
 
-__all__ = ["array", "flag", "dtype", "INPUT_DTYPES", "inputs", "mixes_8bit_floats", "allowed_acc_dtypes", "acc_dtype", "out_dtypes", "check_x64", "check_config", "precision"]
+__all__ = ["array", "flag", "dtype", "INPUT_DTYPES", "inputs", "mixes_8bit", "default_out_dtype", "allowed_acc_dtypes", "acc_dtype", "out_dtypes", "check_x64", "check_config", "precision"]
 
 
 def array(name: str, x: Any) -> Any:
@@ -46,9 +46,9 @@ def dtype(name: str, value: Any, floating: bool = False) -> np.dtype:
 
 
 # A and B dtypes; the 8-bit floats accumulate in float32 (their scales are epilogue scalars or
-# row/column operands)
+# row/column operands), the 8-bit integers in int32, exactly
 INPUT_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64,
-                                           jnp.float8_e4m3fn, jnp.float8_e5m2))
+                                           jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8, jnp.uint8))
 
 
 def inputs(op: str, a_name: str, a: Any, b_name: str, b: Any) -> None:
@@ -58,14 +58,22 @@ def inputs(op: str, a_name: str, a: Any, b_name: str, b: Any) -> None:
         if x.dtype not in INPUT_DTYPES:
             raise TypeError(f"{name} has dtype {x.dtype}; {op} takes "
                             f"{', '.join(d.name for d in INPUT_DTYPES[:-1])} or {INPUT_DTYPES[-1].name}.")
-    if a.dtype != b.dtype and not mixes_8bit_floats(a.dtype, b.dtype):
+    if a.dtype != b.dtype and not mixes_8bit(a.dtype, b.dtype):
         raise TypeError(f"{a_name} is {a.dtype} but {b_name} is {b.dtype}; cast one so both have the same dtype "
-                        "(only the two 8-bit float formats mix).")
+                        "(only the two 8-bit float formats mix, and int8 with uint8).")
 
 
-def mixes_8bit_floats(a_dtype, b_dtype) -> bool:
-    """Whether A and B are two different 8-bit float formats (e4m3 x e5m2), which GEMMs take."""
-    return all(np.dtype(d).itemsize == 1 and jnp.issubdtype(d, jnp.floating) for d in (a_dtype, b_dtype))
+def default_out_dtype(ab_dtype: Any, acc_dtype: Any) -> np.dtype:
+    """Outputs take the inputs' dtype unless ``out_dtypes`` says otherwise; integer inputs'
+    their (exact) int32 accumulator's, as ``jnp.matmul(..., preferred_element_type=jnp.int32)``."""
+    return np.dtype(acc_dtype) if jnp.issubdtype(ab_dtype, jnp.integer) else np.dtype(ab_dtype)
+
+
+def mixes_8bit(a_dtype, b_dtype) -> bool:
+    """Whether A and B are two 8-bit types GEMMs take together: the two float formats (e4m3 x
+    e5m2), or int8 and uint8."""
+    kinds = {jnp.issubdtype(d, jnp.floating) for d in (a_dtype, b_dtype)}
+    return len(kinds) == 1 and all(np.dtype(d).itemsize == 1 for d in (a_dtype, b_dtype))
 
 
 def allowed_acc_dtypes(ab_dtype: Any) -> list[str]:
@@ -73,6 +81,8 @@ def allowed_acc_dtypes(ab_dtype: Any) -> list[str]:
     float64 (any), float16 for float16 inputs. Nothing narrower than the inputs, and nothing that
     is not a float: GEMMs do not accumulate floats in integers."""
     ab_dtype = np.dtype(ab_dtype)
+    if jnp.issubdtype(ab_dtype, jnp.integer):
+        return ["int32"]  # exact: 8-bit products summed over K < 2^17 fit
     allowed = ["float32", "float64"] if ab_dtype.itemsize <= 4 else ["float64"]
     return ["float16", *allowed] if ab_dtype == np.dtype(jnp.float16) else allowed
 
@@ -81,6 +91,8 @@ def acc_dtype(value: Any, ab_dtype: np.dtype) -> np.dtype:
     """The accumulator dtype: float32 by default (float64 for float64 inputs), else one of
     :func:`allowed_acc_dtypes`."""
     if value is None:  # (8-bit floats promote to nothing implicitly: float32 explicitly)
+        if jnp.issubdtype(ab_dtype, jnp.integer):
+            return np.dtype(jnp.int32)
         return np.dtype(jnp.float32) if ab_dtype.itemsize == 1 else np.dtype(jnp.promote_types(ab_dtype, jnp.float32))
     acc = dtype("acc_dtype", value)
     allowed = allowed_acc_dtypes(ab_dtype)

@@ -500,7 +500,10 @@ def evaluate(ir: EpilogueIR, acc: Any, operands: Sequence[Any]) -> list[Any]:
         else:
             values.append(OPS[ins.op][1](*args).astype(ins.dtype))
     shape = jnp.broadcast_shapes(*(jnp.shape(v) for v in values[: len(ir.inputs)]))
-    return [store_as(jnp.broadcast_to(values[o.value], shape), o.dtype) for o in ir.outputs]
+    # an output that is the accumulator itself is stored from it, not from its epilogue-dtype
+    # copy: an int32 accumulator stays exact past float32's 24 bits
+    return [store_as(jnp.broadcast_to(acc if o.value == 0 else values[o.value], shape), o.dtype)
+            for o in ir.outputs]
 
 
 def restructure(structure: Any, ir: EpilogueIR, outs: list[Any]) -> Any:
@@ -518,11 +521,16 @@ def restructure(structure: Any, ir: EpilogueIR, outs: list[Any]) -> Any:
 def store_as(v: Any, dtype: Any) -> Any:
     """``v`` converted to an output's dtype as the kernels store it: to 8-bit floats rounded to
     nearest even and saturated to the finite range (NaN stays NaN; e4m3fn has no Inf, and a
-    plain cast would make an overflow NaN), to other dtypes by a plain cast."""
+    plain cast would make an overflow NaN); to integers saturated (floats rounded toward zero,
+    as XLA converts them; an int32 accumulator clipped, where a plain cast would wrap); to
+    other dtypes by a plain cast."""
     dtype = jnp.dtype(dtype)
     if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
         top = float(jnp.finfo(dtype).max)
         v = jnp.clip(v, -top, top)
+    elif jnp.issubdtype(dtype, jnp.integer) and jnp.dtype(v.dtype) != dtype:
+        info = jnp.iinfo(dtype)
+        v = jnp.clip(v, info.min, info.max)
     return v.astype(dtype)
 
 

@@ -65,7 +65,8 @@ def grouped_gemm(lhs: Any, rhs: Any, group_sizes: Any, epilogue: Callable[..., A
     group = jnp.minimum(group, g - 1)
     per_token = [jnp.where(inside[:, None], x[group], jnp.zeros((), x.dtype)) for x in per_group]
     ir, structure, arrays = prepare_epilogue(epilogue, (t, n), [*operands, *per_token], scalars,
-                                             arguments.out_dtypes(out_dtypes), lhs.dtype, acc_dtype, epi_dtype)
+                                             arguments.out_dtypes(out_dtypes),
+                                             arguments.default_out_dtype(lhs.dtype, acc_dtype), acc_dtype, epi_dtype)
     acc = jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), precision=precision,
                              preferred_element_type=acc_dtype)
     outs = evaluate(ir, acc, arrays)

@@ -95,8 +95,8 @@ def gemm(
     batch, m, n, _ = problem_shape(*_batched_shapes(a.shape, b.shape), transpose_a, transpose_b)
     acc_shape = (m, n) if batch is None else (batch, m, n)
 
-    ir, structure, arrays = prepare_epilogue(epilogue, acc_shape, operands, scalars, out_dtypes, a.dtype,
-                                             acc_dtype, epi_dtype)
+    ir, structure, arrays = prepare_epilogue(epilogue, acc_shape, operands, scalars, out_dtypes,
+                                             arguments.default_out_dtype(a.dtype, acc_dtype), acc_dtype, epi_dtype)
     static = _Static(ir, transpose_a, transpose_b, acc_dtype, precision, config, recompute_acc,
                      _backward_reads_acc(ir, acc_shape))
     a, b, arrays, unfold = _fold_batch(a, b, arrays, static, batch)
@@ -253,7 +253,10 @@ def _fused(static: _Static, a, b, ops):
 
 def _fused_fwd(static: _Static, a, b, ops):
     if static.save_acc and not static.recompute_acc:
-        *outs, acc = static.bind(a, b, ops, ir=with_acc_output(static.ir, a.dtype))
+        # kept in the inputs' dtype, or for 8-bit inputs (which would clip or wrap it) the
+        # accumulator's
+        keep = static.acc_dtype if a.dtype.itemsize == 1 else a.dtype
+        *outs, acc = static.bind(a, b, ops, ir=with_acc_output(static.ir, keep))
     else:
         outs, acc = static.bind(a, b, ops), None
     return outs, (a, b, ops, acc)
@@ -265,9 +268,12 @@ def _fused_bwd(static: _Static, residuals, cts):
     if acc is None and static.save_acc:
         (acc,) = static.bind(a, b, (), ir=identity_ir(epi, epi))
     d_acc, d_ops = _epilogue_vjp(static.ir, acc, ops, list(cts))
-    da, db = gemm_cotangents(d_acc, a, b, True, True, epi_dtype=epi,
-                             transpose_a=static.transpose_a, transpose_b=static.transpose_b,
-                             acc_dtype=static.acc_dtype, precision=static.precision, config=static.config)
+    if jnp.issubdtype(a.dtype, jnp.integer):  # integer inputs have no gradient
+        da, db = (np.zeros(x.shape, jax.dtypes.float0) for x in (a, b))
+    else:
+        da, db = gemm_cotangents(d_acc, a, b, True, True, epi_dtype=epi,
+                                 transpose_a=static.transpose_a, transpose_b=static.transpose_b,
+                                 acc_dtype=static.acc_dtype, precision=static.precision, config=static.config)
     d_ops = tuple(g.astype(x.dtype) for g, x in zip(d_ops, ops))
     return da, db, d_ops
 

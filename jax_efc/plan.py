@@ -20,7 +20,7 @@ import numpy as np
 
 from jax_efc import config as _config
 from jax_efc import device
-from jax_efc.arguments import mixes_8bit_floats
+from jax_efc.arguments import mixes_8bit
 from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR
 from jax_efc.kernels import KernelProblem, no_kernel_reason, policy
@@ -82,7 +82,7 @@ def plan_kernel(ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], *, tran
     primitive's canonical shapes; ``devices``: the ordinals of the CUDA devices the call runs
     on (see :func:`jax_efc.device.residency`). Raises ``TypeError`` when ``a`` and ``b``
     differ in dtype, unless they are the two 8-bit float formats."""
-    if np.dtype(a.dtype) != np.dtype(b.dtype) and not mixes_8bit_floats(a.dtype, b.dtype):
+    if np.dtype(a.dtype) != np.dtype(b.dtype) and not mixes_8bit(a.dtype, b.dtype):
         raise TypeError(f"a is {np.dtype(a.dtype).name} but b is {np.dtype(b.dtype).name}; the kernel "
                         "takes A and B of one dtype (or two 8-bit float formats): cast one of them.")
     return _plan_kernel(ir, _spec(a), _spec(b), tuple(_spec(x) for x in operands), bool(transpose_a),

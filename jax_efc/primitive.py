@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import config as _config
 from . import device
-from .arguments import allowed_acc_dtypes, mixes_8bit_floats
+from .arguments import allowed_acc_dtypes, mixes_8bit
 from .epilogue import EpilogueIR, Role, canonical_shape, evaluate, identity_ir, with_acc_output
 from .log import log_once
 from .plan import plan_call
@@ -87,11 +87,11 @@ def problem_shape(a_shape: Sequence[int], b_shape: Sequence[int], transpose_a: b
 def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, precision, config,
                    local):
     del precision, config, local
-    if a.dtype != b.dtype and not mixes_8bit_floats(a.dtype, b.dtype):
+    if a.dtype != b.dtype and not mixes_8bit(a.dtype, b.dtype):
         raise TypeError(f"a is {a.dtype} but b is {b.dtype}; the fused GEMM takes A and B of one "
                         "dtype (or two 8-bit float formats): cast one of them.")
-    if not jnp.issubdtype(a.dtype, jnp.floating):
-        raise TypeError(f"a and b are {a.dtype}; the fused GEMM takes floating inputs.")
+    if not (jnp.issubdtype(a.dtype, jnp.floating) or np.dtype(a.dtype).itemsize == 1):
+        raise TypeError(f"a and b are {a.dtype}; the fused GEMM takes floating or 8-bit integer inputs.")
     allowed = allowed_acc_dtypes(a.dtype)
     if np.dtype(acc_dtype).name not in allowed:
         raise TypeError(f"acc_dtype={np.dtype(acc_dtype).name} cannot accumulate {a.dtype} inputs; "

@@ -127,3 +127,35 @@ def test_fp16_accumulation_is_planned_only_when_asked_and_never_split(monkeypatc
     bf16 = jax.ShapeDtypeStruct((1024, 8192), jnp.bfloat16)
     assert "takes float16 inputs" in plan_kernel(identity_ir(jnp.bfloat16), bf16, bf16, [], acc_dtype=jnp.float16,
                                                  **kw).reason
+
+
+def test_8bit_integers_accumulate_exactly_in_int32(rng):
+    """int8 and uint8 (mixed too) accumulate in int32 exactly, past float32's 24 bits; the bare
+    accumulator is stored exactly, narrower integer outputs saturate, and an epilogue with a
+    float scale computes in float32; gradients reach the float operands and scalars."""
+    k = 4096
+    a = jnp.asarray(rng.integers(90, 128, (64, k)) * rng.choice([-1, 1], (64, 1)), jnp.int8)  # sums past 2^24
+    b = jnp.asarray(rng.integers(200, 256, (k, 32)), jnp.uint8)
+    want = np.asarray(a, np.int64) @ np.asarray(b, np.int64)
+    assert np.abs(want).max() > 2**24
+    y = efc.gemm(a, b)
+    assert y.dtype == jnp.int32 and np.array_equal(np.asarray(y, np.int64), want)
+    y8 = efc.gemm(a, b, out_dtypes=jnp.int8)
+    assert np.array_equal(np.asarray(y8), np.clip(want, -128, 127))
+    c = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+    scaled = efc.gemm(a, b, lambda acc, c, *, s: jnp.tanh(acc * s) * c, c, s=jnp.float32(1e-8),
+                      out_dtypes=jnp.float32)
+    assert np.abs(np.asarray(scaled) - np.tanh(want * 1e-8) * np.asarray(c)).max() < 1e-5
+
+    def loss(fn):
+        return lambda s, c: (fn(s, c) ** 2).sum()
+
+    ours = loss(lambda s, c: efc.gemm(a, b, lambda acc, c, *, s: jnp.tanh(acc * s) * c, c, s=s,
+                                      out_dtypes=jnp.float32))
+    plain = loss(lambda s, c: jnp.tanh(jnp.matmul(a, b, preferred_element_type=jnp.int32) * s) * c)
+    for got, ref in zip(jax.grad(ours, (0, 1))(jnp.float32(1e-8), c), jax.grad(plain, (0, 1))(jnp.float32(1e-8), c)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="cannot accumulate int8 inputs; allowed: int32"):
+        efc.gemm(a, a.T, acc_dtype=jnp.float32)
+    with pytest.raises(TypeError, match="int8 with uint8"):
+        efc.gemm(a, b.astype(jnp.float16))
