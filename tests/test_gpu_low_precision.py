@@ -145,3 +145,22 @@ def test_fp16_accumulation(rng):
                                              acc_dtype=jnp.float16, out_dtypes=jnp.float32))
     assert efc.backends(fn, a, b, bias) == ["kernel (sm_90a)"]
     assert _rel(fn(a, b, bias), _gelu_tanh(_f64(a) @ _f64(b) + _f64(bias))) < 3e-2
+
+
+def test_int8_accumulates_exactly_and_saturates(rng):
+    """int8 x uint8 in int32, exactly past fp32's 24 bits; the bare accumulator stored as int32
+    exactly and as int8 saturated; a scaled float output beside them."""
+    m, n, k = 1000, 1024, 4096
+    a = jnp.asarray(rng.integers(90, 128, (m, k)) * rng.choice([-1, 1], (m, 1)), jnp.int8)
+    b = jnp.asarray(rng.integers(200, 256, (n, k)), jnp.uint8)  # stored (N, K)
+    bias = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+    fn = jax.jit(lambda a, b, bias: efc.gemm(a, b, lambda acc, bias: {"D": acc * 1e-8 + bias, "I": acc, "Q": acc},
+                                             bias, transpose_b=True,
+                                             out_dtypes={"D": jnp.float32, "I": jnp.int32, "Q": jnp.int8}))
+    assert efc.backends(fn, a, b, bias) == ["kernel (sm_90a)"]
+    out = fn(a, b, bias)
+    want = np.asarray(a, np.int64) @ np.asarray(b, np.int64).T
+    assert np.abs(want).max() > 2**24
+    assert np.array_equal(np.asarray(out["I"], np.int64), want)
+    assert np.array_equal(np.asarray(out["Q"]), np.clip(want, -128, 127))
+    assert _rel(out["D"], want * 1e-8 + _f64(bias)) < 1e-6

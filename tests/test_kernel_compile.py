@@ -87,6 +87,11 @@ VARIANTS = {
     "fp16_acc16_pingpong_128x128_c1x2": ("float16", False, True, None,
                                          (128, 128, 1, 2, {"pingpong": True, "swizzle": 8, "acc": "float16"}),
                                          "alpha_beta"),
+    # 8-bit integers, int32 accumulators: the bare accumulator stored exactly as int32, and
+    # int8 x uint8 with a float epilogue and several outputs (bf16, fp32, int32, saturated int8)
+    "int8_nk_identity_128x128": ("int8", False, True, None, (128, 128, 1, 1, {"acc": "int32"}), "identity"),
+    "int8xuint8_nk_multi_128x256_c2x1": ("int8+uint8", False, True, None, (128, 256, 2, 1, {"acc": "int32"}),
+                                         "int_multi"),
     # mixed 8-bit formats (A e4m3, B e5m2), B stored (K, N): transposed once before the kernel
     "fp8mixed_kn_bias_gelu_128x256": ("float8_e4m3fn+float8_e5m2", False, False, None, (128, 256, 1, 1),
                                       "bias_gelu"),
@@ -161,7 +166,7 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
     from jax_efc.epilogue import trace_epilogue
 
     acc_shape = (m, n) if batch is None else (batch, m, n)
-    out_dtype = dtype
+    out_dtype = jnp.int32 if jnp.issubdtype(dtype, jnp.integer) else dtype  # as efc.gemm defaults
     if jnp.dtype(dtype).itemsize == 1:  # 8-bit inputs: 16-bit epilogue operands
         dtype = jnp.bfloat16
     if name == "identity":
@@ -169,6 +174,10 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
     elif name == "alpha_beta":
         fn = lambda acc, c, x: {"D": acc * 2.0 + c * 1.0 + x * 3.0, "Y": acc}  # noqa: E731
         shapes, dtypes, outs = [acc_shape, acc_shape], [dtype, dtype], {"D": out_dtype, "Y": dtype}
+    elif name == "int_multi":
+        fn = lambda acc, bias: {"D": jax.nn.gelu(acc * 1e-4 + bias), "Y": acc * 0.5, "I": acc, "Q": acc}  # noqa: E731
+        shapes, dtypes, outs = [(1, n)], [dtype], {"D": jnp.bfloat16, "Y": jnp.float32, "I": jnp.int32,
+                                                   "Q": jnp.int8}
     elif name == "f32_tile":
         fn = lambda acc, c: jnp.maximum(acc, c) * c  # noqa: E731
         shapes, dtypes, outs = [(m, n)], [jnp.float32], jnp.float32
@@ -294,7 +303,7 @@ def test_variant_compiles_to_wgmma(compiled, name):
     assert 0 <= wait < ptx.find("cp.async.bulk.tensor") and "griddepcontrol.launch_dependents;" in ptx
     assert all(wait < i for i in (ptx.find(op) for op in ("ld.global", "st.global", "prefetch.global")) if i >= 0)
     # each tile's slice of a ROW/COL vector is prefetched into L1 ahead of its epilogue
-    assert ("prefetch.global.L1" in ptx) == (VARIANTS[name][5] in ("bias_gelu", "bias_silu", "multi"))
+    assert ("prefetch.global.L1" in ptx) == (VARIANTS[name][5] in ("bias_gelu", "bias_silu", "multi", "int_multi"))
     if VARIANTS[name][5] in ("alpha_beta", "f32_tile", "multi"):
         # TILE operands are TMA-loaded into smem and read from there (16-bit ones by
         # ldmatrix), not gathered from global memory ("multi" still gathers its row/column
@@ -395,6 +404,15 @@ def test_variants_do_not_spill_and_fit_the_register_budget(assembled):
         assert stores <= allowed[0] and loads <= allowed[1], (name, stores, loads)
         registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
         assert registers and max(registers) <= 232, (name, registers)
+
+
+def test_int8_kernels_use_the_integer_wgmma(compiled):
+    # the integer WGMMA accumulates in int32, saturating (.satfinite) where a sum would overflow
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8" in compiled["int8_nk_identity_128x128"]["ptx"]
+    ptx = compiled["int8xuint8_nk_multi_128x256_c2x1"]["ptx"]
+    assert set(re.findall(r"wgmma\.mma_async[\w.]*", ptx)) == {"wgmma.mma_async.sync.aligned.m64n256k32.satfinite.s32.s8.u8"}
+    # the int8 output: the int32 accumulator clamped, then narrowed
+    assert "cvt.s8.s32" in ptx and "max.s32" in ptx and "min.s32" in ptx
 
 
 def test_fp16_accumulation_uses_the_f16_accumulating_wgmma(compiled):

@@ -12,6 +12,9 @@ _DTYPES = {
     "float16": (16, "Float16"),
     "float8_e4m3fn": (8, "Float8E4M3FN"),
     "float8_e5m2": (8, "Float8E5M2"),
+    "int8": (8, "Int8"),
+    "uint8": (8, "Uint8"),
+    "int32": (32, "Int32"),
     "bool": (8, "Boolean"),
 }
 

@@ -192,7 +192,8 @@ def round_to(v: cute.TensorSSA, dtype: type) -> cute.TensorSSA:
 
 
 def convert(v: cute.TensorSSA, dtype: type) -> cute.TensorSSA:
-    """``v`` as ``dtype``, with JAX's bool <-> number conversions."""
+    """``v`` as ``dtype``, with JAX's bool <-> number conversions, and XLA's saturating ones to
+    integers."""
     if v.dtype is dtype:
         return v
     if v.dtype is cutlass.Boolean:
@@ -200,4 +201,28 @@ def convert(v: cute.TensorSSA, dtype: type) -> cute.TensorSSA:
         return round_to(cute.where(v, one, full(v, 0.0, cutlass.Float32)), dtype)
     if dtype is cutlass.Boolean:
         return f32(v) != 0.0
+    if dtype in _INT_RANGE:
+        return _to_integer(v, dtype)
     return v.to(dtype)
+
+
+_INT_RANGE = {cutlass.Int32: (-2**31, 2**31 - 1), cutlass.Int8: (-128, 127), cutlass.Uint8: (0, 255)}
+# the largest float32 below 2^31: float32 values from here on saturate to int32's maximum
+_F32_BELOW_2_31 = 2147483520.0
+
+
+def _clamped(v: cute.TensorSSA, lo, hi) -> cute.TensorSSA:
+    return cute.where(v > hi, full(v, hi, v.dtype), cute.where(v < lo, full(v, lo, v.dtype), v))
+
+
+def _to_integer(v: cute.TensorSSA, dtype: type) -> cute.TensorSSA:
+    """``v`` converted to an integer ``dtype`` saturating, as XLA converts: floats rounded
+    toward zero, NaN to 0; an int32 accumulator clamped to the narrower range."""
+    if v.dtype not in _INT_RANGE:
+        x = f32(v)
+        x = cute.where(x == x, x, full(x, 0.0, cutlass.Float32))  # NaN -> 0
+        top = x >= 2.0**31
+        i = _clamped(x, -2.0**31, _F32_BELOW_2_31).to(cutlass.Int32)
+        v = cute.where(top, full(i, 2**31 - 1, cutlass.Int32), i)
+    lo, hi = _INT_RANGE[dtype]
+    return v if dtype is cutlass.Int32 else _clamped(v, lo, hi).to(dtype)

@@ -64,6 +64,7 @@ class ConsumerEpilogue:
     thr_s2r: list
     thr_r2s: list
     frag: cute.Tensor  # fp32 accumulator values of one subtile
+    frag_raw: object  # with an integer accumulator, the same values in its own dtype; else None
     tCcT: cute.Tensor  # (m, n) within the tile of each accumulator register
     acc_index: list  # per subtile, the accumulator registers behind `frag`
     barrier: pipeline.NamedBarrier  # the group's epilogue threads
@@ -333,7 +334,7 @@ class FusedGemmBase:
                 cute.copy(epi.s2r[j], tile_op_smem[j], epi.tSR_rC[j])
                 preloaded[self.tile_ops[j]] = epi.frag_c[j].load().to(cutlass.Float32)
             outs = self.visitor(frag.load(), coords, epi.operands, epi.mn_extent, l_idx, preloaded,
-                                paced=paced)
+                                paced=paced, raw=None if epi.frag_raw is None else epi.frag_raw.load())
             # (Stores from registers straight to global memory, 32 bits a pair of values with
             # no smem buffers and no barriers, were slower for alpha-beta on H200, and the smem
             # they free bought nothing: benchmarks/FINDINGS.md)

@@ -104,6 +104,8 @@ class Sm90FusedGemm(FusedGemmBase):
         """The accumulators are registers: subtile ``s``'s are renamed into ``epi.frag``."""
         sub_index = epi.acc_index[s]
         _gather_registers(epi.frag, acc, sub_index)
+        if epi.frag_raw is not None:
+            _gather_registers(epi.frag_raw, acc, sub_index)
         return _tile_coords(epi.tCcT, sub_index, m_idx * self.tile_mnk[0], n_idx * self.tile_mnk[1])
 
     def _epi_smem_layout(self, dtype, stages: int) -> cute.ComposedLayout:
@@ -497,6 +499,8 @@ class Sm90FusedGemm(FusedGemmBase):
             thr_s2r=thr_s2r,
             thr_r2s=thr_r2s,
             frag=cute.make_rmem_tensor(frag_shape, cutlass.Float32),
+            frag_raw=(cute.make_rmem_tensor(frag_shape, self.acc_dtype)
+                      if self.acc_dtype in (cutlass.Int32,) else None),
             tCcT=tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor(self.tile_mnk[:2])),
             acc_index=self._subtile_acc_indices(tiled_mma, r2s[0]),
             barrier=pipeline.NamedBarrier(barrier_id=_EPI_BARRIER_ID + group, num_threads=self.n_epi_threads),

@@ -17,9 +17,11 @@ __all__ = ["POLICY", "Sm90Policy", "DEFAULT_SM_COUNT", "mma_warpgroups", "pipeli
 DEFAULT_SM_COUNT = 132
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
-_AB_DTYPES = ("bfloat16", "float16", *_FP8)
-# 8-bit outputs round to nearest even and saturate to the finite range (cvt.rn.satfinite)
-_OUT_DTYPES = ("bfloat16", "float16", "float32", *_FP8)
+_INT8 = ("int8", "uint8")
+_AB_DTYPES = ("bfloat16", "float16", *_FP8, *_INT8)
+# 8-bit float outputs round to nearest even and saturate to the finite range (cvt.rn.satfinite);
+# integer ones saturate (from floats rounded toward zero)
+_OUT_DTYPES = ("bfloat16", "float16", "float32", *_FP8, "int32", *_INT8)
 _OPERAND_DTYPES = ("bfloat16", "float16", "float32")
 # dtypes the visitor evaluates in: 16-bit values are computed in fp32 and rounded per op
 _VALUE_DTYPES = ("float32", "bfloat16", "float16", "bool")
@@ -122,16 +124,18 @@ class Sm90Policy(ArchPolicy):
     default_sm_count = DEFAULT_SM_COUNT
     ab_dtypes = _AB_DTYPES
     # fp16 accumulation (fp16 inputs only) halves the accumulators' registers
-    acc_dtypes = ("float32", "float16")
+    acc_dtypes = ("float32", "float16", "int32")
     out_dtypes = _OUT_DTYPES
     operand_dtypes = _OPERAND_DTYPES
     value_dtypes = _VALUE_DTYPES
-    unverified_ab_dtypes = _FP8
+    unverified_ab_dtypes = (*_FP8, *_INT8)
     unverified_acc_dtypes = ("float16",)
 
     def accumulator_reason(self, problem: KernelProblem) -> str | None:
         if problem.acc_dtype == "float16" and problem.ab_dtype != "float16":
             return f"float16 accumulation takes float16 inputs, not {problem.ab_dtype}; use float32."
+        if (problem.acc_dtype == "int32") != (problem.ab_dtype in _INT8):
+            return f"{problem.ab_dtype} inputs accumulate in {'int32' if problem.ab_dtype in _INT8 else 'float32'}."
         return None
 
     def mma_majors(self, problem: KernelProblem) -> tuple[str, str] | None:

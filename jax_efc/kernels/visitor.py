@@ -79,14 +79,16 @@ class EpilogueVisitor:
 
     def __call__(self, acc: cute.TensorSSA, coords: Sequence[tuple],
                  operands: Sequence[cute.Tensor], extent_mn, batch,
-                 preloaded: dict, paced: bool = False) -> list[cute.TensorSSA]:
+                 preloaded: dict, paced: bool = False, raw: cute.TensorSSA | None = None) -> list[cute.TensorSSA]:
         """The outputs for one subtile, each converted to its storage dtype.
 
         ``acc``: fp32 accumulator fragment; ``coords``: the (m, n) output coordinate of each
         fragment value, in linear index order; ``operands``: the epilogue operand tensors,
         each presented as (M|1, N|1, L|1); ``extent_mn``: (M, N) of the output; ``batch``:
         this tile's batch index; ``preloaded``: operand index -> fp32 fragment the kernel
-        already read (TILE operands staged in smem by TMA).
+        already read (TILE operands staged in smem by TMA); ``raw``: with an integer
+        accumulator, the accumulator itself, from which outputs that are the bare accumulator
+        are stored (exact past fp32's 24 bits).
 
         ``paced`` (programs with arithmetic, ``pace_link`` set): evaluate the program
         ``PACE_CHAINS`` values at a time, each group's accumulators tied to the previous
@@ -108,7 +110,7 @@ class EpilogueVisitor:
             else:
                 values.append(self._gather(tensor, inp.role, b, coords, extent_mn, acc))
         if not paced:
-            return self._outputs(self._run(values))
+            return self._outputs(self._run(values), raw)
         size = cute.size(acc.shape)
         assert size % PACE_CHAINS == 0, f"{size} values do not split into {PACE_CHAINS} chains"
         zero = opaque_zero()
@@ -119,7 +121,8 @@ class EpilogueVisitor:
             if link is not None:
                 group[0] = tie(group[0], link, zero)
             results = self._run(group)
-            for out, part in zip(outs, self._outputs(results)):
+            raw_part = None if raw is None else take(raw, start, PACE_CHAINS)
+            for out, part in zip(outs, self._outputs(results, raw_part)):
                 for k in range(PACE_CHAINS):
                     out[start + k] = part[k]
             link = convert(results[self.pace_link], cutlass.Float32)
@@ -131,8 +134,9 @@ class EpilogueVisitor:
             values.append(self._instr(ins, [values[a] for a in ins.args], values[0]))
         return values
 
-    def _outputs(self, values: list) -> list[cute.TensorSSA]:
-        return [convert(values[o.value], dt) for o, dt in zip(self.ir.outputs, self.out_dtypes)]
+    def _outputs(self, values: list, raw: cute.TensorSSA | None = None) -> list[cute.TensorSSA]:
+        return [convert(raw if raw is not None and o.value == 0 else values[o.value], dt)
+                for o, dt in zip(self.ir.outputs, self.out_dtypes)]
 
     @staticmethod
     def _instr(ins, args, like):
