@@ -379,18 +379,21 @@ def _ptxas() -> str:
 @pytest.fixture(scope="module")
 def assembled(compiled, tmp_path_factory):
     """{variant: ptxas -v output} for every variant's PTX, assembled for sm_90a."""
-    folder = tmp_path_factory.mktemp("sass")
-    out = {}
-    for name, result in compiled.items():
-        if "error" in result:
-            continue
+    import concurrent.futures
+
+    folder, ptxas = tmp_path_factory.mktemp("sass"), _ptxas()
+
+    def assemble(name: str) -> str:
         ptx = folder / f"{name}.ptx"
-        ptx.write_text(result["ptx"])
-        proc = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
+        ptx.write_text(compiled[name]["ptx"])
+        proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, (name, proc.stderr[-2000:])
-        out[name] = proc.stdout + proc.stderr
-    return out
+        return proc.stdout + proc.stderr
+
+    names = [name for name, result in compiled.items() if "error" not in result]
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        return dict(zip(names, pool.map(assemble, names)))
 
 
 def test_variants_do_not_spill_and_fit_the_register_budget(assembled):
