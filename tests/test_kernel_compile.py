@@ -75,29 +75,6 @@ VARIANTS = {
                                                           (128, 192, 2, 1, {"pingpong": True, "swizzle": 8,
                                                                             "raster": "n", "epi_m": 64,
                                                                             "epi_n": 16}), "alpha_beta"),
-    # 8-bit float A and B (K-major both: b stored (N, K)); 128-deep k-tiles, m64nNk32 WGMMAs;
-    # bf16 epilogue operands, 8-bit or wider outputs
-    "fp8e4m3_nk_bias_gelu_128x128": ("float8_e4m3fn", False, True, None, (128, 128, 1, 1), "bias_gelu"),
-    "fp8e5m2_nk_pingpong_128x128_c1x2": ("float8_e5m2", False, True, None,
-                                         (128, 128, 1, 2, {"pingpong": True, "swizzle": 8}), "identity"),
-    "fp8e4m3_nk_alpha_beta_128x256_c2x1": ("float8_e4m3fn", False, True, None, (128, 256, 2, 1), "alpha_beta"),
-    # fp16 accumulation (fp16 inputs): the f16-accumulating WGMMA, read as fp32 by the epilogue
-    "fp16_acc16_bias_gelu_128x256": ("float16", False, False, None, (128, 256, 1, 1, {"acc": "float16"}),
-                                     "bias_gelu"),
-    "fp16_acc16_pingpong_128x128_c1x2": ("float16", False, True, None,
-                                         (128, 128, 1, 2, {"pingpong": True, "swizzle": 8, "acc": "float16"}),
-                                         "alpha_beta"),
-    # 8-bit integers, int32 accumulators: the bare accumulator stored exactly as int32, and
-    # int8 x uint8 with a float epilogue and several outputs (bf16, fp32, int32, saturated int8)
-    "int8_nk_identity_128x128": ("int8", False, True, None, (128, 128, 1, 1, {"acc": "int32"}), "identity"),
-    "int8xuint8_nk_multi_128x256_c2x1": ("int8+uint8", False, True, None, (128, 256, 2, 1, {"acc": "int32"}),
-                                         "int_multi"),
-    # mixed 8-bit formats (A e4m3, B e5m2), B stored (K, N): transposed once before the kernel
-    "fp8mixed_kn_bias_gelu_128x256": ("float8_e4m3fn+float8_e5m2", False, False, None, (128, 256, 1, 1),
-                                      "bias_gelu"),
-    "fp8e4m3_nk_pingpong_192x128_bias_gelu": ("float8_e4m3fn", False, True, None,
-                                              (192, 128, 1, 2, {"pingpong": True, "epi_m": 64, "epi_n": 16}),
-                                              "bias_gelu"),
     # cooperative 256x128: two warpgroups of 128 rows, two m64n128 WGMMAs each per k-step
     "bf16_256x128_c1x2_swizzle8": ("bfloat16", False, True, None, (256, 128, 1, 2, {"swizzle": 8}),
                                    "bias_gelu"),
@@ -143,6 +120,33 @@ VARIANTS = {
     # at most half as many tiles as SMs: every tile's k-iterations split over all of them
     "bf16_bias_gelu_128x128_split_all": ("bfloat16", False, False, None, (128, 128, 1, 1), "bias_gelu",
                                          (1024, 512, 8192)),
+}
+# The input types beyond 16-bit floats with fp32 accumulation (compiled in a module of their own,
+# tests/test_kernel_compile_low_precision.py, so that the two compile matrices can run side by side)
+LOW_PRECISION_VARIANTS = {
+    # 8-bit float A and B (K-major both: b stored (N, K)); 128-deep k-tiles, m64nNk32 WGMMAs;
+    # bf16 epilogue operands, 8-bit or wider outputs
+    "fp8e4m3_nk_bias_gelu_128x128": ("float8_e4m3fn", False, True, None, (128, 128, 1, 1), "bias_gelu"),
+    "fp8e5m2_nk_pingpong_128x128_c1x2": ("float8_e5m2", False, True, None,
+                                         (128, 128, 1, 2, {"pingpong": True, "swizzle": 8}), "identity"),
+    "fp8e4m3_nk_alpha_beta_128x256_c2x1": ("float8_e4m3fn", False, True, None, (128, 256, 2, 1), "alpha_beta"),
+    # fp16 accumulation (fp16 inputs): the f16-accumulating WGMMA, read as fp32 by the epilogue
+    "fp16_acc16_bias_gelu_128x256": ("float16", False, False, None, (128, 256, 1, 1, {"acc": "float16"}),
+                                     "bias_gelu"),
+    "fp16_acc16_pingpong_128x128_c1x2": ("float16", False, True, None,
+                                         (128, 128, 1, 2, {"pingpong": True, "swizzle": 8, "acc": "float16"}),
+                                         "alpha_beta"),
+    # 8-bit integers, int32 accumulators: the bare accumulator stored exactly as int32, and
+    # int8 x uint8 with a float epilogue and several outputs (bf16, fp32, int32, saturated int8)
+    "int8_nk_identity_128x128": ("int8", False, True, None, (128, 128, 1, 1, {"acc": "int32"}), "identity"),
+    "int8xuint8_nk_multi_128x256_c2x1": ("int8+uint8", False, True, None, (128, 256, 2, 1, {"acc": "int32"}),
+                                         "int_multi"),
+    # mixed 8-bit formats (A e4m3, B e5m2), B stored (K, N): transposed once before the kernel
+    "fp8mixed_kn_bias_gelu_128x256": ("float8_e4m3fn+float8_e5m2", False, False, None, (128, 256, 1, 1),
+                                      "bias_gelu"),
+    "fp8e4m3_nk_pingpong_192x128_bias_gelu": ("float8_e4m3fn", False, True, None,
+                                              (192, 128, 1, 2, {"pingpong": True, "epi_m": 64, "epi_n": 16}),
+                                              "bias_gelu"),
 }
 
 
@@ -199,7 +203,7 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
     return ir, [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
 
 
-def _compile_all(dump_dir: str) -> dict:
+def _compile_all(dump_dir: str, variants: dict) -> dict:
     """Child process: export every variant, return {name: {"custom_call": bool, "ptx": text}}."""
     import jax
     import jax.numpy as jnp
@@ -208,7 +212,7 @@ def _compile_all(dump_dir: str) -> dict:
     import jax_efc.ffi as F
     import jax_efc.plan as P
     results = {}
-    for i, (name, (dt, ta, tb, batch, cfg, epi, *mnk)) in enumerate(VARIANTS.items()):
+    for i, (name, (dt, ta, tb, batch, cfg, epi, *mnk)) in enumerate(variants.items()):
         dtype, b_dtype = (jnp.dtype(d) for d in (dt.split("+") * 2)[:2])
         m, n, k = mnk[0] if mnk else (128 * (i + 2) + 8, 512, 256)
         ir, ops = _epilogue(epi, m, n, batch, dtype)
@@ -240,8 +244,8 @@ def _compile_all(dump_dir: str) -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
+def compile_variants(tmp_path_factory, which: str) -> dict:
+    """Compile ``VARIANTS`` ("standard") or ``LOW_PRECISION_VARIANTS`` in a child process."""
     pytest.importorskip("cutlass.jax")
     dump = tmp_path_factory.mktemp("ptx")
     out = dump / "results.json"
@@ -249,10 +253,15 @@ def compiled(tmp_path_factory):
                JAX_PLATFORMS="cpu", JAX_EFC_UNVERIFIED_KERNELS="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, __file__, str(dump), str(out)], env=env,
+    proc = subprocess.run([sys.executable, __file__, str(dump), str(out), which], env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    return compile_variants(tmp_path_factory, "standard")
 
 
 def test_sigmoid_uses_the_hardware_reciprocal(compiled):
@@ -290,7 +299,13 @@ def test_tiles_use_their_wgmma_shapes(compiled):
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_variant_compiles_to_wgmma(compiled, name):
-    result = compiled[name]
+    check_variant(compiled[name], VARIANTS[name])
+
+
+def check_variant(result: dict, variant: tuple) -> None:
+    """What every variant's export and PTX must hold: the custom call, WGMMA, TMA loads and
+    stores, the programmatic-dependent-launch wait first, L1 prefetches of vector operands,
+    smem-staged TILE operands, stream-K's handover, paced ping-pong epilogues, multicast."""
     assert "error" not in result, result.get("error")
     assert result["custom_call"]
     ptx = result["ptx"]
@@ -303,25 +318,25 @@ def test_variant_compiles_to_wgmma(compiled, name):
     assert 0 <= wait < ptx.find("cp.async.bulk.tensor") and "griddepcontrol.launch_dependents;" in ptx
     assert all(wait < i for i in (ptx.find(op) for op in ("ld.global", "st.global", "prefetch.global")) if i >= 0)
     # each tile's slice of a ROW/COL vector is prefetched into L1 ahead of its epilogue
-    assert ("prefetch.global.L1" in ptx) == (VARIANTS[name][5] in ("bias_gelu", "bias_silu", "multi", "int_multi"))
-    if VARIANTS[name][5] in ("alpha_beta", "f32_tile", "multi"):
+    assert ("prefetch.global.L1" in ptx) == (variant[5] in ("bias_gelu", "bias_silu", "multi", "int_multi"))
+    if variant[5] in ("alpha_beta", "f32_tile", "multi"):
         # TILE operands are TMA-loaded into smem and read from there (16-bit ones by
         # ldmatrix), not gathered from global memory ("multi" still gathers its row/column
         # vectors)
-        assert ("ld.shared" if VARIANTS[name][5] == "f32_tile" else "ldmatrix") in ptx
-        assert "ld.global" not in ptx.replace("ld.global.v4.b32", "") or VARIANTS[name][5] == "multi"
+        assert ("ld.shared" if variant[5] == "f32_tile" else "ldmatrix") in ptx
+        assert "ld.global" not in ptx.replace("ld.global.v4.b32", "") or variant[5] == "multi"
     # stream-K pieces hand fp32 partials over through global memory, 16 bytes per access,
     # behind a release fence and an acquire load of the flag; whole-tile schedules have none
-    assert result["stream_k"] == (len(VARIANTS[name]) > 6)
+    assert result["stream_k"] == (len(variant) > 6)
     handover = ("ld.acquire.gpu", "fence.acq_rel.gpu", "st.global.v4.b32", "ld.global.v4.b32")
     assert all((h in ptx) == result["stream_k"] for h in handover)
-    cfg = VARIANTS[name][4]
+    cfg = variant[4]
     # ping-pong epilogues with arithmetic run paced under the other consumer's WGMMAs (all but
     # a CTA's last): their values tied into chains by a lop3 with a zero read from the dynamic
     # smem size; stream-K kernels, cooperative ones and tiles of 192 accumulators a thread run
     # theirs dense
     ties = len(re.findall(r"\blop3\.b32(?:\s+%\w+,){4}\s*0xF8;", ptx))
-    paced = (len(cfg) > 4 and cfg[4].get("pingpong", False) and VARIANTS[name][5] != "identity"
+    paced = (len(cfg) > 4 and cfg[4].get("pingpong", False) and variant[5] != "identity"
              and not result["stream_k"] and cfg[0] * cfg[1] <= 128 * 128)
     assert (ties > 0) == paced and ("%dynamic_smem_size" in ptx) == paced
     if cfg[2] * cfg[3] > 1:
@@ -334,21 +349,6 @@ def test_variant_compiles_to_wgmma(compiled, name):
         assert re.search(r"\bbar(?:rier)?\.arrive(?:\.aligned)?\s+\S+,\s*256;", ptx)
         assert re.search(r"\bbar(?:rier)?\.sync(?:\.aligned)?\s+\S+,\s*128;", ptx)
         assert "setmaxnreg" in ptx
-
-
-def test_8bit_kernels_use_the_8bit_wgmma_and_saturating_stores(compiled):
-    for name, kind, tile_n in (("fp8e4m3_nk_bias_gelu_128x128", "e4m3", 128),
-                               ("fp8e5m2_nk_pingpong_128x128_c1x2", "e5m2", 128),
-                               ("fp8e4m3_nk_alpha_beta_128x256_c2x1", "e4m3", 256),
-                               ("fp8e4m3_nk_pingpong_192x128_bias_gelu", "e4m3", 128),
-                               ("fp8mixed_kn_bias_gelu_128x256", "e4m3", 256)):
-        ptx = compiled[name]["ptx"]
-        assert compiled[name]["custom_call"], name
-        b_kind = "e5m2" if "mixed" in name else kind
-        assert f"wgmma.mma_async.sync.aligned.m64n{tile_n}k32.f32.{kind}.{b_kind}" in ptx, name
-        assert "k16.f32.bf16" not in ptx, name
-        # stores to 8-bit outputs round to nearest even and saturate (no NaN from an overflow)
-        assert f"cvt.rn.satfinite.{kind}x2.f32" in ptx, name
 
 
 # Local-memory spills ptxas reports today for pinned variants that are not the heuristic's
@@ -376,12 +376,11 @@ def _ptxas() -> str:
     return path
 
 
-@pytest.fixture(scope="module")
-def assembled(compiled, tmp_path_factory):
-    """{variant: ptxas -v output} for every variant's PTX, assembled for sm_90a."""
+def assemble_all(compiled: dict, folder) -> dict:
+    """{variant: ptxas -v output} for every variant's PTX, assembled for sm_90a in parallel."""
     import concurrent.futures
 
-    folder, ptxas = tmp_path_factory.mktemp("sass"), _ptxas()
+    ptxas = _ptxas()
 
     def assemble(name: str) -> str:
         ptx = folder / f"{name}.ptx"
@@ -396,10 +395,10 @@ def assembled(compiled, tmp_path_factory):
         return dict(zip(names, pool.map(assemble, names)))
 
 
-def test_variants_do_not_spill_and_fit_the_register_budget(assembled):
+def check_spills(assembled: dict) -> None:
     """ptxas's report per variant: no local-memory spills (beyond the known ones of a few
-    pinned variants, which must not grow), and every kernel within the 168 registers a thread
-    that 384 threads leave (setmaxnreg hands the consumers 232 of them)."""
+    pinned variants, which must not grow), and every kernel within the 232 registers a thread
+    setmaxnreg hands the consumers."""
     for name, report in assembled.items():
         (stores, loads), = [tuple(map(int, m)) for m in
                             re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)]
@@ -409,20 +408,8 @@ def test_variants_do_not_spill_and_fit_the_register_budget(assembled):
         assert registers and max(registers) <= 232, (name, registers)
 
 
-def test_int8_kernels_use_the_integer_wgmma(compiled):
-    # the integer WGMMA accumulates in int32, saturating (.satfinite) where a sum would overflow
-    assert "wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8" in compiled["int8_nk_identity_128x128"]["ptx"]
-    ptx = compiled["int8xuint8_nk_multi_128x256_c2x1"]["ptx"]
-    assert set(re.findall(r"wgmma\.mma_async[\w.]*", ptx)) == {"wgmma.mma_async.sync.aligned.m64n256k32.satfinite.s32.s8.u8"}
-    # the int8 output: the int32 accumulator clamped, then narrowed
-    assert "cvt.s8.s32" in ptx and "max.s32" in ptx and "min.s32" in ptx
-
-
-def test_fp16_accumulation_uses_the_f16_accumulating_wgmma(compiled):
-    for name, tile_n in (("fp16_acc16_bias_gelu_128x256", 256), ("fp16_acc16_pingpong_128x128_c1x2", 128)):
-        ptx = compiled[name]["ptx"]
-        assert f"wgmma.mma_async.sync.aligned.m64n{tile_n}k16.f16.f16.f16" in ptx, name
-        assert ".f32.f16.f16" not in ptx, name
+def test_variants_do_not_spill_and_fit_the_register_budget(compiled, tmp_path_factory):
+    check_spills(assemble_all(compiled, tmp_path_factory.mktemp("sass")))
 
 
 def test_output_shapes(compiled):
@@ -918,6 +905,6 @@ def test_timeline_build_exports(tmp_path):
 
 
 if __name__ == "__main__":
-    dump_dir, out_path = sys.argv[1], sys.argv[2]
+    dump_dir, out_path, which = sys.argv[1], sys.argv[2], sys.argv[3]
     with open(out_path, "w") as f:
-        json.dump(_compile_all(dump_dir), f)
+        json.dump(_compile_all(dump_dir, LOW_PRECISION_VARIANTS if which == "low_precision" else VARIANTS), f)

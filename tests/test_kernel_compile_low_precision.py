@@ -1,0 +1,57 @@
+"""The kernel variants for the input types beyond 16-bit floats with fp32 accumulation (8-bit
+floats, 8-bit integers, fp16 accumulation), compiled for sm_90a on the CPU like those of
+``test_kernel_compile.py`` (whose checks they share), in a child process of their own; and the
+instructions their types call for."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from test_kernel_compile import LOW_PRECISION_VARIANTS, assemble_all, check_spills, check_variant, compile_variants
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    return compile_variants(tmp_path_factory, "low_precision")
+
+
+@pytest.mark.parametrize("name", list(LOW_PRECISION_VARIANTS))
+def test_variant_compiles_to_wgmma(compiled, name):
+    check_variant(compiled[name], LOW_PRECISION_VARIANTS[name])
+
+
+def test_variants_do_not_spill_and_fit_the_register_budget(compiled, tmp_path_factory):
+    check_spills(assemble_all(compiled, tmp_path_factory.mktemp("sass")))
+
+
+def test_8bit_kernels_use_the_8bit_wgmma_and_saturating_stores(compiled):
+    for name, kind, tile_n in (("fp8e4m3_nk_bias_gelu_128x128", "e4m3", 128),
+                               ("fp8e5m2_nk_pingpong_128x128_c1x2", "e5m2", 128),
+                               ("fp8e4m3_nk_alpha_beta_128x256_c2x1", "e4m3", 256),
+                               ("fp8e4m3_nk_pingpong_192x128_bias_gelu", "e4m3", 128),
+                               ("fp8mixed_kn_bias_gelu_128x256", "e4m3", 256)):
+        ptx = compiled[name]["ptx"]
+        assert compiled[name]["custom_call"], name
+        b_kind = "e5m2" if "mixed" in name else kind
+        assert f"wgmma.mma_async.sync.aligned.m64n{tile_n}k32.f32.{kind}.{b_kind}" in ptx, name
+        assert "k16.f32.bf16" not in ptx, name
+        # stores to 8-bit outputs round to nearest even and saturate (no NaN from an overflow)
+        assert f"cvt.rn.satfinite.{kind}x2.f32" in ptx, name
+
+
+def test_int8_kernels_use_the_integer_wgmma(compiled):
+    # the integer WGMMA accumulates in int32, saturating (.satfinite) where a sum would overflow
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8" in compiled["int8_nk_identity_128x128"]["ptx"]
+    ptx = compiled["int8xuint8_nk_multi_128x256_c2x1"]["ptx"]
+    assert set(re.findall(r"wgmma\.mma_async[\w.]*", ptx)) == {"wgmma.mma_async.sync.aligned.m64n256k32.satfinite.s32.s8.u8"}
+    # the int8 output: the int32 accumulator clamped, then narrowed
+    assert "cvt.s8.s32" in ptx and "max.s32" in ptx and "min.s32" in ptx
+
+
+def test_fp16_accumulation_uses_the_f16_accumulating_wgmma(compiled):
+    for name, tile_n in (("fp16_acc16_bias_gelu_128x256", 256), ("fp16_acc16_pingpong_128x128_c1x2", 128)):
+        ptx = compiled[name]["ptx"]
+        assert f"wgmma.mma_async.sync.aligned.m64n{tile_n}k16.f16.f16.f16" in ptx, name
+        assert ".f32.f16.f16" not in ptx, name
