@@ -11,6 +11,8 @@ import pytest
 
 from test_kernel_compile import LOW_PRECISION_VARIANTS, assemble_all, check_spills, check_variant, compile_variants
 
+pytestmark = pytest.mark.matrix
+
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
