@@ -68,10 +68,12 @@ def _kernel(plan: Plan, timeline: bool) -> tuple[tuple, Any]:
 _UNSTORED: dict[str, tuple] = {}
 
 
-def store_compiled() -> None:
-    """Put the kernels the DSL has compiled since the last call into the disk cache."""
+def store_compiled() -> int:
+    """Put the kernels the DSL has compiled since the last call into the disk cache; returns
+    how many it found to store."""
     if not _UNSTORED:
-        return
+        return 0
+    found = 0
     from cutlass.jax import compile as dsl_compile
     from cutlass.jax.types import cutlass_to_jax_layout_order
 
@@ -85,11 +87,13 @@ def store_compiled() -> None:
                     output_layouts=tuple(cutlass_to_jax_layout_order(t.layout) for t in spec.output_spec),
                     aliases=tuple(tuple(a) for a in spec.input_output_aliases))
                 del _UNSTORED[disk_key]
+                found += 1
                 try:
                     kernel_cache.store(disk_key, entry)
                 except OSError as e:  # the cache is a convenience: the kernel runs without it
                     log_once(logging.WARNING, f"the kernel cache cannot store kernels: {e}")
                 break
+    return found
 
 
 def _stored_call(entry: kernel_cache.Entry, inputs: list, out_shapes: list) -> list:
