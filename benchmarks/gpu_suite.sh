@@ -15,8 +15,6 @@ step() {  # step NAME COMMAND...: run, log, and remember the exit status
   summary+=("$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$(tail -n 1 "$logs/$name.log")")")
 }
 step gpu-tests python3 -m pytest -q -m gpu tests
-# the 8-bit and fp16-accumulating kernels, compiled but gated until these pass here
-step gpu-fp8 env JAX_EFC_UNVERIFIED_KERNELS=1 python3 -m pytest -q tests/test_gpu_low_precision.py
 step jax-efc-run python3 -m jax_efc run --mnkl 8192,8192,8192,1 --ab_dtype Float16 --c_dtype Float16 --d_dtype Float16 \
   --x_dtype Float16 --y_dtype Float16 --epilogue alpha-beta --alpha 2.0 --beta 1.0 --x_factor 3.0
 step alpha-beta python3 examples/alpha_beta.py --mnkl 8192,8192,8192,1
@@ -34,10 +32,10 @@ else
   step bench python3 benchmarks/run.py --also-no-triton --json "$logs/bench.json" \
     --shapes 8192,8192,8192 8192,14336,4096 8192,4096,14336 8192,4096,4096 1000,4096,4096
 fi
-step bench-fp8 env JAX_EFC_UNVERIFIED_KERNELS=1 python3 benchmarks/run.py --json "$logs/bench-fp8.json" \
-  --epilogues 'fp8:gemm,fp8kn:gemm,fp8:scaled+bias+gelu_tanh,fp8:scaled+bias+gelu_tanh->fp8' \
+step bench-8bit python3 benchmarks/run.py --json "$logs/bench-8bit.json" \
+  --epilogues "$(python3 -c 'import jax_efc.bench as b; print(",".join(b.EIGHT_BIT_EPILOGUES))')" \
   --shapes 8192,8192,8192 8192,14336,4096 4096,4096,4096
-for f in "$logs"/gpu-tests.log "$logs"/gpu-fp8.log "$logs"/bench-fp8.log "$logs"/jax-efc-run.log "$logs"/flax-mlp.log "$logs"/sharded.log "$logs"/bench.log; do
+for f in "$logs"/gpu-tests.log "$logs"/bench-8bit.log "$logs"/jax-efc-run.log "$logs"/flax-mlp.log "$logs"/sharded.log "$logs"/bench.log; do
   [[ -f $f ]] || continue
   printf '\n===== %s\n' "$f"; tail -n 40 "$f"
 done

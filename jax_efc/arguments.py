@@ -11,7 +11,8 @@ import numpy as np
 
 from .config import GemmConfig
 
-__all__ = ["array", "flag", "dtype", "INPUT_DTYPES", "inputs", "mixes_8bit", "default_out_dtype", "allowed_acc_dtypes", "acc_dtype", "out_dtypes", "check_x64", "check_config", "precision"]
+__all__ = ["array", "flag", "dtype", "INPUT_DTYPES", "inputs", "mixes_8bit", "default_out_dtype", "allowed_acc_dtypes", "acc_dtype", "out_dtypes", "check_x64", "check_config", "precision",
+           "is_8bit_float", "fast_accumulation", "kernel_precision_reason", "reference_precision"]
 
 
 def array(name: str, x: Any) -> Any:
@@ -128,19 +129,60 @@ def check_config(config: Any) -> None:
 
 
 def precision(precision: Any) -> Any:
-    """``precision`` as ``lax.dot_general`` takes it (None, a ``lax.Precision``, or a pair),
-    names converted; anything else is a ``TypeError``."""
+    """``precision`` as ``lax.dot_general`` takes it (None, a ``lax.Precision``, a pair of them,
+    or a ``lax.DotAlgorithmPreset``), names converted; anything else is a ``TypeError``."""
     def one(p):
-        if p is None or isinstance(p, jax.lax.Precision):
+        if p is None or isinstance(p, (jax.lax.Precision, jax.lax.DotAlgorithmPreset)):
             return p
         if isinstance(p, str):
-            try:
-                return jax.lax.Precision(p)
-            except (ValueError, KeyError):
-                pass
-        raise TypeError(f"precision must be None, a jax.lax.Precision, its name, or a pair of them; "
-                        f"got {precision!r}.")
+            for kind in (jax.lax.Precision, jax.lax.DotAlgorithmPreset):
+                try:
+                    return kind[p] if kind is jax.lax.DotAlgorithmPreset else kind(p)
+                except (ValueError, KeyError):
+                    pass
+        raise TypeError(f"precision must be None, a jax.lax.Precision, its name, a pair of them, or a "
+                        f"jax.lax.DotAlgorithmPreset; got {precision!r}.")
 
     if isinstance(precision, (tuple, list)) and len(precision) == 2:
-        return tuple(one(p) for p in precision)
+        pair = tuple(one(p) for p in precision)
+        if any(isinstance(p, jax.lax.DotAlgorithmPreset) for p in pair):
+            raise TypeError(f"a jax.lax.DotAlgorithmPreset is one precision for the whole dot, not one of a "
+                            f"pair; got {precision!r}.")
+        return pair
     return one(precision)
+
+
+# JAX's names for an FP8 dot that skips promoting partial sums into fp32 (fast accumulation)
+_FAST_ACCUM = ("ANY_F8_ANY_F8_F32_FAST_ACCUM", "ANY_F8_ANY_F8_ANY_FAST_ACCUM")
+# presets that leave the kernel's arithmetic as it is: the default, and FP8 in and fp32 accumulation
+_KERNEL_PRESETS = ("DEFAULT", "ANY_F8_ANY_F8_F32", "ANY_F8_ANY_F8_ANY", *_FAST_ACCUM)
+
+
+def is_8bit_float(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize == 1
+
+
+def fast_accumulation(precision: Any) -> bool:
+    """Whether ``precision`` (as :func:`precision` returns it) asks an FP8 GEMM for fast
+    accumulation: the tensor cores' own, which over a long K keeps fewer bits than fp32."""
+    return isinstance(precision, jax.lax.DotAlgorithmPreset) and precision.name in _FAST_ACCUM
+
+
+def kernel_precision_reason(precision: Any) -> str | None:
+    """Why the kernel does not run a dot of ``precision``: a preset that asks for arithmetic
+    other than the kernel's (``None``: it runs)."""
+    if isinstance(precision, jax.lax.DotAlgorithmPreset) and precision.name not in _KERNEL_PRESETS:
+        return f"precision={precision.name} asks for an algorithm the kernel does not implement."
+    return None
+
+
+def reference_precision(precision: Any, a_dtype: Any) -> Any:
+    """``precision`` for XLA's dot in the reference. 8-bit float inputs promote partial sums
+    into fp32 unless fast accumulation is asked for, as the kernel does: they get the precision
+    XLA's GPU dot maps to each (``HIGHEST``: promoted; ``DEFAULT``: fast accumulation), which
+    every backend takes. Other inputs ignore the FP8 presets."""
+    if is_8bit_float(a_dtype):
+        return jax.lax.Precision.DEFAULT if fast_accumulation(precision) else jax.lax.Precision.HIGHEST
+    if isinstance(precision, jax.lax.DotAlgorithmPreset) and precision.name in _KERNEL_PRESETS:
+        return None
+    return precision

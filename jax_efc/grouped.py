@@ -67,7 +67,8 @@ def grouped_gemm(lhs: Any, rhs: Any, group_sizes: Any, epilogue: Callable[..., A
     ir, structure, arrays = prepare_epilogue(epilogue, (t, n), [*operands, *per_token], scalars,
                                              arguments.out_dtypes(out_dtypes),
                                              arguments.default_out_dtype(lhs.dtype, acc_dtype), acc_dtype, epi_dtype)
-    acc = jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), precision=precision,
+    acc = jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
+                             precision=arguments.reference_precision(precision, lhs.dtype),
                              preferred_element_type=acc_dtype)
     outs = evaluate(ir, acc, arrays)
     return restructure(structure, ir, outs)

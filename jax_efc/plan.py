@@ -20,7 +20,7 @@ import numpy as np
 
 from jax_efc import config as _config
 from jax_efc import device
-from jax_efc.arguments import mixes_8bit
+from jax_efc.arguments import fast_accumulation, is_8bit_float, kernel_precision_reason, mixes_8bit
 from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR
 from jax_efc.kernels import KernelProblem, no_kernel_reason, policy
@@ -76,18 +76,24 @@ def gemm_dims(a_shape, b_shape, transpose_a: bool, transpose_b: bool) -> tuple[i
 
 def plan_kernel(ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], *, transpose_a: bool,
                 transpose_b: bool, acc_dtype: Any, config: GemmConfig | None, arch: str | None,
-                devices: Sequence[int] | None = None) -> Plan:
+                devices: Sequence[int] | None = None, precision: Any = None) -> Plan:
     """The kernel's plan for a call on ``arch``, or the reference's with the reason the kernel
     cannot run it. ``a``, ``b`` and ``operands`` are avals (``shape``/``dtype``) in the
     primitive's canonical shapes; ``devices``: the ordinals of the CUDA devices the call runs
-    on (see :func:`jax_efc.device.residency`). Raises ``TypeError`` when ``a`` and ``b``
-    differ in dtype, unless they are the two 8-bit float formats."""
+    on (see :func:`jax_efc.device.residency`); ``precision`` as the primitive holds it (8-bit
+    float inputs promote partial sums into fp32 unless it asks for fast accumulation). Raises
+    ``TypeError`` when ``a`` and ``b`` differ in dtype, unless they are the two 8-bit float
+    formats."""
     if np.dtype(a.dtype) != np.dtype(b.dtype) and not mixes_8bit(a.dtype, b.dtype):
         raise TypeError(f"a is {np.dtype(a.dtype).name} but b is {np.dtype(b.dtype).name}; the kernel "
                         "takes A and B of one dtype (or two 8-bit float formats): cast one of them.")
+    reason = kernel_precision_reason(precision)
+    if reason:
+        return _reference(reason, arch=arch)
+    promote = is_8bit_float(a.dtype) and not fast_accumulation(precision)
     return _plan_kernel(ir, _spec(a), _spec(b), tuple(_spec(x) for x in operands), bool(transpose_a),
                         bool(transpose_b), np.dtype(acc_dtype).name, config, arch,
-                        None if devices is None else tuple(devices), _switches())
+                        None if devices is None else tuple(devices), promote, _switches())
 
 
 def _switches() -> tuple[str, str]:
@@ -98,7 +104,8 @@ def _switches() -> tuple[str, str]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch, devices, switches) -> Plan:
+def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch, devices, promote,
+                 switches) -> Plan:
     reason = no_kernel_reason(arch) or device.dsl_reason()
     if reason:
         return _reference(reason, arch=arch)
@@ -109,7 +116,7 @@ def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config
         ir=ir, ab_dtype=a[1], b_dtype=b[1], acc_dtype=acc_dtype, a_major="m" if transpose_a else "k",
         b_major="k" if transpose_b else "n", batched=batch is not None, a_batched=len(a[0]) == 3,
         b_batched=len(b[0]) == 3, operand_batched=tuple(len(x[0]) == 3 for x in operands), arch=arch,
-        config=config if config is not None else GemmConfig(),
+        config=config if config is not None else GemmConfig(), promote=promote,
     )
     transposes, note = (False, False), None
     need = pol.mma_majors(problem)
@@ -178,7 +185,7 @@ def plan_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence
         return _reference("no CUDA device with a supported architecture was found.")
     a, b, *operands = avals_in
     kw = dict(transpose_a=params["transpose_a"], transpose_b=params["transpose_b"],
-              acc_dtype=params["acc_dtype"], arch=arch, devices=devices)
+              acc_dtype=params["acc_dtype"], arch=arch, devices=devices, precision=params["precision"])
     pinned = params["config"]
     plan = plan_kernel(params["ir"], a, b, operands, config=pinned, **kw)
     if plan.backend != "kernel":

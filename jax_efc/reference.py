@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 from jax import lax
 
+from . import arguments
 from .epilogue import EpilogueIR, evaluate
 
 __all__ = ["contraction", "fused_gemm_reference"]
@@ -43,7 +44,8 @@ def fused_gemm_reference(
         pad[m_axis] = (0, 1, 0)
         a = lax.pad(a, np.zeros((), a.dtype), pad)
     acc = lax.dot_general(
-        a, b, contraction(a.ndim, transpose_a, transpose_b), precision=precision,
+        a, b, contraction(a.ndim, transpose_a, transpose_b),
+        precision=arguments.reference_precision(precision, a.dtype),
         preferred_element_type=acc_dtype,
     )
     if one_row:

@@ -565,16 +565,17 @@ def test_run_names_the_config_each_kernel_ran_with(monkeypatch):
     assert cli._configs_that_ran(handed) == []
 
 
-@pytest.mark.parametrize("name", bench.FP8_EPILOGUES)
-def test_bench_fp8_problems(name):
-    """The 8-bit problems: e4m3 A and B in the named layout, both sides checked against float32
-    math of the same 8-bit values; the baseline is XLA's FP8 dot."""
+@pytest.mark.parametrize("name", bench.EIGHT_BIT_EPILOGUES)
+def test_bench_eight_bit_problems(name):
+    """The 8-bit problems: e4m3 (or int8) A and B in the named layout, both sides checked
+    against float32 math of the same 8-bit values; the baseline is XLA's 8-bit dot."""
     m, n, k = 96, 128, 256
     problem = bench.bench_problem(name, (m, n, k, 1))
-    assert problem.dtype == "float8_e4m3fn"
+    assert problem.dtype == ("int8" if name.startswith("int8") else "float8_e4m3fn")
     assert problem.specs[1].shape == ((k, n) if name.startswith("fp8kn") else (n, k))
     (r,) = bench.run([problem], rounds=2, calls=1)
-    tolerance = 7e-2 if name.endswith("->fp8") else 1e-2  # an e4m3 output keeps 3 mantissa bits
+    # an e4m3 output keeps 3 mantissa bits; int8 accumulates exactly
+    tolerance = 7e-2 if name.endswith("->fp8") else 1e-7 if name.startswith("int8") else 1e-2
     assert r.err < tolerance and r.baseline_err < tolerance, (r.err, r.baseline_err)
     with pytest.raises(ValueError, match="takes no batch"):
         bench.bench_problem(name, (m, n, k, 2))

@@ -125,11 +125,19 @@ VARIANTS = {
 # tests/test_kernel_compile_low_precision.py, so that the two compile matrices can run side by side)
 LOW_PRECISION_VARIANTS = {
     # 8-bit float A and B (K-major both: b stored (N, K)); 128-deep k-tiles, m64nNk32 WGMMAs;
-    # bf16 epilogue operands, 8-bit or wider outputs
+    # bf16 epilogue operands, 8-bit or wider outputs. By default each k-tile's partial sums are
+    # promoted into fp32 accumulators (cooperative tiles of at most 96 columns a warpgroup);
+    # "fast" ones accumulate in the WGMMA alone (precision=...FAST_ACCUM), in any tile
     "fp8e4m3_nk_bias_gelu_128x128": ("float8_e4m3fn", False, True, None, (128, 128, 1, 1), "bias_gelu"),
-    "fp8e5m2_nk_pingpong_128x128_c1x2": ("float8_e5m2", False, True, None,
-                                         (128, 128, 1, 2, {"pingpong": True, "swizzle": 8}), "identity"),
-    "fp8e4m3_nk_alpha_beta_128x256_c2x1": ("float8_e4m3fn", False, True, None, (128, 256, 2, 1), "alpha_beta"),
+    "fp8e4m3_nk_alpha_beta_128x192_c2x1": ("float8_e4m3fn", False, True, None, (128, 192, 2, 1, {"swizzle": 8}),
+                                           "alpha_beta"),
+    "fp8e4m3_nk_bias_gelu_128x128_stream_k": ("float8_e4m3fn", False, True, None, (128, 128, 2, 1, {"swizzle": 8}),
+                                              "bias_gelu", (8192, 8192, 8192)),
+    "fp8e5m2_nk_fast_pingpong_128x128_c1x2": ("float8_e5m2", False, True, None,
+                                              (128, 128, 1, 2, {"pingpong": True, "swizzle": 8, "fast": True}),
+                                              "identity"),
+    "fp8e4m3_nk_fast_alpha_beta_128x256_c2x1": ("float8_e4m3fn", False, True, None,
+                                                (128, 256, 2, 1, {"fast": True}), "alpha_beta"),
     # fp16 accumulation (fp16 inputs): the f16-accumulating WGMMA, read as fp32 by the epilogue
     "fp16_acc16_bias_gelu_128x256": ("float16", False, False, None, (128, 256, 1, 1, {"acc": "float16"}),
                                      "bias_gelu"),
@@ -142,24 +150,31 @@ LOW_PRECISION_VARIANTS = {
     "int8xuint8_nk_multi_128x256_c2x1": ("int8+uint8", False, True, None, (128, 256, 2, 1, {"acc": "int32"}),
                                          "int_multi"),
     # mixed 8-bit formats (A e4m3, B e5m2), B stored (K, N): transposed once before the kernel
-    "fp8mixed_kn_bias_gelu_128x256": ("float8_e4m3fn+float8_e5m2", False, False, None, (128, 256, 1, 1),
+    "fp8mixed_kn_bias_gelu_128x192": ("float8_e4m3fn+float8_e5m2", False, False, None, (128, 192, 1, 1),
                                       "bias_gelu"),
-    "fp8e4m3_nk_pingpong_192x128_bias_gelu": ("float8_e4m3fn", False, True, None,
-                                              (192, 128, 1, 2, {"pingpong": True, "epi_m": 64, "epi_n": 16}),
-                                              "bias_gelu"),
+    "fp8e4m3_nk_fast_pingpong_192x128_bias_gelu": ("float8_e4m3fn", False, True, None,
+                                                   (192, 128, 1, 2, {"pingpong": True, "epi_m": 64, "epi_n": 16,
+                                                                     "fast": True}), "bias_gelu"),
 }
 
 
 def _config(cfg):
     from jax_efc.config import GemmConfig
 
-    extra = {k: v for k, v in (cfg[4] if len(cfg) > 4 else {}).items() if k != "acc"}
+    extra = {k: v for k, v in (cfg[4] if len(cfg) > 4 else {}).items() if k not in ("acc", "fast")}
     return GemmConfig(*cfg[:4], **extra)
 
 
 def _acc_dtype(cfg) -> str:
     """A variant's accumulator dtype: ``"acc"`` among its config's extras, else float32."""
     return (cfg[4] if len(cfg) > 4 else {}).get("acc", "float32")
+
+
+def _precision(cfg):
+    """A variant's precision: 8-bit float ones marked ``"fast"`` skip promoting partial sums."""
+    import jax
+
+    return jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM if len(cfg) > 4 and cfg[4].get("fast") else None
 
 
 def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
@@ -221,7 +236,7 @@ def _compile_all(dump_dir: str, variants: dict) -> dict:
         a = jax.ShapeDtypeStruct(a_shape if batch is None else (batch, *a_shape), dtype)
         b = jax.ShapeDtypeStruct(b_shape, b_dtype)  # B shared across the batch
         kw = dict(transpose_a=ta, transpose_b=tb, acc_dtype=_acc_dtype(cfg), config=_config(cfg),
-                  arch="sm_90a")
+                  arch="sm_90a", precision=_precision(cfg))
         plan = P.plan_kernel(ir, a, b, ops, **kw)
         if plan.reason:
             results[name] = {"error": plan.reason}
@@ -250,7 +265,7 @@ def compile_variants(tmp_path_factory, which: str) -> dict:
     dump = tmp_path_factory.mktemp("ptx")
     out = dump / "results.json"
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump),
-               JAX_PLATFORMS="cpu", JAX_EFC_UNVERIFIED_KERNELS="1")
+               JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, __file__, str(dump), str(out), which], env=env,
@@ -459,31 +474,70 @@ def test_unsupported_reasons(change, needle):
     assert reason is not None and needle in reason, reason
 
 
-def test_8bit_kernels_run_only_when_asked_and_only_k_major(monkeypatch):
-    """8-bit kernels compile (above) but have not run on a GPU: the plan keeps the reference
-    unless JAX_EFC_UNVERIFIED_KERNELS=1; then a B stored (K, N) is transposed once, K-major,
-    before the kernel, and the plan says so."""
+def test_8bit_kernels_read_a_and_b_k_major_and_promote_unless_fast():
+    """8-bit inputs: a B stored (K, N) is transposed once, K-major, before the kernel, and the
+    plan says so. 8-bit float partial sums are promoted into fp32 unless precision asks for
+    fast accumulation; promotion holds two accumulators an element, which wide tiles cannot."""
     pytest.importorskip("cutlass.jax")
+    import jax
     import jax.numpy as jnp
 
     import jax_efc.plan as P
+    from jax_efc.config import GemmConfig
     from jax_efc.epilogue import identity_ir
 
     ir = identity_ir(jnp.bfloat16)
     a, b_kn, b_nk = (_aval(s, jnp.float8_e4m3fn) for s in ((1024, 512), (512, 1024), (1024, 512)))
+    fast = jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM
 
-    def plan(b, transpose_b):
+    def plan(b, transpose_b, config=None, precision=None, a=a):
         return P.plan_kernel(ir, a, b, [], transpose_a=False, transpose_b=transpose_b, acc_dtype=jnp.float32,
-                             config=None, arch="sm_90a")
+                             config=config, arch="sm_90a", precision=precision)
 
-    monkeypatch.delenv("JAX_EFC_UNVERIFIED_KERNELS", raising=False)
-    assert "has not yet been run on a GPU; set JAX_EFC_UNVERIFIED_KERNELS=1" in plan(b_nk, True).reason
-    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
     assert plan(b_nk, True).backend == "kernel" and plan(b_nk, True).problem.tile_k == 128
     assert plan(b_nk, True).transposes == (False, False) and plan(b_nk, True).note is None
     moved = plan(b_kn, False)
     assert moved.backend == "kernel" and moved.transposes == (False, True) and moved.problem.b_major == "k"
-    assert moved.note.startswith("b is transposed once before the kernel")
+    assert plan(b_nk, True).problem.promote and not plan(b_nk, True, precision=fast).problem.promote
+    assert plan(b_nk, True, precision=jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32).problem.promote
+    wide = GemmConfig(128, 256)
+    assert "two accumulators an element, 256 registers a thread" in plan(b_nk, True, wide).reason
+    assert plan(b_nk, True, wide, fast).backend == "kernel"
+    # the heuristic's tiles fit promotion: cooperative, at most 96 columns a warpgroup
+    for m, n in ((8192, 8192), (8192, 14336), (1024, 512)):
+        cfg = plan(_aval((n, 512), jnp.float8_e4m3fn), True, a=_aval((m, 512), jnp.float8_e4m3fn)).problem.config
+        assert not cfg.pingpong and cfg.tile_m == 128 and cfg.tile_n in (128, 192), (m, n, cfg)
+    # presets asking for other arithmetic run on the reference; 16-bit inputs never promote
+    x3 = plan(b_nk, True, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3)
+    assert x3.backend == "reference" and "BF16_BF16_F32_X3" in x3.reason
+    bf16 = _aval((1024, 512), jnp.bfloat16)
+    assert not plan(bf16, True, a=bf16).problem.promote
+
+
+def test_unverified_kernels_run_only_when_asked(monkeypatch):
+    """A policy may hold back kernels that compile but have not run on a GPU of its
+    architecture until JAX_EFC_UNVERIFIED_KERNELS=1."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jax_efc.config import GemmConfig
+    from jax_efc.epilogue import identity_ir
+    from jax_efc.kernels.problem import KernelProblem
+    from jax_efc.kernels.sm90_policy import Sm90Policy
+
+    class Held(Sm90Policy):
+        unverified_ab_dtypes = ("float8_e4m3fn",)
+        unverified_acc_dtypes = ("float16",)
+
+    problem = KernelProblem(identity_ir(jnp.bfloat16), "float8_e4m3fn", "float32", "k", "k", False, False, False,
+                            (), "sm_90a", GemmConfig())
+    monkeypatch.delenv("JAX_EFC_UNVERIFIED_KERNELS", raising=False)
+    assert "has not yet been run on a GPU; set JAX_EFC_UNVERIFIED_KERNELS=1" in Held().unsupported_reason(problem)
+    f16 = dataclasses.replace(problem, ab_dtype="float16", b_dtype="float16", acc_dtype="float16", b_major="n")
+    assert "float16 accumulation compiles but has not yet been run" in Held().unsupported_reason(f16)
+    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
+    assert Held().unsupported_reason(problem) is None and Held().unsupported_reason(f16) is None
 
 
 def test_too_few_stages_names_the_subtiles_that_fit():
@@ -793,7 +847,7 @@ def test_short_or_few_tile_gemms_go_to_xla(monkeypatch):
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     avals = [_aval((64, 512), jnp.bfloat16), _aval((512, 512), jnp.bfloat16)]
-    params = dict(ir=ir, transpose_a=False, transpose_b=False, acc_dtype=jnp.float32, config=None)
+    params = dict(ir=ir, transpose_a=False, transpose_b=False, acc_dtype=jnp.float32, config=None, precision=None)
     plan = plan_call(avals, params)
     assert plan.backend == "reference" and plan.level == logging.INFO and "64 rows share each B" in plan.reason
     assert plan_call(avals, dict(params, config=GemmConfig(64, 128))).backend == "kernel"

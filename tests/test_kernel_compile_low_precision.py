@@ -30,10 +30,12 @@ def test_variants_do_not_spill_and_fit_the_register_budget(compiled, tmp_path_fa
 
 def test_8bit_kernels_use_the_8bit_wgmma_and_saturating_stores(compiled):
     for name, kind, tile_n in (("fp8e4m3_nk_bias_gelu_128x128", "e4m3", 128),
-                               ("fp8e5m2_nk_pingpong_128x128_c1x2", "e5m2", 128),
-                               ("fp8e4m3_nk_alpha_beta_128x256_c2x1", "e4m3", 256),
-                               ("fp8e4m3_nk_pingpong_192x128_bias_gelu", "e4m3", 128),
-                               ("fp8mixed_kn_bias_gelu_128x256", "e4m3", 256)):
+                               ("fp8e4m3_nk_alpha_beta_128x192_c2x1", "e4m3", 192),
+                               ("fp8e4m3_nk_bias_gelu_128x128_stream_k", "e4m3", 128),
+                               ("fp8e5m2_nk_fast_pingpong_128x128_c1x2", "e5m2", 128),
+                               ("fp8e4m3_nk_fast_alpha_beta_128x256_c2x1", "e4m3", 256),
+                               ("fp8e4m3_nk_fast_pingpong_192x128_bias_gelu", "e4m3", 128),
+                               ("fp8mixed_kn_bias_gelu_128x192", "e4m3", 192)):
         ptx = compiled[name]["ptx"]
         assert compiled[name]["custom_call"], name
         b_kind = "e5m2" if "mixed" in name else kind
@@ -41,6 +43,21 @@ def test_8bit_kernels_use_the_8bit_wgmma_and_saturating_stores(compiled):
         assert "k16.f32.bf16" not in ptx, name
         # stores to 8-bit outputs round to nearest even and saturate (no NaN from an overflow)
         assert f"cvt.rn.satfinite.{kind}x2.f32" in ptx, name
+
+
+def test_8bit_float_partial_sums_are_promoted_unless_fast(compiled):
+    """Promotion: each k-tile's WGMMAs start from zero in registers of their own, the k-loop
+    waits for them (no batch left in flight) and adds them into the fp32 accumulators: 64
+    ``add.f32`` a thread for a 128x128 cooperative tile, beside the epilogue's 64 bias adds.
+    Fast kernels keep one batch in flight instead."""
+    waits = lambda ptx: set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d);", ptx))  # noqa: E731
+    for name in ("fp8e4m3_nk_bias_gelu_128x128", "fp8e4m3_nk_alpha_beta_128x192_c2x1",
+                 "fp8e4m3_nk_bias_gelu_128x128_stream_k", "fp8mixed_kn_bias_gelu_128x192"):
+        assert waits(compiled[name]["ptx"]) == {"0"}, name
+    for name in ("fp8e5m2_nk_fast_pingpong_128x128_c1x2", "fp8e4m3_nk_fast_alpha_beta_128x256_c2x1"):
+        assert waits(compiled[name]["ptx"]) == {"0", "1"}, name
+    adds = re.findall(r"\badd(?:\.rn)?\.f32\b", compiled["fp8e4m3_nk_bias_gelu_128x128"]["ptx"])
+    assert len(adds) >= 2 * 64
 
 
 def test_int8_kernels_use_the_integer_wgmma(compiled):

@@ -50,7 +50,6 @@ def test_8bit_stores_round_to_nearest_and_saturate(out):
 def test_8bit_operands_stored_otherwise_are_transposed_once_for_the_kernel(monkeypatch):
     pytest.importorskip("cutlass")
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
     from jax_efc.plan import plan_call
     from jax_efc.primitive import fused_gemm_eqns
 
@@ -88,7 +87,7 @@ def test_an_8bit_export_holds_the_kernel_and_the_one_transpose():
 
     from conftest import run_for_sm90
 
-    out = json.loads(run_for_sm90(_EXPORT_8BIT, JAX_EFC_UNVERIFIED_KERNELS="1").strip().splitlines()[-1])
+    out = json.loads(run_for_sm90(_EXPORT_8BIT).strip().splitlines()[-1])
     assert out["nk"] == {"kernels": 1, "transposes": 0, "backends": ["kernel (sm_90a)"]}
     assert out["kn"]["kernels"] == 1 and out["kn"]["transposes"] == 1
     (line,) = out["kn"]["backends"]
@@ -106,18 +105,13 @@ def test_the_two_8bit_formats_mix_and_nothing_else_does(rng):
         efc.gemm(a.astype(jnp.bfloat16), b.astype(jnp.float16), transpose_b=True)
 
 
-def test_fp16_accumulation_is_planned_only_when_asked_and_never_split(monkeypatch):
+def test_fp16_accumulation_is_never_split(monkeypatch):
     pytest.importorskip("cutlass")
     from jax_efc.epilogue import identity_ir
     from jax_efc.plan import plan_kernel
 
     spec = jax.ShapeDtypeStruct((1024, 8192), jnp.float16)
     kw = dict(transpose_a=False, transpose_b=True, config=efc.GemmConfig(128, 128), arch="sm_90a")
-    monkeypatch.delenv("JAX_EFC_UNVERIFIED_KERNELS", raising=False)
-    gated = plan_kernel(identity_ir(jnp.float16), spec, jax.ShapeDtypeStruct((512, 8192), jnp.float16), [],
-                        acc_dtype=jnp.float16, **kw)
-    assert "float16 accumulation compiles but has not yet been run" in gated.reason
-    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
     b = jax.ShapeDtypeStruct((512, 8192), jnp.float16)
     f16 = plan_kernel(identity_ir(jnp.float16), spec, b, [], acc_dtype=jnp.float16, **kw)
     f32 = plan_kernel(identity_ir(jnp.float16), spec, b, [], acc_dtype=jnp.float32, **kw)
@@ -159,3 +153,33 @@ def test_8bit_integers_accumulate_exactly_in_int32(rng):
         efc.gemm(a, a.T, acc_dtype=jnp.float32)
     with pytest.raises(TypeError, match="int8 with uint8"):
         efc.gemm(a, b.astype(jnp.float16))
+
+
+def test_precision_takes_jax_dot_algorithm_presets(rng):
+    """``precision=`` takes ``jax.lax.DotAlgorithmPreset`` values and their names, as
+    ``lax.dot_general`` does; the FP8 ones choose promotion (the kernel's default) or fast
+    accumulation, and the reference maps them to the precision XLA's GPU dot gives the same
+    arithmetic. Anything else is refused, naming the argument."""
+    from jax_efc import arguments
+
+    preset = jax.lax.DotAlgorithmPreset
+    a = jnp.asarray(rng.standard_normal((64, 128)), jnp.float32).astype(jnp.float8_e4m3fn)
+    b = jnp.asarray(rng.standard_normal((32, 128)), jnp.float32).astype(jnp.float8_e4m3fn)
+    want = _f64(a) @ _f64(b).T
+    for p in (None, preset.ANY_F8_ANY_F8_F32, preset.ANY_F8_ANY_F8_F32_FAST_ACCUM, "ANY_F8_ANY_F8_F32_FAST_ACCUM"):
+        y = efc.gemm(a, b, transpose_b=True, out_dtypes=jnp.float32, precision=p)
+        assert np.abs(_f64(y) - want).max() < 1e-5 * np.abs(want).max(), p
+    x = jnp.asarray(rng.standard_normal((64, 128)), jnp.bfloat16)
+    assert efc.fused_dense(x, x[:32].T, precision=preset.ANY_F8_ANY_F8_F32_FAST_ACCUM).shape == (64, 32)
+
+    assert arguments.reference_precision(None, jnp.float8_e5m2) == jax.lax.Precision.HIGHEST
+    assert arguments.reference_precision(preset.ANY_F8_ANY_F8_F32_FAST_ACCUM, jnp.float8_e4m3fn) == \
+        jax.lax.Precision.DEFAULT
+    assert arguments.reference_precision(preset.ANY_F8_ANY_F8_F32_FAST_ACCUM, jnp.bfloat16) is None
+    assert arguments.reference_precision(preset.BF16_BF16_F32_X3, jnp.float32) is preset.BF16_BF16_F32_X3
+    assert arguments.kernel_precision_reason(preset.ANY_F8_ANY_F8_F32) is None
+    assert "TF32_TF32_F32" in arguments.kernel_precision_reason(preset.TF32_TF32_F32)
+    with pytest.raises(TypeError, match="precision must be"):
+        efc.gemm(a, b, transpose_b=True, precision="FASTEST")
+    with pytest.raises(TypeError, match="one precision for the whole dot"):
+        efc.gemm(a, b, transpose_b=True, precision=(preset.DEFAULT, "highest"))

@@ -21,7 +21,7 @@ _S = jax.ShapeDtypeStruct
 
 def _params(config=None):
     return dict(ir=identity_ir(jnp.bfloat16), transpose_a=False, transpose_b=False, acc_dtype=jnp.float32,
-                config=config)
+                config=config, precision=None)
 
 
 def test_the_plan_says_which_backend_and_why(monkeypatch):

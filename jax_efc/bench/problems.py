@@ -34,12 +34,17 @@ MLP_STEPS = ("train:mlp+gelu_tanh", "train:gated_mlp+silu")
 # L dense layers of width K under lax.scan over stacked kernels and biases (shape M,K,K,L), as
 # models that scan their layers run them: the forward, or with "train:" the training step
 SCAN_EPILOGUES = tuple(f"{step}scan:{e}" for step in ("", "train:") for e in EPILOGUES if e.startswith("bias+"))
-# 8-bit float (e4m3) A and B whatever --dtype says, against XLA's FP8 dot in the same layout:
-# B stored (N, K) (K-major, the layout both the WGMMA and XLA's fastest FP8 dot read) or, with
-# "fp8kn", (K, N); a plain GEMM to bf16, and per-tensor scales (dynamic scalars) + bias +
-# gelu_tanh to bf16 or to e4m3
-FP8_EPILOGUES = ("fp8:gemm", "fp8kn:gemm", "fp8:scaled+bias+gelu_tanh", "fp8:scaled+bias+gelu_tanh->fp8")
-NAMED_EPILOGUES = EPILOGUES + TRAIN_EPILOGUES + MLP_STEPS + SCAN_EPILOGUES + FP8_EPILOGUES  # every name --epilogues takes
+# 8-bit float (e4m3) A and B whatever --dtype says, against XLA's FP8 dot of the same arithmetic
+# in the same layout: B stored (N, K) (K-major, the layout both the WGMMA and XLA's fastest FP8
+# dot read) or, with "fp8kn", (K, N); a plain GEMM to bf16, and per-tensor scales (dynamic
+# scalars) + bias + gelu_tanh to bf16 or to e4m3. Ours promotes partial sums into fp32 (the
+# default), against XLA's dot at precision HIGHEST (which promotes them too), or, "...fast",
+# accumulates in the WGMMA alone, against XLA's default (fast accumulation, its fastest). And
+# int8 A and B (K-major) to int32 against XLA's int8 dot.
+EIGHT_BIT_EPILOGUES = tuple(f"{layout}{mode}:{e}" for mode in ("", "fast") for layout, e in (
+    ("fp8", "gemm"), ("fp8kn", "gemm"), ("fp8", "scaled+bias+gelu_tanh"), ("fp8", "scaled+bias+gelu_tanh->fp8"))
+) + ("int8:gemm",)
+NAMED_EPILOGUES = EPILOGUES + TRAIN_EPILOGUES + MLP_STEPS + SCAN_EPILOGUES + EIGHT_BIT_EPILOGUES  # every name --epilogues takes
 ALPHA_BETA_SCALARS = {"alpha": 2.0, "beta": 1.0, "x_factor": 3.0}
 
 
@@ -282,20 +287,26 @@ def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
         return epilogue_problem(epilogue, example_epilogues.alpha_beta, shape, dtype,
                                 [("tile", dtype), ("tile", dtype)], scalars=ALPHA_BETA_SCALARS,
                                 config=config)
-    if epilogue in FP8_EPILOGUES:
-        return fp8_problem(epilogue, shape, config)
+    if epilogue in EIGHT_BIT_EPILOGUES:
+        return eight_bit_problem(epilogue, shape, config)
     raise ValueError(f"unknown epilogue {epilogue!r}; choose from {', '.join(NAMED_EPILOGUES)}.")
 
 
-def fp8_problem(epilogue: str, shape: Shape, config: GemmConfig | None = None) -> Problem:
-    """One of ``FP8_EPILOGUES`` at one shape (L = 1): e4m3 A (M, K) and B (N, K) or, for
-    "fp8kn", (K, N); the scaled epilogues take the scales of A and B as float32 scalars and a
-    bf16 bias. The baseline is ``lax.dot_general`` of the 8-bit operands in the same layout."""
+def eight_bit_problem(epilogue: str, shape: Shape, config: GemmConfig | None = None) -> Problem:
+    """One of ``EIGHT_BIT_EPILOGUES`` at one shape (L = 1): e4m3 (or int8) A (M, K) and B (N, K)
+    or, for "fp8kn", (K, N); the scaled epilogues take the scales of A and B as float32 scalars
+    and a bf16 bias. The baseline is ``lax.dot_general`` of the 8-bit operands in the same
+    layout."""
     m, n, k, l = shape
     if l != 1:
         raise ValueError(f"{epilogue} takes no batch; got L={l}.")
     e4m3, bf16 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.bfloat16)
+    if epilogue.startswith("int8:"):
+        return _int8_problem(epilogue, shape, config)
     k_major = not epilogue.startswith("fp8kn")
+    fast = epilogue.split(":")[0].endswith("fast")
+    precision = jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM if fast else None
+    xla_precision = None if fast else jax.lax.Precision.HIGHEST
     contract = (((1,), (1,)), ((), ())) if k_major else (((1,), (0,)), ((), ()))
     b_shape = (n, k) if k_major else (k, n)
     to = e4m3 if epilogue.endswith("->fp8") else bf16
@@ -304,10 +315,10 @@ def fp8_problem(epilogue: str, shape: Shape, config: GemmConfig | None = None) -
         specs = (S((m, k), e4m3), S(b_shape, e4m3))
 
         def ours(a, b):
-            return gemm(a, b, transpose_b=k_major, out_dtypes=bf16, config=config)
+            return gemm(a, b, transpose_b=k_major, out_dtypes=bf16, config=config, precision=precision)
 
         def baseline(a, b):
-            return jax.lax.dot_general(a, b, contract, preferred_element_type=bf16)
+            return jax.lax.dot_general(a, b, contract, precision=xla_precision, preferred_element_type=bf16)
 
         def reference(a, b):
             return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), contract,
@@ -324,10 +335,10 @@ def fp8_problem(epilogue: str, shape: Shape, config: GemmConfig | None = None) -
 
     def ours(a, b, bias, sa, sb):
         return gemm(a, b, lambda acc, bias, *, sa, sb: gelu(acc * (sa * sb) + bias), bias, transpose_b=k_major,
-                    sa=sa, sb=sb, out_dtypes=to, config=config)
+                    sa=sa, sb=sb, out_dtypes=to, config=config, precision=precision)
 
     def baseline(a, b, bias, sa, sb):
-        acc = jax.lax.dot_general(a, b, contract, preferred_element_type=jnp.float32)
+        acc = jax.lax.dot_general(a, b, contract, precision=xla_precision, preferred_element_type=jnp.float32)
         return stored(gelu(acc * (sa * sb) + bias))
 
     def reference(a, b, bias, sa, sb):
@@ -338,6 +349,26 @@ def fp8_problem(epilogue: str, shape: Shape, config: GemmConfig | None = None) -
     # the scales keep the accumulator's magnitude (about sqrt(K)) near 1 before the bias
     return Problem(epilogue, tuple(shape), e4m3.name, config_label(config), specs, jax.jit(ours),
                    jax.jit(baseline), jax.jit(reference), stds=(1.0, 1.0, 1.0, 1 / k ** 0.5, 1.0))
+
+
+def _int8_problem(epilogue: str, shape: Shape, config: GemmConfig | None) -> Problem:
+    m, n, k, _ = shape
+    i8, i32 = jnp.dtype(jnp.int8), jnp.dtype(jnp.int32)
+    contract = (((1,), (1,)), ((), ()))
+    specs = (jax.ShapeDtypeStruct((m, k), i8), jax.ShapeDtypeStruct((n, k), i8))
+
+    def ours(a, b):
+        return gemm(a, b, transpose_b=True, out_dtypes=i32, config=config)
+
+    def baseline(a, b):
+        return jax.lax.dot_general(a, b, contract, preferred_element_type=i32)
+
+    def reference(a, b):  # exact: |sum| < 2**31, and the oracle is compared in float32
+        return jax.lax.dot_general(a, b, contract, preferred_element_type=i32).astype(jnp.float32)
+
+    # a standard deviation of 20 keeps the int8 values within range (127 is six deviations)
+    return Problem(epilogue, tuple(shape), i8.name, config_label(config), specs, jax.jit(ours),
+                   jax.jit(baseline), jax.jit(reference), stds=(20.0, 20.0))
 
 
 def random_inputs(specs: Sequence[jax.ShapeDtypeStruct], key: Any,

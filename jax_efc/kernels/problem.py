@@ -38,7 +38,9 @@ class KernelProblem:
     formats differ). ``a_major`` is ``"k"`` (A stored (M, K) row-major) or ``"m"`` (stored (K, M));
     ``b_major`` is ``"n"`` (B stored (K, N)) or ``"k"`` (stored (N, K)). ``batched`` says
     whether the GEMM has a leading batch L; ``a_batched``/``b_batched``/``operand_batched``
-    say which tensors carry it (the others are shared across the batch).
+    say which tensors carry it (the others are shared across the batch). ``promote``: the
+    mainloop adds each k-tile's WGMMA partial sums into separate fp32 accumulators (8-bit float
+    inputs, whose tensor-core accumulation keeps fewer bits than fp32 over a long K).
     """
 
     ir: EpilogueIR
@@ -53,6 +55,7 @@ class KernelProblem:
     arch: str
     config: GemmConfig
     b_dtype: str = ""
+    promote: bool = False
 
     def __post_init__(self) -> None:
         if not self.b_dtype:
@@ -66,7 +69,7 @@ class KernelProblem:
     def compile_key(self) -> tuple:
         """Everything that changes the generated code, as a hashable, process-stable key."""
         return (
-            "jax_efc.fused_gemm.v5",
+            "jax_efc.fused_gemm.v6",
             self.ir.fingerprint,
             self.ab_dtype,
             self.b_dtype,
@@ -78,6 +81,7 @@ class KernelProblem:
             self.b_batched,
             self.operand_batched,
             self.arch,
+            self.promote,
             dataclasses.astuple(self.config),
         )
 

@@ -76,6 +76,7 @@ class Sm90FusedGemm(FusedGemmBase):
         """See :class:`~jax_efc.kernels.gemm_base.FusedGemmBase`."""
         cfg = problem.config
         self.pingpong = bool(cfg.pingpong)
+        self.promote = problem.promote
         # warpgroups that cooperate on one tile (its MMA and its epilogue); each covers
         # tile_m / n_mma_wg rows in 64-row WGMMA blocks (two per k-step for a 128x128
         # ping-pong consumer or a cooperative 256x128 tile)
@@ -438,6 +439,8 @@ class Sm90FusedGemm(FusedGemmBase):
         waits for it and releases its stage). Returns the advanced (read, release) states and
         ``tiled_mma`` (its accumulate field is set here; the caller rebinds all three so the
         tracer carries them through the tile loop)."""
+        if cutlass.const_expr(self.promote):
+            return self._promoting_mainloop(mainloop, read, release, tiled_mma, acc, tCrA, tCrB, k_tiles)
         k_blocks = cute.size(tCrA, mode=[2])
         # the tile's first WGMMA overwrites the accumulators (D = A*B) and the rest add to
         # them: no zero-fill, which would cost one instruction per accumulator per tile
@@ -460,6 +463,39 @@ class Sm90FusedGemm(FusedGemmBase):
                 mainloop.consumer_release(release)
                 release.advance()
             read.advance()
+        return read, release, tiled_mma
+
+    @cute.jit
+    def _promoting_mainloop(self, mainloop, read, release, tiled_mma: cute.TiledMma, acc: cute.Tensor,
+                            tCrA: cute.Tensor, tCrB: cute.Tensor, k_tiles):
+        """:meth:`_mainloop` for 8-bit float inputs with partial sums promoted: each k-tile's
+        WGMMAs (128 deep) accumulate into ``part`` from zero, and once they complete ``part`` is
+        added into ``acc`` in fp32. Hopper's 8-bit WGMMA keeps fewer bits than fp32 in its own
+        accumulation, so a long K would otherwise lose precision. Waiting for each k-tile's
+        batch leaves the tensor cores to the other warpgroup meanwhile. (Two ``part`` sets
+        taken in turn, keeping one batch in flight, spill registers even at 64 accumulators a
+        thread: ptxas, 216 bytes with 240 registers a consumer thread.) The protocol with the
+        caller is :meth:`_mainloop`'s (the last stage is left for it to release)."""
+        k_blocks = cute.size(tCrA, mode=[2])
+        part = cute.make_rmem_tensor(acc.layout, self.acc_dtype)
+        acc.fill(0.0)
+        for k in range(k_tiles):
+            mainloop.consumer_wait(read)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+            # order the adds' reads of ``part`` (and the epilogue's of ``acc``) before the WGMMAs
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(k_blocks):
+                coord = (None, None, kb, read.index)
+                cute.gemm(tiled_mma, part, tCrA[coord], tCrB[coord], part)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            if k > 0:
+                mainloop.consumer_release(release)
+                release.advance()
+            read.advance()
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
+                acc[i] = acc[i] + part[i]
         return read, release, tiled_mma
 
     def _consumer_epilogue(self, tiled_mma: cute.TiledMma, ctid, group, warp_idx, mD, sD,

@@ -128,12 +128,12 @@ class Sm90Policy(ArchPolicy):
     out_dtypes = _OUT_DTYPES
     operand_dtypes = _OPERAND_DTYPES
     value_dtypes = _VALUE_DTYPES
-    unverified_ab_dtypes = (*_FP8, *_INT8)
-    unverified_acc_dtypes = ("float16",)
 
     def accumulator_reason(self, problem: KernelProblem) -> str | None:
         if problem.acc_dtype == "float16" and problem.ab_dtype != "float16":
             return f"float16 accumulation takes float16 inputs, not {problem.ab_dtype}; use float32."
+        if problem.promote and problem.ab_dtype not in _FP8:
+            return f"partial-sum promotion is for 8-bit float inputs, not {problem.ab_dtype}."
         if (problem.acc_dtype == "int32") != (problem.ab_dtype in _INT8):
             return f"{problem.ab_dtype} inputs accumulate in {'int32' if problem.ab_dtype in _INT8 else 'float32'}."
         return None
@@ -178,9 +178,16 @@ class Sm90Policy(ArchPolicy):
         return None
 
     def resources_reason(self, problem: KernelProblem) -> str | None:
+        cfg = problem.config
+        held = 2 * cfg.tile_m * cfg.tile_n // (_WG * mma_warpgroups(cfg))
+        if problem.promote and held > _ACC_PER_THREAD:
+            return (f"{'ping-pong' if cfg.pingpong else 'cooperative'} {cfg.tile_m}x{cfg.tile_n} tiles of "
+                    f"{problem.ab_dtype} inputs: promoting partial sums into fp32 holds two accumulators an "
+                    f"element, {held} registers a thread (at most {_ACC_PER_THREAD}); use cooperative "
+                    "128x128 or 128x192 tiles, or precision=jax.lax.DotAlgorithmPreset."
+                    "ANY_F8_ANY_F8_F32_FAST_ACCUM (no promotion).")
         if pipeline_stages(problem) >= 2:
             return None
-        cfg = problem.config
         epi_m, epi_n = epilogue_tile(cfg)
         return (f"tile {cfg.tile_m}x{cfg.tile_n} with {epi_m}x{epi_n} epilogue subtiles, "
                 f"{len(problem.ir.outputs)} outputs and {len(tile_operand_indices(problem.ir))} "
@@ -240,6 +247,8 @@ class Sm90Policy(ArchPolicy):
         """
         sms = sm_count
         has_work = bool(problem.ir.instrs) or bool(problem.ir.operands)
+        if problem.promote:
+            return _promoting_config(m, n, l, sms)
 
         def tiles(tm: int, tn: int) -> int:
             return _tiles(m, n, l, tm, tn)
@@ -348,6 +357,21 @@ class Sm90Policy(ArchPolicy):
         # 64-wide epilogue subtiles when _WIDE_TILE_STAGES still fit; plain GEMMs, which gained
         # nothing from them, keep 32.
         return widened(cfg, _WIDE_TILE_STAGES) if tn == 256 else cfg
+
+
+def _promoting_config(m: int, n: int, l: int, sms: int) -> GemmConfig:
+    """Cooperative tiles for 8-bit float inputs whose partial sums are promoted: each thread holds
+    two accumulators an element, which leaves at most 96 columns a warpgroup. 128x192 where its
+    tiles fill the SMs' rounds as well as 128x128 ones (an m64n192 WGMMA reads each A fragment
+    for 192 columns, not 128), in 2x1 clusters multicasting B walked in bands of 8 when M spans
+    several tiles."""
+    def fill(tn: int) -> float:
+        tiles = _tiles(m, n, l, 128, tn)
+        return m * n * l / (128 * tn * sms * -(-tiles // sms))
+
+    tn = 192 if n >= 192 and fill(192) >= fill(128) - _FILL_SLACK else 128
+    big = -(-m // 128) >= 8 and _tiles(m, n, l, 128, tn) >= 2 * sms
+    return GemmConfig(tile_m=128, tile_n=tn, cluster_m=2 if big else 1, swizzle=8 if big else 1)
 
 
 POLICY = Sm90Policy()
