@@ -441,7 +441,6 @@ class Sm90FusedGemm(FusedGemmBase):
         tracer carries them through the tile loop)."""
         if cutlass.const_expr(self.promote):
             return self._promoting_mainloop(mainloop, read, release, tiled_mma, acc, tCrA, tCrB, k_tiles)
-        k_blocks = cute.size(tCrA, mode=[2])
         # the tile's first WGMMA overwrites the accumulators (D = A*B) and the rest add to
         # them: no zero-fill, which would cost one instruction per accumulator per tile
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
@@ -449,11 +448,7 @@ class Sm90FusedGemm(FusedGemmBase):
         warpgroup.fence()
         for k in range(k_tiles):
             mainloop.consumer_wait(read)
-            for kb in cutlass.range_constexpr(k_blocks):
-                coord = (None, None, kb, read.index)
-                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
+            tiled_mma = self._issue_k_tile(read, tiled_mma, acc, tCrA, tCrB)
             # (two batches in flight, each stage released a k-tile later, was not kept: on an
             # H200 at 128x128 it was 0.1-2.1% slower at 14 of 15 problems in one run (equal
             # at the 15th) after 0.9-5.4% faster at 6 of 8 in an earlier one, and 2.5-6.6%
@@ -476,7 +471,6 @@ class Sm90FusedGemm(FusedGemmBase):
         taken in turn, keeping one batch in flight, spill registers even at 64 accumulators a
         thread: ptxas, 216 bytes with 240 registers a consumer thread.) The protocol with the
         caller is :meth:`_mainloop`'s (the last stage is left for it to release)."""
-        k_blocks = cute.size(tCrA, mode=[2])
         part = cute.make_rmem_tensor(acc.layout, self.acc_dtype)
         acc.fill(0.0)
         for k in range(k_tiles):
@@ -484,11 +478,7 @@ class Sm90FusedGemm(FusedGemmBase):
             tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
             # order the adds' reads of ``part`` (and the epilogue's of ``acc``) before the WGMMAs
             warpgroup.fence()
-            for kb in cutlass.range_constexpr(k_blocks):
-                coord = (None, None, kb, read.index)
-                cute.gemm(tiled_mma, part, tCrA[coord], tCrB[coord], part)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
+            tiled_mma = self._issue_k_tile(read, tiled_mma, part, tCrA, tCrB)
             warpgroup.wait_group(0)
             if k > 0:
                 mainloop.consumer_release(release)
@@ -497,6 +487,18 @@ class Sm90FusedGemm(FusedGemmBase):
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 acc[i] = acc[i] + part[i]
         return read, release, tiled_mma
+
+    @cute.jit
+    def _issue_k_tile(self, read, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor,
+                      tCrB: cute.Tensor):
+        """Issue the WGMMAs of the k-tile at ``read`` into ``acc`` as one batch (the first as
+        ``tiled_mma``'s accumulate field says, the rest adding); returns ``tiled_mma``."""
+        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            coord = (None, None, kb, read.index)
+            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        return tiled_mma
 
     def _consumer_epilogue(self, tiled_mma: cute.TiledMma, ctid, group, warp_idx, mD, sD,
                            tma_d, operands, mC, sC, tma_c, c_bar, sA, sB) -> ConsumerEpilogue:
