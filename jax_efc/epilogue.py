@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .arguments import is_8bit_float
+
 __all__ = [
     "Role",
     "Input",
@@ -525,7 +527,7 @@ def store_as(v: Any, dtype: Any) -> Any:
     as XLA converts them; an int32 accumulator clipped, where a plain cast would wrap); to
     other dtypes by a plain cast."""
     dtype = jnp.dtype(dtype)
-    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+    if is_8bit_float(dtype):
         top = float(jnp.finfo(dtype).max)
         v = jnp.clip(v, -top, top)
     elif jnp.issubdtype(dtype, jnp.integer) and jnp.dtype(v.dtype) != dtype:
