@@ -21,6 +21,7 @@ step alpha-beta python3 examples/alpha_beta.py --mnkl 8192,8192,8192,1
 step activation python3 examples/activation.py --mnk 8192,4096,4096
 step multi-output python3 examples/multi_output.py --mnkl 4096,4096,4096,2
 step complex python3 examples/complex_epilogue.py --mnk 4096,4096,4096
+step fp8-scaled python3 examples/fp8_scaled.py --mnk 8192,8192,8192
 step flax-mlp python3 examples/flax_mlp.py --features 4096,14336,4096 --batch 8192 --dtype bfloat16 --steps 20
 step sharded python3 examples/sharded_training.py --mesh 1,1 --dtype bfloat16 --batch 8192 --width 4096 --hidden 14336
 step info python3 -m jax_efc info

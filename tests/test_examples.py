@@ -14,6 +14,7 @@ CASES = {
     "multi_output.py": ["--mnkl", "128,64,32,2"],
     "complex_epilogue.py": ["--mnk", "128,64,32", "--dtype", "float16"],
     "flax_mlp.py": ["--steps", "5", "--batch", "32", "--features", "16,32,8"],
+    "fp8_scaled.py": ["--mnk", "128,64,256"],
 }
 
 
