@@ -300,9 +300,9 @@ def eight_bit_problem(epilogue: str, shape: Shape, config: GemmConfig | None = N
     m, n, k, l = shape
     if l != 1:
         raise ValueError(f"{epilogue} takes no batch; got L={l}.")
-    e4m3, bf16 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.bfloat16)
     if epilogue.startswith("int8:"):
         return _int8_problem(epilogue, shape, config)
+    e4m3, bf16 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.bfloat16)
     k_major = not epilogue.startswith("fp8kn")
     fast = epilogue.split(":")[0].endswith("fast")
     precision = jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM if fast else None
