@@ -59,6 +59,17 @@ def rel_err(x, ref) -> float:
 
 
 
+# a child script's first lines: jax_efc's log messages collected into ``logged``
+KEEP_LOGS = """
+import logging
+logged = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        logged.append(record.getMessage())
+logging.getLogger("jax_efc").addHandler(Keep())
+"""
+
+
 def run_for_sm90(script: str, *args: str, **env: str) -> str:
     """Runs ``script`` in a fresh CPU-only process that compiles kernels for sm_90a, with the
     project on its path; returns its stdout."""

@@ -8,20 +8,14 @@ import json
 
 import pytest
 
-from conftest import run_for_sm90
+from conftest import KEEP_LOGS, run_for_sm90
 
-_SCRIPT = """
+_SCRIPT = KEEP_LOGS + """
 import json, logging, os
 import jax, jax.numpy as jnp
 import jax_efc as efc
 import jax_efc.ffi as F
 from cutlass.jax import get_export_disabled_safety_checks
-
-logged = []
-class Keep(logging.Handler):
-    def emit(self, record):
-        logged.append(record.getMessage())
-logging.getLogger("jax_efc").addHandler(Keep())
 
 S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
 out = {}

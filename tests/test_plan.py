@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_efc as efc
-from conftest import run_for_sm90
+from conftest import KEEP_LOGS, run_for_sm90
 from jax_efc import kernels, plan
 from jax_efc.epilogue import identity_ir
 from jax_efc.kernels.sm90_policy import Sm90Policy
@@ -137,16 +137,11 @@ def test_one_lowering_plans_each_call_once():
     assert counts == {"choose_config": 3, "arch": 3, "kernels": 3}
 
 
-_TARGET = """
+_TARGET = KEEP_LOGS + """
 import json, logging, os, sys
 import jax, jax.numpy as jnp
 import jax_efc as efc
 
-logged = []
-class Keep(logging.Handler):
-    def emit(self, record):
-        logged.append(record.getMessage())
-logging.getLogger("jax_efc").addHandler(Keep())
 S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
 specs = S((4096, 4096), bf), S((4096, 4096), bf), S((4096,), bf)
 dense = lambda x, w, b: efc.fused_dense(x, w, b, activation="gelu")

@@ -434,58 +434,47 @@ class Sm90FusedGemm(FusedGemmBase):
     @cute.jit
     def _mainloop(self, mainloop, read, release, tiled_mma: cute.TiledMma, acc: cute.Tensor,
                   tCrA: cute.Tensor, tCrB: cute.Tensor, k_tiles):
-        """Issue one tile's WGMMAs, keeping one k-tile batch in flight and releasing each
-        stage once the batch after it is issued; the last batch is left in flight (the caller
+        """Issue one tile's WGMMAs, keeping one k-tile batch in flight (none where partial sums
+        are promoted) and releasing each stage once the batch after it is issued; the last
+        batch is left in flight (the caller
         waits for it and releases its stage). Returns the advanced (read, release) states and
         ``tiled_mma`` (its accumulate field is set here; the caller rebinds all three so the
         tracer carries them through the tile loop)."""
         if cutlass.const_expr(self.promote):
-            return self._promoting_mainloop(mainloop, read, release, tiled_mma, acc, tCrA, tCrB, k_tiles)
-        # the tile's first WGMMA overwrites the accumulators (D = A*B) and the rest add to
-        # them: no zero-fill, which would cost one instruction per accumulator per tile
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-        # order the epilogue's reads of the previous tile's accumulators before the WGMMAs
-        warpgroup.fence()
+            # 8-bit floats: each k-tile's WGMMAs accumulate into ``part`` from zero and, once
+            # they complete, ``part`` is added into ``acc`` in fp32 (Hopper's 8-bit WGMMA keeps
+            # fewer bits than fp32 in its own accumulation, so a long K would lose precision).
+            # Waiting for each batch leaves the tensor cores to the other warpgroup meanwhile.
+            # (Two ``part`` sets taken in turn, keeping one batch in flight, spill registers
+            # even at 64 accumulators a thread: ptxas, 216 bytes at 240 registers a thread.)
+            part = cute.make_rmem_tensor(acc.layout, self.acc_dtype)
+            acc.fill(0.0)
+        else:
+            # the tile's first WGMMA overwrites the accumulators (D = A*B) and the rest add to
+            # them: no zero-fill, which would cost one instruction per accumulator per tile
+            part = acc
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+            # order the epilogue's reads of the previous tile's accumulators before the WGMMAs
+            warpgroup.fence()
         for k in range(k_tiles):
             mainloop.consumer_wait(read)
-            tiled_mma = self._issue_k_tile(read, tiled_mma, acc, tCrA, tCrB)
+            if cutlass.const_expr(self.promote):
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                # order the adds' reads of ``part`` (and the epilogue's of ``acc``) before them
+                warpgroup.fence()
+            tiled_mma = self._issue_k_tile(read, tiled_mma, part, tCrA, tCrB)
             # (two batches in flight, each stage released a k-tile later, was not kept: on an
             # H200 at 128x128 it was 0.1-2.1% slower at 14 of 15 problems in one run (equal
             # at the 15th) after 0.9-5.4% faster at 6 of 8 in an earlier one, and 2.5-6.6%
             # slower for alpha-beta)
-            warpgroup.wait_group(1)
+            warpgroup.wait_group(0 if self.promote else 1)
             if k > 0:
                 mainloop.consumer_release(release)
                 release.advance()
             read.advance()
-        return read, release, tiled_mma
-
-    @cute.jit
-    def _promoting_mainloop(self, mainloop, read, release, tiled_mma: cute.TiledMma, acc: cute.Tensor,
-                            tCrA: cute.Tensor, tCrB: cute.Tensor, k_tiles):
-        """:meth:`_mainloop` for 8-bit float inputs with partial sums promoted: each k-tile's
-        WGMMAs (128 deep) accumulate into ``part`` from zero, and once they complete ``part`` is
-        added into ``acc`` in fp32. Hopper's 8-bit WGMMA keeps fewer bits than fp32 in its own
-        accumulation, so a long K would otherwise lose precision. Waiting for each k-tile's
-        batch leaves the tensor cores to the other warpgroup meanwhile. (Two ``part`` sets
-        taken in turn, keeping one batch in flight, spill registers even at 64 accumulators a
-        thread: ptxas, 216 bytes with 240 registers a consumer thread.) The protocol with the
-        caller is :meth:`_mainloop`'s (the last stage is left for it to release)."""
-        part = cute.make_rmem_tensor(acc.layout, self.acc_dtype)
-        acc.fill(0.0)
-        for k in range(k_tiles):
-            mainloop.consumer_wait(read)
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-            # order the adds' reads of ``part`` (and the epilogue's of ``acc``) before the WGMMAs
-            warpgroup.fence()
-            tiled_mma = self._issue_k_tile(read, tiled_mma, part, tCrA, tCrB)
-            warpgroup.wait_group(0)
-            if k > 0:
-                mainloop.consumer_release(release)
-                release.advance()
-            read.advance()
-            for i in cutlass.range(cute.size(acc), unroll_full=True):
-                acc[i] = acc[i] + part[i]
+            if cutlass.const_expr(self.promote):
+                for i in cutlass.range(cute.size(acc), unroll_full=True):
+                    acc[i] = acc[i] + part[i]
         return read, release, tiled_mma
 
     @cute.jit
