@@ -1,12 +1,20 @@
-"""Epilogue IR: a user's elementwise epilogue traced into a flat, hashable SSA program.
+"""Epilogue IR: a user's epilogue traced into a flat, hashable SSA program.
 
 The user writes ``epilogue(acc, *operands, **scalars)`` in plain ``jax.numpy``. We trace it
 with ``jax.make_jaxpr``, inline the calls JAX wraps around library functions (``jit``,
-``custom_jvp_call``, ...), and keep only whitelisted elementwise primitives. The result is an
-:class:`EpilogueIR`: value ``i < len(inputs)`` is an input (the accumulator, then each
-operand, each already converted to the epilogue dtype), value ``len(inputs) + j`` is the
-result of ``instrs[j]``. The reference evaluates the program with ``jax.numpy``; the kernels
-evaluate the same program on register fragments.
+``custom_jvp_call``, ...), and keep only whitelisted elementwise primitives and the sum, max
+and min reductions. The result is an :class:`EpilogueIR`: value ``i < len(inputs)`` is an
+input (the accumulator, then each operand, each already converted to the epilogue dtype),
+value ``len(inputs) + j`` is the result of ``instrs[j]``. Every value is held in its canonical
+shape: broadcast against the (L, M, N) tile, with size 1 along the axes it does not vary
+over (a sum over M is (1, N)). The reference evaluates the program with ``jax.numpy``; the
+kernels evaluate the same program on register fragments.
+
+Reductions: a primitive's program (what one fused GEMM computes) has only elementwise
+instructions, and an output may be a reduction of one of its values over M, N or both
+(``Output.reduce``). A traced program may reduce anywhere: :func:`split_at_reductions` gives
+the GEMM the part up to the first reductions (what is consumed past them is stored in the
+epilogue dtype) and evaluates the rest in XLA.
 """
 
 from __future__ import annotations
@@ -38,6 +46,10 @@ __all__ = [
     "identity_ir",
     "exact",
     "with_acc_output",
+    "REDUCTIONS",
+    "output_shape",
+    "Split",
+    "split_at_reductions",
 ]
 
 
@@ -88,11 +100,25 @@ class Instr:
         return hash(self._key())
 
 
+# the reductions an epilogue may use: jaxpr primitive -> our kind
+REDUCTIONS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
+_AXES = ("l", "m", "n")  # the tile's axes: batch, rows, columns
+
+
 @dataclasses.dataclass(frozen=True)
 class Output:
     name: str
     value: int
     dtype: str  # storage dtype of the output
+    reduce: str | None = None  # "sum", "max" or "min" of ``value`` over the axes ``over``
+    over: tuple[str, ...] = ()  # a subset of ("m", "n"): per batch, never over L
+
+
+def output_shape(out: Output, tile_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The canonical shape of ``out`` for a tile of ``tile_shape`` ((M, N) or (L, M, N)):
+    the tile's, with size 1 along the axes it reduces."""
+    names = _AXES[-len(tile_shape):]
+    return tuple(1 if a in out.over else d for a, d in zip(names, tile_shape))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +154,23 @@ class EpilogueIR:
     def uses(self, value: int) -> bool:
         """Whether any output depends on ``value``."""
         return value in self.live()
+
+    def pruned(self) -> EpilogueIR:
+        """The program without the instructions no output uses, renumbered."""
+        n_in, live = len(self.inputs), self.live()
+        new_id = {i: i for i in range(n_in)}
+        instrs: list[Instr] = []
+        for j, ins in enumerate(self.instrs):
+            if n_in + j in live:
+                instrs.append(dataclasses.replace(ins, args=tuple(new_id[a] for a in ins.args)))
+                new_id[n_in + j] = n_in + len(instrs) - 1
+        return dataclasses.replace(self, instrs=tuple(instrs), outputs=tuple(
+            dataclasses.replace(o, value=new_id[o.value]) for o in self.outputs))
+
+    @property
+    def reduces(self) -> bool:
+        """Whether the program reduces anywhere (an instruction or an output)."""
+        return any(o.reduce for o in self.outputs) or any(i.op == "reduce" for i in self.instrs)
 
 
 def _const(value: Any, dtype: str) -> Any:
@@ -172,14 +215,16 @@ OPS: dict[str, tuple[int, Callable[..., Any]]] = {
     "cos": (1, jnp.cos),
     "tan": (1, jnp.tan),
     "select": (3, lambda p, on_false, on_true: jnp.where(p, on_true, on_false)),
+    "stop_gradient": (1, lax.stop_gradient),  # the identity, but to autodiff (softmax's max)
     "integer_pow": (1, None),  # attr = exponent
     "convert": (1, None),  # to Instr.dtype
     "const": (0, None),  # attr = value
+    "reduce": (1, None),  # attr = (kind, axes): a REDUCTIONS kind over a subset of ("l", "m", "n")
 }
 
 # jaxpr primitive name -> our op name (None: an identity)
 _PRIMITIVES: dict[str, str | None] = {
-    **{name: name for name in OPS if name not in ("select", "not", "convert", "const")},
+    **{name: name for name in OPS if name not in ("select", "not", "convert", "const", "reduce")},
     "select_n": "select",
     "not": "not",
     "and": "and",
@@ -243,12 +288,17 @@ def _source(eqn: Any) -> str:
 
 
 class _Builder:
-    """Walks a jaxpr and emits instructions; values are deduplicated (CSE)."""
+    """Walks a jaxpr and emits instructions; values are deduplicated (CSE).
+
+    Beside its value, each jaxpr variable carries the tile axis ("l", "m", "n") each of its
+    dimensions runs along (None for a size-1 dimension with no axis), so that a reduction
+    knows what it reduces and a value reduced over N, shaped (M,), broadcasts along rows."""
 
     def __init__(self, inputs: list[Input], acc_shape: tuple[int, ...]):
         self.inputs = inputs
         self.instrs: list[Instr] = []
         self.acc_shape = acc_shape
+        self.axes = _AXES[-len(acc_shape):]
         self._memo: dict[Instr, int] = {}
         self._callers: list[str] = []  # source locations of the calls being inlined
 
@@ -283,25 +333,34 @@ class _Builder:
             return self.inputs[vid].dtype
         return self.instrs[vid - len(self.inputs)].dtype
 
-    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[int]) -> list[int]:
-        env: dict[Any, int] = {}
+    def aligned(self, shape: tuple[int, ...], eqn: Any = None) -> tuple[str | None, ...]:
+        """The axes of a value of ``shape`` broadcast NumPy-style against the accumulator."""
+        if len(shape) > len(self.axes):
+            at = f" at {self.where(eqn)}" if eqn is not None else ""
+            raise EpilogueError(f"the epilogue makes a value of shape {tuple(shape)}{at}, of more "
+                                f"dimensions than the accumulator's {self.acc_shape}.")
+        return self.axes[len(self.axes) - len(shape):]
 
-        def read(atom: Any) -> int:
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[tuple[int, tuple]]) -> list[tuple[int, tuple]]:
+        """Each of ``jaxpr``'s outputs as (value id, axes), for ``args`` as (value id, axes)."""
+        env: dict[Any, tuple[int, tuple]] = {}
+
+        def read(atom: Any) -> tuple[int, tuple]:
             if hasattr(atom, "val"):  # a Literal
-                return self.const(atom.val, atom.aval.dtype)
+                return self.const(atom.val, atom.aval.dtype), self.aligned(np.shape(atom.val))
             return env[atom]
 
         for var, c in zip(jaxpr.constvars, consts):
-            env[var] = self.const(c, np.asarray(c).dtype)
+            env[var] = self.const(c, np.asarray(c).dtype), self.aligned(np.shape(c))
         for var, a in zip(jaxpr.invars, args):
             env[var] = a
         for eqn in jaxpr.eqns:
             outs = self.eqn(eqn, [read(x) for x in eqn.invars])
-            for var, vid in zip(eqn.outvars, outs):
-                env[var] = vid
+            for var, out in zip(eqn.outvars, outs):
+                env[var] = out
         return [read(x) for x in jaxpr.outvars]
 
-    def eqn(self, eqn: Any, args: list[int]) -> list[int]:
+    def eqn(self, eqn: Any, args: list[tuple[int, tuple]]) -> list[tuple[int, tuple]]:
         name = eqn.primitive.name
         if name in _CALLS:
             sub = eqn.params.get("call_jaxpr", eqn.params.get("jaxpr", eqn.params.get("fun_jaxpr")))
@@ -312,37 +371,96 @@ class _Builder:
                 return self.run(sub, [], args[-len(sub.invars):])
             finally:
                 self._callers.pop()
+        in_shapes = [tuple(getattr(x.aval, "shape", ())) for x in eqn.invars]
+        out_shape = tuple(eqn.outvars[0].aval.shape)
         if name == "broadcast_in_dim":
-            (x,) = args
-            in_rank = len(eqn.invars[0].aval.shape)
-            out_rank = len(eqn.params["shape"])
-            if tuple(eqn.params["broadcast_dimensions"]) != tuple(range(out_rank - in_rank, out_rank)):
-                raise EpilogueError(
-                    f"the epilogue broadcasts a value of shape {eqn.invars[0].aval.shape} to "
-                    f"{tuple(eqn.params['shape'])} along dimensions {eqn.params['broadcast_dimensions']} "
-                    f"at {self.where(eqn)}; only NumPy-style broadcasting is elementwise. Pass a column "
-                    "vector as shape (M, 1) rather than transposing a row vector."
-                )
-            return [x]
+            ((x, axes),) = args[:1]
+            out = list(self.aligned(out_shape, eqn))
+            for i, d in enumerate(eqn.params["broadcast_dimensions"]):
+                if in_shapes[0][i] == out_shape[d]:
+                    out[d] = axes[i]
+            return [(x, self.checked(tuple(out), out_shape, eqn))]
         if name in ("reshape", "squeeze", "expand_dims"):
-            in_shape = tuple(eqn.invars[0].aval.shape)
-            out_shape = tuple(eqn.outvars[0].aval.shape)
-            if tuple(d for d in in_shape if d != 1) == tuple(d for d in out_shape if d != 1) and (
-                _right_aligned(in_shape, out_shape)
-            ):
-                return args
-            raise EpilogueError(
-                f"the epilogue reshapes {in_shape} to {out_shape} at {self.where(eqn)}; an epilogue must "
-                "be elementwise over the (M, N) tile."
-            )
+            ((x, axes),) = args[:1]
+            in_shape = in_shapes[0]
+            kept = [a for a, d in zip(axes, in_shape) if d != 1]
+            if tuple(d for d in in_shape if d != 1) != tuple(d for d in out_shape if d != 1):
+                raise EpilogueError(
+                    f"the epilogue reshapes {in_shape} to {out_shape} at {self.where(eqn)}; an epilogue must "
+                    "be elementwise over the (M, N) tile (or reduce over it with sum, max or min)."
+                )
+            it = iter(kept)
+            out = [next(it) if d != 1 else a for a, d in zip(self.aligned(out_shape, eqn), out_shape)]
+            out = [None if d == 1 and a in kept else a for a, d in zip(out, out_shape)]
+            return [(x, self.checked(tuple(out), out_shape, eqn))]
+        if name in REDUCTIONS:
+            return [self.reduction(eqn, REDUCTIONS[name], *args[0], in_shapes[0])]
         op = _PRIMITIVES.get(name, "unsupported")
         if op == "unsupported":
             raise EpilogueError(
-                f"the epilogue uses `{name}` at {self.where(eqn)}, which is not an elementwise operation "
+                f"the epilogue uses `{name}` at {self.where(eqn)}, which is not an operation "
                 "jax_efc can fuse. Supported: arithmetic, comparisons, where/select, min/max, "
                 "abs/neg/sign, exp/exp2/log/log1p/expm1, tanh/sigmoid/erf, sqrt/rsqrt, pow, "
-                "sin/cos/tan, casts. Compute it outside the epilogue (before or after the GEMM)."
+                "sin/cos/tan, casts, and sum/max/min over the tile's axes. Compute it outside the "
+                "epilogue (before or after the GEMM)."
             )
+        axes = self.elementwise_axes(eqn, args, in_shapes, out_shape)
+        vids = [a for a, _ in args]
+        return [(vid, axes) for vid in self.elementwise(op, eqn, vids)]
+
+    def elementwise_axes(self, eqn: Any, args: list, in_shapes: list, out_shape: tuple) -> tuple:
+        """The axes of an elementwise result: its arguments' (each of the result's shape or
+        0-d), which must agree wherever a dimension is longer than 1."""
+        seen: list[str | None] = [None] * len(out_shape)
+        for (_, axes), shape in zip(args, in_shapes):
+            if len(shape) != len(out_shape):
+                continue
+            for i, (a, d) in enumerate(zip(axes, shape)):
+                if d == 1:
+                    continue
+                if seen[i] is not None and seen[i] != a:
+                    raise EpilogueError(
+                        f"the epilogue combines, at {self.where(eqn)}, a value that varies along "
+                        f"{_AXIS_WORDS[seen[i]]} with one that varies along {_AXIS_WORDS[a]} "
+                        "position by position: keep the reduced axis (keepdims=True) so that it "
+                        "broadcasts, e.g. jnp.sum(x, axis=1, keepdims=True) for a value per row."
+                    )
+                seen[i] = a
+        axes = tuple(s if s is not None else d for s, d in zip(seen, self.aligned(out_shape, eqn)))
+        return self.checked(axes, out_shape, eqn)
+
+    def checked(self, axes: tuple, shape: tuple, eqn: Any) -> tuple:
+        """``axes`` if every dimension longer than 1 runs along its own axis, in the tile's
+        order (the broadcasting a canonical layout can hold); else the error."""
+        long = [a for a, d in zip(axes, shape) if d != 1]
+        # a value of the tile's rank holds each axis in its place; a lower rank (a value
+        # reduced over N is (M,)) only in order
+        misplaced = len(shape) == len(self.axes) and any(
+            d != 1 and a != t for a, t, d in zip(axes, self.axes, shape))
+        if None in long or long != sorted(set(long), key=_AXES.index) or misplaced:
+            raise EpilogueError(
+                f"the epilogue moves an axis at {self.where(eqn)} (a value of shape {shape} along "
+                f"{[_AXIS_WORDS.get(a, 'no axis') for a in axes]}); only NumPy-style broadcasting "
+                "against the (M, N) tile is elementwise. Pass a column vector as shape (M, 1) "
+                "rather than transposing a row vector."
+            )
+        return tuple(None if d == 1 and a in long else a for a, d in zip(axes, shape))
+
+    def reduction(self, eqn: Any, kind: str, x: int, axes: tuple, shape: tuple) -> tuple[int, tuple]:
+        """A sum, max or min over some of the tile's axes: over M and N in one instruction,
+        over L (whose batches the kernels reduce apart) in a second. Dimensions of length 1
+        reduce to themselves."""
+        dims = tuple(eqn.params["axes"])
+        over = {axes[d] for d in dims if shape[d] != 1}
+        dtype = np.dtype(eqn.outvars[0].aval.dtype).name
+        for group in (tuple(a for a in ("m", "n") if a in over), ("l",) if "l" in over else ()):
+            if group:
+                x = self.emit(Instr("reduce", (x,), dtype, (kind, group)))
+        if not over and self.dtype_of(x) != dtype:
+            x = self.emit(Instr("convert", (x,), dtype))
+        return x, tuple(a for d, a in enumerate(axes) if d not in dims)
+
+    def elementwise(self, op: str | None, eqn: Any, args: list[int]) -> list[int]:
         dtype = np.dtype(eqn.outvars[0].aval.dtype).name
         if op is None:
             return args
@@ -363,10 +481,7 @@ class _Builder:
         return [self.emit(Instr(op, tuple(args), dtype))]
 
 
-def _right_aligned(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
-    """Whether a reshape between ``a`` and ``b`` only adds or drops leading unit dimensions."""
-    short, long = (a, b) if len(a) <= len(b) else (b, a)
-    return long[len(long) - len(short):] == short and all(d == 1 for d in long[: len(long) - len(short)])
+_AXIS_WORDS = {"l": "the batch", "m": "rows (M)", "n": "columns (N)", None: "no axis"}
 
 
 def _output_items(out: Any) -> tuple[list[str], list[Any], Any]:
@@ -450,24 +565,40 @@ def trace_epilogue(
         raise EpilogueError(f"the epilogue returns no outputs (an empty {structure[0]}); return an array "
                             f"shaped like the accumulator, {tuple(acc_shape)}, or a tuple or dict of them.")
     for name, leaf in zip(names, leaves):
-        if leaf is None or tuple(getattr(leaf, "shape", ())) != tuple(acc_shape):
-            got = "is None" if leaf is None else f"has shape {tuple(getattr(leaf, 'shape', ()))}"
-            raise EpilogueError(
-                f"epilogue output {name!r} {got}; every output must be an array elementwise over the "
-                f"accumulator, shape {tuple(acc_shape)}."
-            )
+        if leaf is None:
+            raise EpilogueError(f"epilogue output {name!r} is None; every output must be an array.")
     builder = _Builder(inputs, tuple(acc_shape))
-    flat_out = builder.run(closed.jaxpr, closed.consts, list(range(len(inputs))))
-    dtypes = _resolve_out_dtypes(out_dtypes, names, structure, default_out_dtype)
-    outputs = tuple(Output(nm, vid, dt) for nm, vid, dt in zip(names, flat_out, dtypes))
-    ir = EpilogueIR(tuple(inputs), tuple(builder.instrs), outputs, epi.name)
-    return ir, structure, roles, batched
+    in_axes = [builder.aligned(tuple(acc_shape))] + [builder.aligned(tuple(a.shape)) for a in avals + scalar_avals]
+    flat_out = builder.run(closed.jaxpr, closed.consts, list(zip(range(len(inputs)), in_axes)))
+    ir = EpilogueIR(tuple(inputs), tuple(builder.instrs), (), epi.name)
+    reduced = _after_reduction(ir)
+    for name, leaf, (vid, _) in zip(names, leaves, flat_out):
+        if tuple(leaf.shape) != tuple(acc_shape) and not reduced[vid]:
+            raise EpilogueError(
+                f"epilogue output {name!r} has shape {tuple(leaf.shape)}; every output must be an "
+                f"array elementwise over the accumulator, shape {tuple(acc_shape)}, or a reduction "
+                "of one (jnp.sum, jnp.max or jnp.min over its axes)."
+            )
+    defaults = [ir.instrs[vid - len(inputs)].dtype if reduced[vid] and tuple(leaf.shape) != tuple(acc_shape)
+                else np.dtype(default_out_dtype).name for (vid, _), leaf in zip(flat_out, leaves)]
+    dtypes = _resolve_out_dtypes(out_dtypes, names, structure, defaults)
+    outputs = tuple(Output(nm, vid, dt) for nm, (vid, _), dt in zip(names, flat_out, dtypes))
+    leaf_shapes = tuple((tuple(leaf.shape), axes) for leaf, (_, axes) in zip(leaves, flat_out))
+    return ir.with_outputs(outputs), (*structure, leaf_shapes), roles, batched
 
 
-def _resolve_out_dtypes(out_dtypes: Any, names: list[str], structure: Any, default: Any) -> list[str]:
+def _after_reduction(ir: EpilogueIR) -> list[bool]:
+    """For each value, whether it is a reduction or depends on one."""
+    after = [False] * len(ir.inputs)
+    for ins in ir.instrs:
+        after.append(ins.op == "reduce" or any(after[a] for a in ins.args))
+    return after
+
+
+def _resolve_out_dtypes(out_dtypes: Any, names: list[str], structure: Any, defaults: list[str]) -> list[str]:
     kind, keys = structure
     if out_dtypes is None:
-        return [np.dtype(default).name] * len(names)
+        return list(defaults)
     if isinstance(out_dtypes, Mapping):
         if kind != "dict" or set(map(str, out_dtypes)) != set(names):
             raise EpilogueError(
@@ -486,38 +617,171 @@ def _resolve_out_dtypes(out_dtypes: Any, names: list[str], structure: Any, defau
     return [np.dtype(out_dtypes).name] * len(names)
 
 
-def evaluate(ir: EpilogueIR, acc: Any, operands: Sequence[Any]) -> list[Any]:
+def _reduced(x: Any, kind: str, axes: Sequence[str], shape: tuple[int, ...], dtype: Any) -> Any:
+    """``x`` (broadcast against a tile of ``shape``) reduced over ``axes``, keeping them as size
+    1: floats accumulate in at least float32, integers in at least int32; the result in
+    ``dtype``."""
+    names = _AXES[-len(shape):]
+    dims = tuple(names.index(a) for a in axes)
+    x = jnp.asarray(x)
+    along = tuple(d if names[i] in axes else 1 for i, d in enumerate(shape))
+    x = jnp.broadcast_to(x, jnp.broadcast_shapes(x.shape, along))
+    wide = jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int32
+    x = x.astype(jnp.promote_types(x.dtype, wide))
+    fn = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[kind]
+    return fn(x, axis=dims, keepdims=True).astype(dtype)
+
+
+def evaluate(ir: EpilogueIR, acc: Any, operands: Sequence[Any], *, given: Mapping[int, Any] | None = None,
+             shape: tuple[int, ...] | None = None) -> list[Any]:
     """Run the program with ``jax.numpy`` on arrays in their canonical shapes; returns the
-    outputs in their storage dtypes. This is the reference the kernels are checked against."""
+    outputs in their storage dtypes. This is the reference the kernels are checked against.
+
+    Only the values the outputs need are computed; ``given`` supplies some of them (the rest
+    of a program :func:`split_at_reductions` split, with ``acc`` None), and ``shape`` is the
+    tile's (by default the inputs' broadcast shape)."""
     epi = jnp.dtype(ir.epi_dtype)
-    values: list[Any] = [acc.astype(epi)] + [jnp.asarray(x).astype(epi) for x in operands]
-    for ins in ir.instrs:
+    n_in = len(ir.inputs)
+    inputs = [acc, *operands]
+    if shape is None:
+        shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in inputs))
+    values: dict[int, Any] = dict(given or {})
+    needed, stack = set(), [o.value for o in ir.outputs]
+    while stack:
+        v = stack.pop()
+        if v not in needed and v not in values:
+            needed.add(v)
+            stack.extend(ir.instrs[v - n_in].args if v >= n_in else ())
+    reduced = _after_reduction(ir)
+    for v in sorted(needed):
+        if v < n_in:
+            values[v] = jnp.asarray(inputs[v]).astype(epi)
+            continue
+        ins = ir.instrs[v - n_in]
         args = [values[a] for a in ins.args]
         if ins.op == "const":
-            values.append(jnp.asarray(_const(ins.attr, ins.dtype)))
+            values[v] = jnp.asarray(_const(ins.attr, ins.dtype))
         elif ins.op == "convert":
-            values.append(args[0].astype(ins.dtype))
+            values[v] = args[0].astype(ins.dtype)
         elif ins.op == "integer_pow":
-            values.append(lax.integer_pow(args[0], ins.attr))
+            values[v] = lax.integer_pow(args[0], ins.attr)
+        elif ins.op == "reduce":
+            values[v] = _reduced(args[0], *ins.attr, shape, ins.dtype)
         else:
-            values.append(OPS[ins.op][1](*args).astype(ins.dtype))
-    shape = jnp.broadcast_shapes(*(jnp.shape(v) for v in values[: len(ir.inputs)]))
-    # an output that is the accumulator itself is stored from it, not from its epilogue-dtype
-    # copy: an int32 accumulator stays exact past float32's 24 bits
-    return [store_as(jnp.broadcast_to(acc if o.value == 0 else values[o.value], shape), o.dtype)
-            for o in ir.outputs]
+            values[v] = OPS[ins.op][1](*args).astype(ins.dtype)
+    outs = []
+    for o in ir.outputs:
+        # an output that is the accumulator itself is stored from it, not from its epilogue-dtype
+        # copy: an int32 accumulator stays exact past float32's 24 bits
+        v = acc if o.value == 0 and acc is not None else values[o.value]
+        if o.reduce:
+            v = _reduced(v, o.reduce, o.over, shape, _accumulation_dtype(v))
+        elif reduced[o.value] or o.value in (given or {}):
+            v = jnp.broadcast_to(v, jnp.broadcast_shapes(jnp.shape(v), (1,) * len(shape)))
+        else:
+            v = jnp.broadcast_to(v, shape)
+        outs.append(store_as(v, o.dtype))
+    return outs
+
+
+def _accumulation_dtype(x: Any) -> Any:
+    wide = jnp.float32 if jnp.issubdtype(jnp.result_type(x), jnp.floating) else jnp.int32
+    return jnp.promote_types(jnp.result_type(x), wide)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A traced program split at its first reductions: what one fused GEMM computes (elementwise,
+    reductions only as outputs), and how the traced program's outputs come from it."""
+
+    gemm: EpilogueIR
+    direct: tuple[int | None, ...]  # per traced output: its index among gemm's, or None (computed after)
+    given: tuple[tuple[int, int], ...]  # (traced value, index among gemm's outputs) read after
+
+    def finish(self, ir: EpilogueIR, outs: Sequence[Any], operands: Sequence[Any],
+               shape: tuple[int, ...]) -> list[Any]:
+        """The traced program ``ir``'s outputs from the GEMM's outputs ``outs``."""
+        if None not in self.direct:
+            return [outs[d] for d in self.direct]
+        rest = ir.with_outputs([o for o, d in zip(ir.outputs, self.direct) if d is None])
+        later = iter(evaluate(rest, None, operands, given={v: outs[i] for v, i in self.given}, shape=shape))
+        return [outs[d] if d is not None else next(later) for d in self.direct]
+
+
+def split_at_reductions(ir: EpilogueIR) -> Split:
+    """Split a traced program where it consumes a reduction. The GEMM computes every value that
+    depends on no reduction, and the reductions of those over M and N (its outputs);
+    reductions of reductions, reductions over L and what uses a reduction are evaluated in XLA
+    from the GEMM's outputs: the reductions and every value of a tile's size they need (in
+    its own dtype: the epilogue's, so nothing is rounded in between). Values that do not span
+    the tile (of row, column and scalar operands) are recomputed there."""
+    n_in = len(ir.inputs)
+    if not any(i.op == "reduce" for i in ir.instrs):
+        return Split(ir, tuple(range(len(ir.outputs))), ())
+    after = _after_reduction(ir)
+    heavy = [i == 0 or x.role is Role.TILE for i, x in enumerate(ir.inputs)]
+    first: dict[int, tuple[str, tuple[str, ...], int]] = {}
+    for j, ins in enumerate(ir.instrs):
+        heavy.append(any(heavy[a] for a in ins.args))
+        kind, axes = ins.attr if ins.op == "reduce" else (None, ())
+        if ins.op == "reduce" and not after[ins.args[0]] and "l" not in axes:
+            first[n_in + j] = (kind, axes, ins.args[0])
+
+    def in_gemm(v: int) -> bool:
+        return not after[v] or v in first
+
+    def output(name: str, v: int, dtype: str) -> Output:
+        if v in first:
+            kind, axes, arg = first[v]
+            return Output(name, arg, dtype, kind, axes)
+        return Output(name, v, dtype)
+
+    outputs: list[Output] = []
+    direct: list[int | None] = []
+    for o in ir.outputs:
+        direct.append(len(outputs) if in_gemm(o.value) else None)
+        if in_gemm(o.value):
+            outputs.append(output(o.name, o.value, o.dtype))
+    given, stack, seen = set(), [o.value for o, d in zip(ir.outputs, direct) if d is None], set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if in_gemm(v):
+            if heavy[v] or v in first:
+                given.add(v)
+        elif v >= n_in:
+            stack.extend(ir.instrs[v - n_in].args)
+    read = []
+    for v in sorted(given):
+        read.append((v, len(outputs)))
+        dtype = ir.inputs[v].dtype if v < n_in else ir.instrs[v - n_in].dtype
+        outputs.append(output(f"__value{v}__", v, dtype))
+    gemm = ir.with_outputs(outputs).pruned()
+    return Split(gemm, tuple(direct), tuple(read))
 
 
 def restructure(structure: Any, ir: EpilogueIR, outs: list[Any]) -> Any:
-    """``ir``'s outputs ``outs`` in the structure the epilogue returned them in (an array, a
-    tuple, a dict), as ``trace_epilogue`` recorded it."""
-    kind, keys = structure
+    """``ir``'s outputs ``outs`` (canonical shapes) in the structure and shapes the epilogue
+    returned them in (an array, a tuple, a dict), as ``trace_epilogue`` recorded it."""
+    kind, keys, leaves = structure
+    outs = [_as_leaf(o, *leaf) for o, leaf in zip(outs, leaves)]
     if kind == "dict":
         by_name = dict(zip([o.name for o in ir.outputs], outs))
         return {k: by_name[str(k)] for k in keys}
     if kind == "tuple":
         return tuple(outs)
     return outs[0]
+
+
+def _as_leaf(out: Any, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> Any:
+    """A canonical output in the shape the epilogue gave it (a sum over M of an (M, N) value
+    is (1, N) here, (N,) there)."""
+    if tuple(out.shape) == tuple(shape):
+        return out
+    sizes = dict(zip(_AXES[-out.ndim:], out.shape))
+    return jnp.broadcast_to(out.reshape([sizes.get(a, 1) for a in axes]), shape)
 
 
 def store_as(v: Any, dtype: Any) -> Any:

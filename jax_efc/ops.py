@@ -15,8 +15,8 @@ import numpy as np
 
 from . import activations, arguments
 from .config import GemmConfig
-from .epilogue import (EpilogueIR, Role, canonical_shape, evaluate, exact, identity_ir, restructure,
-                       trace_epilogue, with_acc_output)
+from .epilogue import (EpilogueIR, Role, canonical_shape, evaluate, exact, identity_ir, output_shape,
+                       restructure, split_at_reductions, trace_epilogue, with_acc_output)
 from .primitive import fused_gemm, gemm_cotangents, match_varying, problem_shape
 
 __all__ = ["gemm", "fused_dense", "prepare_epilogue"]
@@ -97,19 +97,20 @@ def gemm(
 
     ir, structure, arrays = prepare_epilogue(epilogue, acc_shape, operands, scalars, out_dtypes,
                                              arguments.default_out_dtype(a.dtype, acc_dtype), acc_dtype, epi_dtype)
-    static = _Static(ir, transpose_a, transpose_b, acc_dtype, precision, config, recompute_acc,
-                     _backward_reads_acc(ir, acc_shape))
-    a, b, arrays, unfold = _fold_batch(a, b, arrays, static, batch)
+    split = split_at_reductions(ir)
+    static = _Static(split.gemm, transpose_a, transpose_b, acc_dtype, precision, config, recompute_acc,
+                     _backward_reads_acc(split.gemm, acc_shape))
+    a, b, gemm_arrays, unfold = _fold_batch(a, b, arrays, static, batch)
     # under shard_map, differentiable inputs are made alike outside the VJP, so that the
     # gradient of an input that varies over fewer mesh axes is summed over the others
-    a, b, *arrays = match_varying((a, b, *arrays))
+    a, b, *gemm_arrays = match_varying((a, b, *gemm_arrays))
     try:
-        outs = [unfold(o) for o in _fused(static, a, b, tuple(arrays))]
+        outs = [unfold(o) for o in _fused(static, a, b, tuple(gemm_arrays))]
     except TypeError as e:
         if "forward-mode autodiff" not in str(e):
             raise
         raise TypeError(_NO_FORWARD_MODE) from None
-    return restructure(structure, ir, outs)
+    return restructure(structure, ir, split.finish(ir, outs, arrays, acc_shape))
 
 
 _NO_FORWARD_MODE = (
@@ -213,7 +214,8 @@ def _fold_batch(a: Any, b: Any, ops: list[Any], static: _Static, batch: int | No
     if a.ndim == 3 and b.ndim == 2:
         per_row = all((x.ndim == 3) == (r.role in (Role.TILE, Role.COL))
                       for x, r in zip(ops, static.ir.operands))
-        if not static.transpose_a and per_row:
+        per_batch = all("m" not in o.over for o in static.ir.outputs)  # no sum over a batch's rows
+        if not static.transpose_a and per_row and per_batch:
             _, m, k = a.shape
             ops = [x.reshape(batch * m, x.shape[-1]) if x.ndim == 3 else x for x in ops]
             return a.reshape(batch * m, k), b, ops, lambda o: o.reshape(batch, m, o.shape[-1])
@@ -237,7 +239,7 @@ def _backward_reads_acc(ir: EpilogueIR, acc_shape: tuple[int, ...]) -> bool:
 
     try:
         grads, _, _, _ = trace_epilogue(
-            vjp, acc_shape, shapes + [acc_shape] * len(ir.outputs),
+            vjp, acc_shape, shapes + [output_shape(o, acc_shape) for o in ir.outputs],
             [ir.epi_dtype] * (len(shapes) + len(ir.outputs)), {}, {}, None, ir.epi_dtype,
             ir.epi_dtype,
         )
@@ -267,7 +269,8 @@ def _fused_bwd(static: _Static, residuals, cts):
     epi = static.ir.epi_dtype
     if acc is None and static.save_acc:
         (acc,) = static.bind(a, b, (), ir=identity_ir(epi, epi))
-    d_acc, d_ops = _epilogue_vjp(static.ir, acc, ops, list(cts))
+    tile = (*a.shape[:-2], *problem_shape(a.shape, b.shape, static.transpose_a, static.transpose_b)[1:3])
+    d_acc, d_ops = _epilogue_vjp(static.ir, acc, ops, list(cts), tile)
     if jnp.issubdtype(a.dtype, jnp.integer):  # integer inputs have no gradient
         da, db = (np.zeros(x.shape, jax.dtypes.float0) for x in (a, b))
     else:
@@ -300,9 +303,10 @@ def _rows_per_partial(m: int) -> int | None:
     return min(divisors, key=lambda r: (abs(r - _ROWS_PER_PARTIAL), r), default=None)
 
 
-def _epilogue_vjp(ir: EpilogueIR, acc: Any, ops: tuple, cts: list) -> tuple[Any, list[Any]]:
+def _epilogue_vjp(ir: EpilogueIR, acc: Any, ops: tuple, cts: list,
+                  tile: tuple[int, ...]) -> tuple[Any, list[Any]]:
     """The epilogue's cotangents: the accumulator's and each operand's. ``acc`` is as stored
-    (converted here), or None where the VJP does not read it.
+    (converted here), or None where the VJP does not read it; ``tile`` is its shape.
 
     A row, column or scalar operand's cotangent is a sum over the tile. Taken from the
     accumulator's VJP, that sum shares the full-size derivative with the accumulator's
@@ -319,7 +323,7 @@ def _epilogue_vjp(ir: EpilogueIR, acc: Any, ops: tuple, cts: list) -> tuple[Any,
 
     def pullback(wrt: list[int], acc: Any, ops: tuple, cts: list) -> list[Any]:
         """Cotangents of the operands ``wrt`` (-1: the accumulator); the others held fixed."""
-        acc = jnp.zeros(cts[0].shape, ir.epi_dtype) if acc is None else acc.astype(ir.epi_dtype)
+        acc = jnp.zeros(tile, ir.epi_dtype) if acc is None else acc.astype(ir.epi_dtype)
 
         def epilogue(*args):
             given = dict(zip(wrt, args))
@@ -334,7 +338,8 @@ def _epilogue_vjp(ir: EpilogueIR, acc: Any, ops: tuple, cts: list) -> tuple[Any,
         # the small operands stay outside the barrier: shared, they let XLA fuse both VJPs
         acc2, tiles2, cts2 = jax.lax.optimization_barrier((acc, [ops[i] for i in tiles], cts))
         ops2 = tuple(dict(zip(tiles, tiles2)).get(i, x) for i, x in enumerate(ops))
-        r = _rows_per_partial(cts[0].shape[-2])
+        # (an output reduced over rows has no rows to split)
+        r = None if any(o.reduce for o in ir.outputs) else _rows_per_partial(tile[-2])
         if r is None:
             d_sums = pullback(summed, acc2, ops2, cts2)
         else:
@@ -365,7 +370,8 @@ def _partial_sums(pullback: Callable[..., list[Any]], summed: list[int], acc: An
         return jnp.broadcast_to(x, (*x.shape[:-3], m // r, *x.shape[-2:]))
 
     chunked = tuple(per_chunk(x) if i in summed else split(x) for i, x in enumerate(ops))
-    partials = pullback(summed, None if acc is None else split(acc), chunked, [split(c) for c in cts])
+    acc = jnp.zeros(cts[0].shape, epi_dtype) if acc is None else acc  # read only if the VJP does
+    partials = pullback(summed, split(acc), chunked, [split(c) for c in cts])
     partials = jax.lax.optimization_barrier(partials)
     return [(p if has_rows(ops[i]) else p.sum(-3)).reshape(ops[i].shape)
             for i, p in zip(summed, partials)]

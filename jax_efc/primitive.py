@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from . import config as _config
 from . import device
 from .arguments import allowed_acc_dtypes, mixes_8bit
-from .epilogue import EpilogueIR, Role, canonical_shape, evaluate, identity_ir, with_acc_output
+from .epilogue import EpilogueIR, Role, canonical_shape, evaluate, identity_ir, output_shape, with_acc_output
 from .log import log_once
 from .plan import plan_call
 from .reference import fused_gemm_reference
@@ -105,17 +105,23 @@ def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, pre
             allowed.append(canonical_shape(spec.role, batch, m, n))
         if tuple(x.shape) not in allowed:
             raise ValueError(f"{spec.name} has shape {tuple(x.shape)}; expected one of {allowed}.")
-    shape = (m, n) if batch is None else (batch, m, n)
-    sharding = _out_sharding(a, b, transpose_a, transpose_b)
-    if sharding is None:
-        return [jax.core.ShapedArray(shape, jnp.dtype(o.dtype)) for o in ir.outputs]
+    for o in ir.outputs:
+        if o.reduce and (o.reduce not in ("sum", "max", "min") or not set(o.over) <= {"m", "n"}
+                         or not o.over):
+            raise ValueError(f"output {o.name!r} reduces by {o.reduce!r} over {o.over}; a fused GEMM "
+                             "reduces by sum, max or min over some of ('m', 'n').")
+    tile = (m, n) if batch is None else (batch, m, n)
+    if _out_sharding(a, b, transpose_a, transpose_b, ()) is None:
+        return [jax.core.ShapedArray(output_shape(o, tile), jnp.dtype(o.dtype)) for o in ir.outputs]
     # ``a`` carries the mesh and (under shard_map) the manual axes every input varies over
-    return [a.update(shape=shape, dtype=jnp.dtype(o.dtype), weak_type=False, sharding=sharding)
+    return [a.update(shape=output_shape(o, tile), dtype=jnp.dtype(o.dtype), weak_type=False,
+                     sharding=_out_sharding(a, b, transpose_a, transpose_b, o.over))
             for o in ir.outputs]
 
 
-def _out_sharding(a, b, transpose_a, transpose_b):
-    """The outputs' sharding in the type system: rows as ``a``'s, columns as ``b``'s."""
+def _out_sharding(a, b, transpose_a, transpose_b, over):
+    """An output's sharding in the type system: rows as ``a``'s, columns as ``b``'s, and
+    replicated along the axes ``over`` it reduces."""
     sa, sb = getattr(a, "sharding", None), getattr(b, "sharding", None)
     if sa is None or not hasattr(sa, "mesh") or sb is None:
         return None
@@ -123,8 +129,9 @@ def _out_sharding(a, b, transpose_a, transpose_b):
     pb = tuple(sb.spec) + (None,) * (b.ndim - len(sb.spec))
     m = pa[-1] if transpose_a else pa[-2]
     n = pb[-2] if transpose_b else pb[-1]
+    n = None if n is not None and n == m else n
     lead = pa[:1] if a.ndim == 3 else ()
-    return NamedSharding(sa.mesh, P(*lead, m, None if n is not None and n == m else n))
+    return NamedSharding(sa.mesh, P(*lead, None if "m" in over else m, None if "n" in over else n))
 
 
 def _varying(x: Any) -> frozenset:
@@ -353,6 +360,7 @@ def _batching_rule(args, dims, *, ir, transpose_a, transpose_b, **params):
     fold_m = (
         two_d and da is not None and db is None and not transpose_a
         and all((d is not None) == ms for d, ms in zip(dops, m_side))
+        and all("m" not in o.over for o in ir.outputs)  # a sum over M stays per batch
     )
     if fold_m:
         rows = size * a.shape[1]

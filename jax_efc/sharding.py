@@ -16,6 +16,10 @@ The primitive lowers through ``jax.experimental.custom_partitioning`` with a Sha
   that gives the right answer); shardings that conflict (one mesh axis on two dimensions)
   keep the first and replicate the other.
 
+An output that reduces over M or N while that dimension is sharded is completed across the
+devices (``psum`` for a sum, computed and sent in float32, or int32, and rounded once at the
+end; ``pmax`` / ``pmin``), and is replicated along the axes it reduced.
+
 Under ``shard_map`` (all axes manual) and on one device the call is not partitioned at all.
 """
 
@@ -32,7 +36,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .epilogue import Role, evaluate, identity_ir
+from .epilogue import EpilogueIR, Role, evaluate, identity_ir, store_as
 
 __all__ = ["lower_partitioned"]
 
@@ -78,8 +82,13 @@ class _Plan:
                 Role.COL: (self.m, None), Role.SCALAR: (None, None)}[role]
         return P(*((self.l,) if ndim == 3 else ()), *core)
 
-    def out(self, ndim: int) -> P:
-        return P(*((self.l,) if ndim == 3 else ()), self.m, self.n)
+    def out(self, ndim: int, over: tuple[str, ...] = ()) -> P:
+        return P(*((self.l,) if ndim == 3 else ()), None if "m" in over else self.m,
+                 None if "n" in over else self.n)
+
+    def across(self, over: tuple[str, ...]) -> tuple[str, ...]:
+        """The mesh axes a reduction over ``over`` spans."""
+        return tuple(a for d in over for a in _axes(getattr(self, d)))
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -124,22 +133,52 @@ def _shardings(params, mesh, arg_shapes):
         tuple(NamedSharding(mesh, plan.operand(spec.role, len(x.shape)))
               for spec, x in zip(ir.operands, ops)),
     )
-    out = [NamedSharding(mesh, plan.out(len(a.shape)))] * len(ir.outputs)
+    out = [NamedSharding(mesh, plan.out(len(a.shape), o.over)) for o in ir.outputs]
     return plan, args, out
 
 
 def _partition(key, mesh, arg_shapes, result_shape):
     primitive, params = key[0], dict(key[1])
     plan, args, out = _shardings(params, mesh, arg_shapes)
-    if plan.k is None:
-        return mesh, partial(_local, primitive, params), out, args
+    ir = params["ir"]
+    local_ir = _with_partial_sums(ir, plan)
 
-    def row_parallel(a, b, ops):
-        plain = identity_ir(_partial_sum_dtype(params), params["ir"].epi_dtype)
+    def local(a, b, ops):
+        if plan.k is None:
+            return _local(primitive, {**params, "ir": local_ir}, a, b, ops)
+        plain = identity_ir(_partial_sum_dtype(params), ir.epi_dtype)
         (part,) = _local(primitive, {**params, "ir": plain}, a, b, ())
-        return evaluate(params["ir"], lax.psum(part, plan.k), ops)
+        return evaluate(local_ir, lax.psum(part, plan.k), ops)
 
-    return mesh, row_parallel, out, args
+    def partitioned(a, b, ops):
+        return _completed(ir, plan, local(a, b, ops))
+
+    return mesh, partitioned, out, args
+
+
+_COLLECTIVES = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
+
+
+def _with_partial_sums(ir: EpilogueIR, plan: _Plan) -> EpilogueIR:
+    """``ir`` with each sum over a sharded dimension kept in float32 (int32) on each device,
+    so that the partial sums lose nothing before ``psum`` adds them."""
+    def wide(dtype: str) -> str:
+        return "float32" if jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize < 4 else (
+            "int32" if jnp.issubdtype(dtype, jnp.integer) and np.dtype(dtype).itemsize < 4 else dtype)
+
+    return ir.with_outputs([dataclasses.replace(o, dtype=wide(o.dtype))
+                            if o.reduce == "sum" and plan.across(o.over) else o for o in ir.outputs])
+
+
+def _completed(ir: EpilogueIR, plan: _Plan, outs: list[Any]) -> list[Any]:
+    """The device-local outputs, with every reduction over a sharded dimension completed across
+    the devices that share it."""
+    done = []
+    for o, x in zip(ir.outputs, outs):
+        if o.reduce and plan.across(o.over):
+            x = store_as(_COLLECTIVES[o.reduce](x, plan.across(o.over)), o.dtype)
+        done.append(x)
+    return done
 
 
 def _partial_sum_dtype(params: dict[str, Any]) -> np.dtype:
@@ -173,7 +212,8 @@ def _rule(key, mesh, value_types, result_types):
         core = {Role.TILE: "m n", Role.ROW: f"r{i} n", Role.COL: f"m c{i}",
                 Role.SCALAR: f"s{i} t{i}"}[spec.role]
         ops.append(("l " if len(t.shape) == 3 else "") + core)
-    outs = [lead + "m n"] * len(result_types)
+    outs = [lead + " ".join(f"r{j}{d}" if d in o.over else d for d in "mn")
+            for j, o in enumerate(params["ir"].outputs)]
     return f"{', '.join([a, b, *ops])} -> {', '.join(outs)}", {"reduction_factors": ("k",)}
 
 

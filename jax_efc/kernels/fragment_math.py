@@ -176,6 +176,7 @@ FLOAT_OPS = {
     "sin": lambda a: cmath.sin(a),
     "cos": lambda a: cmath.cos(a),
     "tan": lambda a: cmath.tan(a),
+    "stop_gradient": lambda a: a,  # what it stops is the reference's autodiff
 }
 BOOL_OPS = {
     "and": lambda a, b: a & b,

@@ -119,6 +119,10 @@ class ArchPolicy:
                 return (f"the epilogue computes a {ins.dtype} value (`{ins.op}`); the kernels "
                         f"evaluate only {self.value_dtypes} values.")
         for out in ir.outputs:
+            if out.reduce:
+                return (f"output {out.name!r} is a {out.reduce} over {'/'.join(out.over).upper()}; the "
+                        "kernels do not reduce in the epilogue yet, so the call runs on the XLA "
+                        "reference (which fuses the reduction into the epilogue's pass).")
             if out.dtype not in self.out_dtypes:
                 return (f"output {out.name!r} has dtype {out.dtype}; the kernels store only "
                         f"{self.out_dtypes}.")

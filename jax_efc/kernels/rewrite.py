@@ -88,21 +88,10 @@ def rewrite(ir: EpilogueIR) -> EpilogueIR:
                 break
         else:
             new_id[n_in + j] = emit(ins, new_id)
-    return _without_dead_code(_renumbered(ir, instrs, new_id))
+    return _renumbered(ir, instrs, new_id).pruned()
 
 
 def _renumbered(ir: EpilogueIR, instrs: list[Instr], new_id: dict[int, int]) -> EpilogueIR:
     """``ir`` with ``instrs`` (already renumbered) and its outputs moved by ``new_id``."""
     return dataclasses.replace(ir, instrs=tuple(instrs), outputs=tuple(
         dataclasses.replace(o, value=new_id[o.value]) for o in ir.outputs))
-
-
-def _without_dead_code(ir: EpilogueIR) -> EpilogueIR:
-    n_in, live = len(ir.inputs), ir.live()
-    new_id = {i: i for i in range(n_in)}
-    instrs: list[Instr] = []
-    for j, ins in enumerate(ir.instrs):
-        if n_in + j in live:
-            instrs.append(dataclasses.replace(ins, args=tuple(new_id[a] for a in ins.args)))
-            new_id[n_in + j] = n_in + len(instrs) - 1
-    return _renumbered(ir, instrs, new_id)
