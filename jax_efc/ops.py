@@ -16,7 +16,8 @@ import numpy as np
 from . import activations, arguments
 from .config import GemmConfig
 from .epilogue import (EpilogueIR, Role, canonical_shape, evaluate, exact, identity_ir, output_shape,
-                       restructure, split_at_reductions, trace_epilogue, with_acc_output)
+                       restructure, split_at_reductions, with_acc_output)
+from .tracing import trace_epilogue
 from .primitive import fused_gemm, gemm_cotangents, match_varying, problem_shape
 
 __all__ = ["gemm", "fused_dense", "prepare_epilogue"]

@@ -22,7 +22,8 @@ def _setup():
 
     import jax_efc.ffi as F
     from jax_efc.config import GemmConfig
-    from jax_efc.epilogue import evaluate, trace_epilogue
+    from jax_efc.epilogue import evaluate
+    from jax_efc.tracing import trace_epilogue
 
     return jax, jnp, lax, F, GemmConfig, evaluate, trace_epilogue
 

@@ -182,7 +182,7 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
     import jax
     import jax.numpy as jnp
 
-    from jax_efc.epilogue import trace_epilogue
+    from jax_efc.tracing import trace_epilogue
 
     acc_shape = (m, n) if batch is None else (batch, m, n)
     out_dtype = jnp.int32 if jnp.issubdtype(dtype, jnp.integer) else dtype  # as efc.gemm defaults
@@ -461,7 +461,7 @@ def test_unsupported_reasons(change, needle):
     import jax.numpy as jnp
 
     import jax_efc.plan as P
-    from jax_efc.epilogue import trace_epilogue
+    from jax_efc.tracing import trace_epilogue
 
     m, n, k = change.get("m", 256), change.get("n", 512), change.get("k", 256)
     dtype = jnp.dtype(change.get("dtype", "bfloat16"))
@@ -547,7 +547,7 @@ def test_too_few_stages_names_the_subtiles_that_fit():
     import jax.numpy as jnp
 
     from jax_efc.config import GemmConfig
-    from jax_efc.epilogue import trace_epilogue
+    from jax_efc.tracing import trace_epilogue
     from jax_efc.kernels import KernelProblem
     from jax_efc.kernels.sm90_policy import POLICY
 
@@ -671,7 +671,7 @@ def test_supported_and_heuristic():
 
     import jax_efc.plan as P
     from jax_efc.config import GemmConfig
-    from jax_efc.epilogue import trace_epilogue
+    from jax_efc.tracing import trace_epilogue
     from jax_efc.kernels import KernelProblem
     from jax_efc.kernels.sm90_policy import POLICY
 
@@ -817,7 +817,7 @@ def test_short_or_few_tile_gemms_go_to_xla(monkeypatch):
     import jax.numpy as jnp
 
     from jax_efc.config import GemmConfig
-    from jax_efc.epilogue import trace_epilogue
+    from jax_efc.tracing import trace_epilogue
     from jax_efc.kernels import KernelProblem
     from jax_efc.kernels.sm90_policy import POLICY
     from jax_efc.plan import plan_call

@@ -132,7 +132,7 @@ def test_signed_zeros_and_nan_scalars_are_distinct_programs(rng):
     assert np.isnan(np.asarray(efc.gemm(a, b, lambda acc, *, s: acc + s, s=float("nan")))).all()
     assert np.isfinite(np.asarray(efc.gemm(a, b, lambda acc, *, s: acc + s, s=1.0))).all()
 
-    from jax_efc.epilogue import trace_epilogue
+    from jax_efc.tracing import trace_epilogue
 
     def ir(s):
         return trace_epilogue(scaled, (16, 12), [], [], {"s": s}, {}, None, jnp.float32)[0]

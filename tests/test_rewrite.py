@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_efc.epilogue import evaluate, trace_epilogue
+from jax_efc.epilogue import evaluate
+from jax_efc.tracing import trace_epilogue
 from jax_efc.kernels.rewrite import rewrite
 
 

@@ -19,7 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_efc.epilogue import EpilogueIR, Instr, exact, trace_epilogue
+from jax_efc.epilogue import EpilogueIR, Instr, exact
+from jax_efc.tracing import trace_epilogue
 
 __all__ = ["rewrite"]
 

@@ -1,0 +1,212 @@
+"""Reductions in the epilogue: outputs that reduce, reductions consumed inside the epilogue,
+their gradients, vmap, batching and sharding, against a float64 NumPy oracle."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_efc as efc
+from jax_efc.epilogue import EpilogueError, split_at_reductions
+from jax_efc.tracing import trace_epilogue
+
+REDUCE = {"sum": (jnp.sum, np.sum), "max": (jnp.max, np.max), "min": (jnp.min, np.min)}
+
+
+def _operands(rng, m, n, k, batch=None, dtype=jnp.float32):
+    lead = () if batch is None else (batch,)
+    a = rng.standard_normal((*lead, m, k))
+    b = rng.standard_normal((*lead, k, n))
+    bias = rng.standard_normal(n)
+    a, b = (jnp.asarray(x, dtype) for x in (a, b))
+    # the oracle starts from the inputs as rounded to ``dtype``
+    return a, b, jnp.asarray(bias, jnp.float32), np.asarray(a, np.float64), np.asarray(b, np.float64)
+
+
+@pytest.mark.parametrize("kind", ["sum", "max", "min"])
+@pytest.mark.parametrize("axis", [0, 1, None, "abs"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_every_reduction_against_the_oracle(rng, kind, axis, dtype):
+    """m and n not multiples of any tile; tanh of a biased accumulator, then each reduction."""
+    m, n, k = 77, 45, 24
+    a, b, bias, a64, b64 = _operands(rng, m, n, k, dtype=dtype)
+    jred, nred = REDUCE[kind]
+
+    def epilogue(acc, bias):
+        y = jnp.tanh(acc * 0.25 + bias)
+        if axis == "abs":
+            return y, jred(jnp.abs(y))
+        return y, jred(y, axis=axis)
+
+    y, r = efc.gemm(a, b, epilogue, bias)
+    y64 = np.tanh((a64 @ b64) * 0.25 + np.asarray(bias, np.float64))
+    want = nred(np.abs(y64)) if axis == "abs" else nred(y64, axis=axis)
+    assert r.shape == np.shape(want) and r.dtype == jnp.float32  # reductions default to fp32
+    assert y.dtype == dtype
+    tol = 1e-5 * (m if kind == "sum" else 1)
+    np.testing.assert_allclose(np.asarray(r, np.float64), want, atol=tol, rtol=1e-5)
+
+
+def test_keepdims_and_out_dtypes(rng):
+    a, b, _, a64, b64 = _operands(rng, 40, 24, 16)
+    out = efc.gemm(a, b, lambda acc: {"c": jnp.sum(acc, axis=1, keepdims=True),
+                                      "r": jnp.max(acc, axis=0, keepdims=True), "t": acc},
+                   out_dtypes={"c": jnp.bfloat16, "r": jnp.float32, "t": jnp.bfloat16})
+    acc = a64 @ b64
+    assert out["c"].shape == (40, 1) and out["c"].dtype == jnp.bfloat16
+    assert out["r"].shape == (1, 24) and out["t"].dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out["c"], np.float64), acc.sum(1, keepdims=True), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(out["r"]), acc.max(0, keepdims=True), rtol=1e-5, atol=1e-5)
+
+
+def test_batched_reductions_are_per_batch(rng):
+    """A batched call reduces each batch apart; an axis tuple with the batch reduces it too.
+    A 3-D ``a`` against a 2-D ``b`` (otherwise folded into M) still sums per batch."""
+    a, _, _, a64, _ = _operands(rng, 33, 20, 16, batch=3)
+    b = jnp.asarray(rng.standard_normal((16, 20)), jnp.float32)
+    acc = a64 @ np.asarray(b, np.float64)
+    cols, rows, each, total, amax = efc.gemm(a, b, lambda acc: (
+        jnp.sum(acc, axis=1), jnp.min(acc, axis=2), jnp.max(acc, axis=(1, 2)), jnp.sum(acc),
+        jnp.max(jnp.abs(acc))))
+    assert (cols.shape, rows.shape, each.shape, total.shape) == ((3, 20), (3, 33), (3,), ())
+    np.testing.assert_allclose(np.asarray(cols), acc.sum(1), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(rows), acc.min(2), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(each), acc.max((1, 2)), rtol=1e-6)
+    np.testing.assert_allclose(float(total), acc.sum(), rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(float(amax), np.abs(acc).max(), rtol=1e-6)
+
+
+def test_non_finite_values_propagate(rng):
+    a, b, _, _, _ = _operands(rng, 16, 16, 8)
+    a = a.at[3, 2].set(jnp.nan).at[5, 1].set(jnp.inf)
+    s, mx, mn = efc.gemm(a, b, lambda acc: (jnp.sum(acc, 0), jnp.max(acc, 1), jnp.min(acc)))
+    ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    for got, want in ((s, ref.sum(0)), (mx, ref.max(1)), (mn, ref.min())):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_allclose(np.nan_to_num(np.asarray(got, np.float64), posinf=1e300, neginf=-1e300),
+                                   np.nan_to_num(want, posinf=1e300, neginf=-1e300), rtol=1e-5, atol=1e-4)
+
+
+CONSUMED = {
+    "norm": (lambda acc: acc / jnp.linalg.norm(acc), lambda x: x / np.linalg.norm(x)),
+    "row softmax": (lambda acc: jax.nn.softmax(acc, axis=-1),
+                    lambda x: np.exp(x - x.max(1, keepdims=True)) / np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True)),
+    "row norm": (lambda acc: acc * jax.lax.rsqrt(jnp.mean(acc * acc, axis=1, keepdims=True) + 1e-6),
+                 lambda x: x / np.sqrt((x * x).mean(1, keepdims=True) + 1e-6)),
+    "centred columns": (lambda acc: acc - jnp.mean(acc, axis=0), lambda x: x - x.mean(0)),
+    "amax scale": (lambda acc: (acc * (448.0 / jnp.max(jnp.abs(acc)))).astype(jnp.float8_e4m3fn).astype(jnp.float32),
+                   None),
+}
+
+
+@pytest.mark.parametrize("name", list(CONSUMED))
+def test_reductions_consumed_inside_the_epilogue(rng, name):
+    fn, oracle = CONSUMED[name]
+    a, b, _, a64, b64 = _operands(rng, 50, 36, 16)
+    got = efc.gemm(a, b, fn, out_dtypes=jnp.float32)
+    ref = jax.jit(fn)(jnp.asarray(a) @ jnp.asarray(b)) if oracle is None else oracle(a64 @ b64)
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(ref, np.float64),
+                               rtol=1e-5 if oracle else 0.07, atol=1e-5)
+
+
+def test_the_split_gives_the_gemm_what_the_rest_reads():
+    """``d / norm(d)``: the GEMM writes d (fp32) and the sum of its squares; the sqrt and the
+    division run after. No reduction instruction is left in what the GEMM computes."""
+    ir, *_ = trace_epilogue(lambda acc, bias: (acc + bias) / jnp.linalg.norm(acc + bias), (64, 32),
+                            [(32,)], [jnp.float32], {}, {}, jnp.bfloat16, jnp.bfloat16)
+    split = split_at_reductions(ir)
+    assert split.direct == (None,)
+    assert [o.reduce for o in split.gemm.outputs] == [None, "sum"]
+    assert split.gemm.outputs[1].over == ("m", "n")
+    assert split.gemm.outputs[0].dtype == "float32"
+    assert not any(i.op == "reduce" for i in split.gemm.instrs)
+
+
+def test_gradients_through_reductions(rng):
+    a, b, bias, _, _ = _operands(rng, 48, 40, 24)
+
+    def fused(a, b, bias):
+        y, s, amax, sm = efc.gemm(a, b, lambda acc, bias: (
+            jax.nn.gelu(acc + bias), jnp.sum(jax.nn.gelu(acc + bias), axis=0),
+            jnp.max(jnp.abs(acc)), jax.nn.softmax(acc + bias, axis=-1)), bias, out_dtypes=jnp.float32)
+        return jnp.sum(y * y) + jnp.sum(s ** 2) + amax + jnp.sum(sm ** 3)
+
+    def plain(a, b, bias):
+        acc = a @ b
+        y = jax.nn.gelu(acc + bias)
+        return (jnp.sum(y * y) + jnp.sum(jnp.sum(y, 0) ** 2) + jnp.max(jnp.abs(acc))
+                + jnp.sum(jax.nn.softmax(acc + bias, axis=-1) ** 3))
+
+    got = jax.jit(jax.grad(fused, (0, 1, 2)))(a, b, bias)
+    want = jax.grad(plain, (0, 1, 2))(a, b, bias)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5 * float(jnp.abs(w).max()))
+
+
+def test_stop_gradient_inside_the_epilogue_stops_it(rng):
+    a, b, _, _, _ = _operands(rng, 16, 8, 8)
+    grad = jax.grad(lambda a: jnp.sum(efc.gemm(a, b, lambda acc: acc * jax.lax.stop_gradient(acc))))(a)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(jnp.ones((16, 8)) @ b.T * 0 + (a @ b) @ b.T),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_reduces_per_example(rng):
+    a, b, _, a64, b64 = _operands(rng, 24, 16, 8, batch=4)
+    w = b[0]
+    got = jax.vmap(lambda x: efc.gemm(x, w, lambda acc: (jnp.sum(acc, 0), jnp.max(acc))))(a)
+    acc = a64 @ np.asarray(w, np.float64)
+    np.testing.assert_allclose(np.asarray(got[0]), acc.sum(1), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(got[1]), acc.max((1, 2)), rtol=1e-6)
+
+
+def test_grouped_gemm_reduces_over_tokens(rng):
+    x = jnp.asarray(rng.standard_normal((10, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3, 8, 6)), jnp.float32)
+    sizes = jnp.array([4, 0, 5])
+    y, s = efc.grouped_gemm(x, w, sizes, lambda acc: (acc, jnp.sum(jnp.abs(acc), axis=0)))
+    ref = jax.lax.ragged_dot(x, w, sizes)
+    np.testing.assert_allclose(np.asarray(s), np.abs(np.asarray(ref)).sum(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("specs", [
+    (P("data", None), P(None, "model")),  # rows and columns sharded
+    (P(None, "model"), P("model", None)),  # row-parallel: partials summed, then the epilogue
+    (P("data", "model"), P("model", None)),
+])
+def test_sharded_reductions_are_completed(rng, specs):
+    """A reduction over a sharded axis is finished across devices, never left partial; a sum
+    is added in float32 even where its output is bf16."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    a, b, bias, _, _ = _operands(rng, 64, 48, 32)
+
+    def fn(a, b, bias):
+        return efc.gemm(a, b, lambda acc, bias: {
+            "cols": jnp.sum(jnp.tanh(acc + bias), 0), "rows": jnp.max(acc, 1),
+            "amax": jnp.max(jnp.abs(acc)), "normed": acc / jnp.linalg.norm(acc, axis=1, keepdims=True)},
+            bias, out_dtypes={"cols": jnp.bfloat16, "rows": jnp.float32, "amax": jnp.float32, "normed": jnp.float32})
+
+    want = fn(a, b, bias)
+    sa, sb = (jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip((a, b), specs))
+    got = jax.jit(fn)(sa, sb, bias)
+    for key in want:
+        np.testing.assert_allclose(np.asarray(got[key], np.float64), np.asarray(want[key], np.float64),
+                                   rtol=1e-2 if key == "cols" else 1e-5, atol=1e-5)
+    assert got["cols"].sharding.spec in (P(None), P("model"), P())
+
+
+def test_errors_name_the_fix(rng):
+    a, b, _, _, _ = _operands(rng, 12, 12, 8)
+    with pytest.raises(EpilogueError, match=r"keepdims=True"):
+        efc.gemm(a, b, lambda acc: acc - jnp.sum(acc, axis=1))  # (M,) against columns
+    with pytest.raises(EpilogueError, match=r"uses `reduce_prod`"):
+        efc.gemm(a, b, lambda acc: jnp.prod(acc, axis=0))
+    with pytest.raises(EpilogueError, match=r"or a reduction of one"):
+        efc.gemm(a, b, lambda acc, v: (acc, v * 2), jnp.ones(12))
+
+
+def test_backends_say_why_reductions_run_on_the_reference(monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")  # as set_target_arch does, planned for an export
+    spec = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    (why,) = efc.backends(lambda a, b: efc.gemm(a, b, lambda acc: (acc, jnp.sum(acc, 0))), spec, spec)
+    assert why.startswith("reference: output '1' is a sum over M")
