@@ -23,6 +23,7 @@ from jax._src import dispatch
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from . import ahead_of_time
 from . import config as _config
 from . import device
 from .arguments import allowed_acc_dtypes, mixes_8bit
@@ -86,7 +87,6 @@ def problem_shape(a_shape: Sequence[int], b_shape: Sequence[int], transpose_a: b
 
 def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, precision, config,
                    local):
-    del precision, config, local
     if a.dtype != b.dtype and not mixes_8bit(a.dtype, b.dtype):
         raise TypeError(f"a is {a.dtype} but b is {b.dtype}; the fused GEMM takes A and B of one "
                         "dtype (or two 8-bit float formats): cast one of them.")
@@ -111,6 +111,9 @@ def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, pre
             raise ValueError(f"output {o.name!r} reduces by {o.reduce!r} over {o.over}; a fused GEMM "
                              "reduces by sum, max or min over some of ('m', 'n').")
     tile = (m, n) if batch is None else (batch, m, n)
+    ahead_of_time.speculate([a, b, *operands], dict(ir=ir, transpose_a=transpose_a, transpose_b=transpose_b,
+                                                     acc_dtype=acc_dtype, precision=precision, config=config,
+                                                     local=local))
     if _out_sharding(a, b, transpose_a, transpose_b, ()) is None:
         return [jax.core.ShapedArray(output_shape(o, tile), jnp.dtype(o.dtype)) for o in ir.outputs]
     # ``a`` carries the mesh and (under shard_map) the manual axes every input varies over

@@ -223,6 +223,46 @@ def test_warmup_builds_a_steps_kernels_in_parallel_for_the_lowering(tmp_path):
     assert len(list((tmp_path / "kernels").glob("*.kernel"))) == 3
 
 
+_AHEAD = """
+import json, sys, time
+import jax, jax.numpy as jnp
+import jax_efc as efc
+from jax_efc import ahead_of_time
+S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+def loss(x, w, b):
+    return efc.fused_dense(x, w, b, activation="gelu").astype(jnp.float32).sum()
+step = jax.jit(jax.grad(loss, (0, 1, 2)))
+specs = S((2048, 1536), bf), S((1536, 1536), bf), S((1536,), bf)
+if sys.argv[1] == "broken":  # every worker dies at once: the lowering compiles the kernels itself
+    ahead_of_time._spawn = lambda arch: __import__("subprocess").Popen(
+        [sys.executable, "-c", "pass"], text=True, stdin=-1, stdout=-1)
+else:
+    import cutlass.cute
+    def compile(*args, **kwargs):
+        raise RuntimeError("the DSL compiled a kernel in the tracing process")
+    cutlass.cute.compile = compile
+exported = jax.export.export(step, platforms=["cuda"], disabled_checks=efc.export_checks())(*specs)
+outcomes = sorted(f.result() for f in ahead_of_time._started.values())
+print(json.dumps({"kernels": exported.mlir_module().count("custom_call @CuteDSLRT"), "outcomes": outcomes}))
+"""
+
+
+@pytest.mark.parametrize("workers", ["working", "broken"])
+def test_kernels_compile_ahead_while_the_program_is_traced(tmp_path, workers):
+    """With compiling ahead on, a training step's three kernels are built by worker processes
+    while the step is traced: the lowering's own DSL compile never runs, and every kernel is
+    in the module. Where the workers fail, the lowering compiles the kernels itself."""
+    pytest.importorskip("cutlass.jax")
+    out = json.loads(run_for_sm90(_AHEAD, workers, JAX_EFC_CACHE_DIR=str(tmp_path), JAX_EFC_KERNEL_CACHE="1",
+                                  JAX_EFC_COMPILE_AHEAD="1").strip().splitlines()[-1])
+    assert out["kernels"] == 3
+    if workers == "working":
+        assert out["outcomes"] == ["compiled"] * 3, out
+    else:
+        assert len(out["outcomes"]) == 3 and all(o.startswith("failed (worker exited") for o in out["outcomes"])
+    assert len(list((tmp_path / "kernels").glob("*.kernel"))) == 3
+
+
 def test_warmup_says_what_it_needs(monkeypatch):
     """Without a GPU warmup needs a target architecture; with the kernel cache off it has
     nowhere to put the kernels: each a RuntimeError saying so, nothing compiled."""

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_efc import ahead_of_time
 from jax_efc.kernels import TIMELINE_EVENTS, TIMELINE_UNITS, policy
 from jax_efc.log import log_once
 from jax_efc.plan import Plan, gemm_dims
@@ -136,21 +137,25 @@ def lower(ctx, *args, plan: Plan) -> Any:
     return lowered
 
 
-def fused_gemm(a, b, *operands, plan: Plan, timeline: bool = False) -> list:
-    """The outputs of the epilogue ``plan`` was made for, one array per output in shape
-    (M, N), or (L, M, N) when a or b is batched, from ``a``, ``b`` and ``operands`` in the
-    primitive's canonical shapes (those :func:`jax_efc.plan.plan_kernel` was given).
+@dataclasses.dataclass
+class _Call:
+    """One kernel call as ``cutlass_call`` takes it, and its disk-cache key (None: no cache)."""
 
-    Emits one ``cutlass_call`` custom call; call it under ``jit`` (or inside a lowering).
-    Raises ``ValueError`` when ``plan`` is not the kernel's, with its reason, or was made for
-    other shapes or dtypes. ``timeline=True`` runs the kernel's diagnostic build and appends
-    its SM-clock stamps to the outputs: int32 (CTAs, consumer groups, ``TIMELINE_UNITS``,
-    ``TIMELINE_EVENTS``) of :mod:`jax_efc.kernels`, zero where no unit ran (read by
-    :mod:`jax_efc.timeline`).
-    """
+    key: tuple
+    kernel: Any
+    inputs: list
+    in_specs: list
+    out_shapes: list
+    out_specs: list
+    aliases: dict
+    disk_key: str | None
+
+
+def _assemble(plan: Plan, a, b, operands, timeline: bool) -> _Call:
+    """The kernel call ``plan`` makes of ``a``, ``b`` and ``operands`` (checked against it)."""
     import jax
     import jax.numpy as jnp
-    from cutlass.jax import TensorSpec, cutlass_call
+    from cutlass.jax import TensorSpec
 
     if plan.backend != "kernel":
         raise ValueError(f"jax_efc kernel cannot run this GEMM: {plan.reason}")
@@ -165,7 +170,6 @@ def fused_gemm(a, b, *operands, plan: Plan, timeline: bool = False) -> list:
         raise ValueError(f"the arrays (a {a.dtype}{tuple(a.shape)}, b {b.dtype}{tuple(b.shape)}) are not the "
                          f"ones the plan was made for ({problem.ab_dtype}, M, N, K, L = {plan.mnkl}).")
     transpose_a, transpose_b = problem.a_major == "m", problem.b_major == "k"
-    ir = problem.ir
     m, n, _, batch = plan.mnkl
     key, kernel = _kernel(plan, timeline)
 
@@ -174,7 +178,7 @@ def fused_gemm(a, b, *operands, plan: Plan, timeline: bool = False) -> list:
     keep, swap = TensorSpec(mode=(1, 2, 0)), TensorSpec(mode=(2, 1, 0))
     inputs = [_as3d(a), _as3d(b), *(_as3d(x) for x in operands)]
     in_specs = [swap if transpose_a else keep, keep if transpose_b else swap, *([keep] * len(operands))]
-    out_shapes = [jax.ShapeDtypeStruct((batch, m, n), o.dtype) for o in ir.outputs]
+    out_shapes = [jax.ShapeDtypeStruct((batch, m, n), o.dtype) for o in problem.ir.outputs]
     out_specs = [keep] * len(out_shapes)
     aliases = {}
     slots = kernel.schedule.slots
@@ -196,25 +200,61 @@ def fused_gemm(a, b, *operands, plan: Plan, timeline: bool = False) -> list:
         in_specs.append(TensorSpec())
         out_shapes.append(jax.ShapeDtypeStruct((kernel.timeline_size(),), jnp.int32))
         out_specs.append(TensorSpec())
-    stored = None
+    disk_key = None
     if kernel_cache.enabled() and not timeline:
         disk_key = kernel_cache.entry_key(key, inputs, [s.mode for s in in_specs], out_shapes, aliases)
-        stored = kernel_cache.load(disk_key)
+    return _Call(key, kernel, inputs, in_specs, out_shapes, out_specs, aliases, disk_key)
+
+
+def in_cache(plan: Plan, avals) -> bool:
+    """Whether the disk cache holds the kernel a call planned as ``plan`` with inputs of
+    ``avals`` would load (without reading the entry: the lowering checks it)."""
+    import jax
+
+    keys = []
+    jax.eval_shape(lambda *args: keys.append(_assemble(plan, args[0], args[1], args[2:], False).disk_key),
+                   *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in avals])
+    return keys[0] is not None and kernel_cache.exists(keys[0])
+
+
+def fused_gemm(a, b, *operands, plan: Plan, timeline: bool = False) -> list:
+    """The outputs of the epilogue ``plan`` was made for, one array per output in shape
+    (M, N), or (L, M, N) when a or b is batched, from ``a``, ``b`` and ``operands`` in the
+    primitive's canonical shapes (those :func:`jax_efc.plan.plan_kernel` was given).
+
+    Emits one ``cutlass_call`` custom call; call it under ``jit`` (or inside a lowering).
+    Raises ``ValueError`` when ``plan`` is not the kernel's, with its reason, or was made for
+    other shapes or dtypes. ``timeline=True`` runs the kernel's diagnostic build and appends
+    its SM-clock stamps to the outputs: int32 (CTAs, consumer groups, ``TIMELINE_UNITS``,
+    ``TIMELINE_EVENTS``) of :mod:`jax_efc.kernels`, zero where no unit ran (read by
+    :mod:`jax_efc.timeline`).
+    """
+    from cutlass.jax import cutlass_call
+
+    if plan.backend == "kernel" and not timeline:
+        # a build started while the program was traced lands in the cache: wait for it
+        ahead_of_time.wait_for(plan, (a, b, *operands))
+    call = _assemble(plan, a, b, operands, timeline)
+    key, kernel, inputs, out_shapes = call.key, call.kernel, call.inputs, call.out_shapes
+    m, n = plan.mnkl[:2]
+    stored = None
+    if call.disk_key is not None:
+        stored = kernel_cache.load(call.disk_key)
         if stored is None:
-            _UNSTORED[disk_key] = (key, [tuple(x.shape) for x in inputs])
+            _UNSTORED[call.disk_key] = (key, [tuple(x.shape) for x in inputs])
     if stored is not None:
         results = _stored_call(stored, inputs, out_shapes)
     else:
-        call = cutlass_call(
+        results = cutlass_call(
             kernel,
             output_shape_dtype=out_shapes,
-            input_spec=in_specs,
-            output_spec=out_specs,
-            input_output_aliases=aliases,
+            input_spec=call.in_specs,
+            output_spec=call.out_specs,
+            input_output_aliases=call.aliases,
             compile_key=key,
-        )
-        results = call(*inputs)
-    outs = [o if problem.batched else o.reshape(m, n) for o in results[: len(ir.outputs)]]
+        )(*inputs)
+    n_out = len(plan.problem.ir.outputs)
+    outs = [o if plan.problem.batched else o.reshape(m, n) for o in results[:n_out]]
     if not timeline:
         return outs
     return outs + [results[-1].reshape(-1, kernel.n_epi_groups, TIMELINE_UNITS, len(TIMELINE_EVENTS))]

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["enabled", "Entry", "entry_key", "load", "store", "clear", "directory", "usage"]
+__all__ = ["enabled", "Entry", "entry_key", "exists", "load", "store", "clear", "directory", "usage"]
 
 _MAGIC = b"jax_efc kernel v1\n"
 _DEFAULT_BYTES = 2 << 30
@@ -93,6 +93,14 @@ def entry_key(compile_key: Any, inputs: Sequence[Any], in_modes: Sequence[Any],
 
 def _path(key: str) -> str:
     return os.path.join(directory(), key + ".kernel")
+
+
+def exists(key: str) -> bool:
+    """Whether an entry is stored under ``key`` (not whether it is whole: ``load`` checks)."""
+    try:
+        return os.path.exists(_path(key))
+    except OSError:
+        return False
 
 
 def load(key: str) -> Entry | None:
