@@ -36,7 +36,11 @@ fi
 step bench-8bit python3 benchmarks/run.py --json "$logs/bench-8bit.json" \
   --epilogues "$(python3 -c 'import jax_efc.bench as b; print(",".join(b.EIGHT_BIT_EPILOGUES))')" \
   --shapes 8192,8192,8192 8192,14336,4096 4096,4096,4096
-for f in "$logs"/gpu-tests.log "$logs"/bench-8bit.log "$logs"/jax-efc-run.log "$logs"/flax-mlp.log "$logs"/sharded.log "$logs"/bench.log; do
+# the kernel's epilogue reductions against the same epilogue without them, in one run
+step bench-reduce env JAX_EFC_UNVERIFIED_KERNELS=1 python3 benchmarks/run.py --json "$logs/bench-reduce.json" \
+  --epilogues bias+gelu_tanh,bias+gelu_tanh+colsum --shapes 8192,8192,8192 8192,14336,4096 8192,4096,14336 4096,4096,4096
+step first-step python3 benchmarks/first_step.py
+for f in "$logs"/gpu-tests.log "$logs"/bench-8bit.log "$logs"/bench-reduce.log "$logs"/first-step.log "$logs"/jax-efc-run.log "$logs"/flax-mlp.log "$logs"/sharded.log "$logs"/bench.log; do
   [[ -f $f ]] || continue
   printf '\n===== %s\n' "$f"; tail -n 40 "$f"
 done

@@ -234,8 +234,8 @@ def after_reduction(ir: EpilogueIR) -> list[bool]:
 
 def _reduced(x: Any, kind: str, axes: Sequence[str], shape: tuple[int, ...], dtype: Any) -> Any:
     """``x`` (broadcast against a tile of ``shape``) reduced over ``axes``, keeping them as size
-    1: floats accumulate in at least float32, integers in at least int32; the result in
-    ``dtype``."""
+    1: floats accumulate in at least float32, integers in at least int32, and max and min keep
+    NaN; the result in ``dtype``."""
     names = AXES[-len(shape):]
     dims = tuple(names.index(a) for a in axes)
     x = jnp.asarray(x)
@@ -244,7 +244,11 @@ def _reduced(x: Any, kind: str, axes: Sequence[str], shape: tuple[int, ...], dty
     wide = jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int32
     x = x.astype(jnp.promote_types(x.dtype, wide))
     fn = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[kind]
-    return fn(x, axis=dims, keepdims=True).astype(dtype)
+    out = fn(x, axis=dims, keepdims=True)
+    if kind != "sum" and jnp.issubdtype(x.dtype, jnp.floating):
+        # a NaN wins, as in the kernels (XLA's CPU reductions may drop it)
+        out = jnp.where(jnp.isnan(x).any(axis=dims, keepdims=True), jnp.nan, out)
+    return out.astype(dtype)
 
 
 def evaluate(ir: EpilogueIR, acc: Any, operands: Sequence[Any], *, given: Mapping[int, Any] | None = None,

@@ -157,6 +157,26 @@ LOW_PRECISION_VARIANTS = {
                                                                      "fast": True}), "bias_gelu"),
 }
 
+# Epilogues that reduce (kernels/reduction.py): sums, maxes and amaxes over M, N and both, on
+# ping-pong and cooperative tiles, in clusters, batched, under stream-K, with partial tiles
+# (compiled in tests/test_kernel_compile_reductions.py; the kernel runs them only under
+# JAX_EFC_UNVERIFIED_KERNELS=1 until they have run on a GPU)
+REDUCTION_VARIANTS = {
+    "bf16_pingpong_bias_gelu_colsum_128x128_c1x2": ("bfloat16", False, False, None,
+                                                    (128, 128, 1, 2, {"pingpong": True, "swizzle": 8}),
+                                                    "bias_gelu_colsum", (1000, 3000, 1024)),
+    "bf16_pingpong_row_stats_128x192_c2x1_stream_k": ("bfloat16", False, True, None,
+                                             (128, 192, 2, 1, {"pingpong": True, "raster": "n"}), "row_stats",
+                                             (2296, 2824, 1288)),
+    "bf16_amax_128x256_c2x1": ("bfloat16", True, False, None, (128, 256, 2, 1), "amax"),
+    "bf16_all_reductions_batched_256x128": ("bfloat16", False, False, 2, (256, 128, 1, 2, {"epi_m": 128}),
+                                            "all_reductions"),
+    "bf16_pingpong_bias_gelu_colsum_stream_k": ("bfloat16", False, False, None,
+                                                (128, 128, 1, 2, {"pingpong": True, "swizzle": 8}),
+                                                "bias_gelu_colsum", (8192, 8192, 8192)),
+    "fp8e4m3_nk_scaled_amax_128x128": ("float8_e4m3fn", False, True, None, (128, 128, 1, 1), "scaled_amax"),
+}
+
 
 def _config(cfg):
     from jax_efc.config import GemmConfig
@@ -182,6 +202,7 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
     import jax
     import jax.numpy as jnp
 
+    from jax_efc.epilogue import split_at_reductions
     from jax_efc.tracing import trace_epilogue
 
     acc_shape = (m, n) if batch is None else (batch, m, n)
@@ -206,6 +227,27 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
     elif name == "bias_gelu":
         fn = lambda acc, bias: jax.nn.gelu(acc + bias)  # noqa: E731
         shapes, dtypes, outs = [(1, n)], [dtype], out_dtype
+    elif name == "bias_gelu_colsum":  # a layer's output and its column sums (a bias gradient's shape)
+        def fn(acc, bias):
+            y = jax.nn.gelu(acc + bias)
+            return y, jnp.sum(y, axis=-2)
+        shapes, dtypes, outs = [(1, n)], [dtype], (out_dtype, jnp.float32)
+    elif name == "row_stats":  # a row max and a row sum of squares (a softmax's, a norm's)
+        fn = lambda acc: (acc, jnp.max(acc, axis=-1), jnp.sum(acc * acc, axis=-1))  # noqa: E731
+        shapes, dtypes, outs = [], [], (out_dtype, jnp.float32, jnp.float32)
+    elif name == "amax":  # an output and its amax, the next FP8 scale's input
+        fn = lambda acc, bias: (acc + bias, jnp.max(jnp.abs(acc + bias)))  # noqa: E731
+        shapes, dtypes, outs = [(1, n)], [dtype], (out_dtype, jnp.float32)
+    elif name == "scaled_amax":  # 8-bit: per-tensor scales, an fp8 output and its amax
+        def fn(acc, *, scale):
+            y = acc * scale
+            return y, jnp.max(jnp.abs(y))
+        shapes, dtypes, outs = [], [], (jnp.float8_e4m3fn, jnp.float32)
+    elif name == "all_reductions":  # every kind over every axis, per batch
+        def fn(acc, bias):
+            y = acc + bias
+            return (y, jnp.sum(y, axis=-2), jnp.min(y, axis=-1), jnp.max(y, axis=(-2, -1)))
+        shapes, dtypes, outs = [(1, n)], [dtype], (out_dtype,) + (jnp.float32,) * 3
     else:  # tile + row + col + scalar operands, three outputs of three dtypes
         def fn(acc, c, bias, col, s, *, alpha):
             y = acc * alpha + c * s + bias
@@ -213,9 +255,11 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
         shapes = [acc_shape, (batch, 1, n) if batch else (1, n), (m, 1), (batch, 1, 1) if batch else ()]
         dtypes = [dtype, jnp.float32, dtype, jnp.float32]
         outs = {"D": out_dtype, "Y": jnp.float32, "Z": jnp.float16}
-    ir, *_ = trace_epilogue(fn, acc_shape, shapes, dtypes, {"alpha": 2.0} if name == "multi" else {},
-                            {}, outs, out_dtype)
-    return ir, [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
+    static = {"alpha": 2.0} if name == "multi" else {"scale": 0.25} if name == "scaled_amax" else {}
+    ir, *_ = trace_epilogue(fn, acc_shape, shapes, dtypes, static, {}, outs, out_dtype)
+    split = split_at_reductions(ir)
+    assert None not in split.direct  # every reduction is one the GEMM computes
+    return split.gemm, [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
 
 
 def _compile_all(dump_dir: str, variants: dict) -> dict:
@@ -260,12 +304,13 @@ def _compile_all(dump_dir: str, variants: dict) -> dict:
 
 
 def compile_variants(tmp_path_factory, which: str) -> dict:
-    """Compile ``VARIANTS`` ("standard") or ``LOW_PRECISION_VARIANTS`` in a child process."""
+    """Compile ``VARIANTS`` ("standard"), ``LOW_PRECISION_VARIANTS`` or ``REDUCTION_VARIANTS``
+    in a child process."""
     pytest.importorskip("cutlass.jax")
     dump = tmp_path_factory.mktemp("ptx")
     out = dump / "results.json"
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump),
-               JAX_PLATFORMS="cpu")
+               JAX_PLATFORMS="cpu", JAX_EFC_UNVERIFIED_KERNELS="1" if which == "reductions" else "0")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, __file__, str(dump), str(out), which], env=env,
@@ -317,10 +362,11 @@ def test_variant_compiles_to_wgmma(compiled, name):
     check_variant(compiled[name], VARIANTS[name])
 
 
-def check_variant(result: dict, variant: tuple) -> None:
+def check_variant(result: dict, variant: tuple, stream_k: bool | None = None) -> None:
     """What every variant's export and PTX must hold: the custom call, WGMMA, TMA loads and
     stores, the programmatic-dependent-launch wait first, L1 prefetches of vector operands,
-    smem-staged TILE operands, stream-K's handover, paced ping-pong epilogues, multicast."""
+    smem-staged TILE operands, stream-K's handover, paced ping-pong epilogues, multicast.
+    ``stream_k``: whether the variant splits k (default: whether it names its own shape)."""
     assert "error" not in result, result.get("error")
     assert result["custom_call"]
     ptx = result["ptx"]
@@ -333,7 +379,8 @@ def check_variant(result: dict, variant: tuple) -> None:
     assert 0 <= wait < ptx.find("cp.async.bulk.tensor") and "griddepcontrol.launch_dependents;" in ptx
     assert all(wait < i for i in (ptx.find(op) for op in ("ld.global", "st.global", "prefetch.global")) if i >= 0)
     # each tile's slice of a ROW/COL vector is prefetched into L1 ahead of its epilogue
-    assert ("prefetch.global.L1" in ptx) == (variant[5] in ("bias_gelu", "bias_silu", "multi", "int_multi"))
+    assert ("prefetch.global.L1" in ptx) == (variant[5] in ("bias_gelu", "bias_silu", "multi", "int_multi",
+                                                           "bias_gelu_colsum", "amax", "all_reductions"))
     if variant[5] in ("alpha_beta", "f32_tile", "multi"):
         # TILE operands are TMA-loaded into smem and read from there (16-bit ones by
         # ldmatrix), not gathered from global memory ("multi" still gathers its row/column
@@ -342,7 +389,7 @@ def check_variant(result: dict, variant: tuple) -> None:
         assert "ld.global" not in ptx.replace("ld.global.v4.b32", "") or variant[5] == "multi"
     # stream-K pieces hand fp32 partials over through global memory, 16 bytes per access,
     # behind a release fence and an acquire load of the flag; whole-tile schedules have none
-    assert result["stream_k"] == (len(variant) > 6)
+    assert result["stream_k"] == (len(variant) > 6 if stream_k is None else stream_k)
     handover = ("ld.acquire.gpu", "fence.acq_rel.gpu", "st.global.v4.b32", "ld.global.v4.b32")
     assert all((h in ptx) == result["stream_k"] for h in handover)
     cfg = variant[4]
@@ -961,4 +1008,5 @@ def test_timeline_build_exports(tmp_path):
 if __name__ == "__main__":
     dump_dir, out_path, which = sys.argv[1], sys.argv[2], sys.argv[3]
     with open(out_path, "w") as f:
-        json.dump(_compile_all(dump_dir, LOW_PRECISION_VARIANTS if which == "low_precision" else VARIANTS), f)
+        json.dump(_compile_all(dump_dir, {"low_precision": LOW_PRECISION_VARIANTS, "reductions": REDUCTION_VARIANTS,
+                                          "standard": VARIANTS}[which]), f)

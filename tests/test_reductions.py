@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_efc as efc
-from jax_efc.epilogue import EpilogueError, split_at_reductions
+from jax_efc.epilogue import EpilogueError, Output, evaluate, split_at_reductions
 from jax_efc.tracing import trace_epilogue
 
 REDUCE = {"sum": (jnp.sum, np.sum), "max": (jnp.max, np.max), "min": (jnp.min, np.min)}
@@ -210,3 +210,124 @@ def test_backends_say_why_reductions_run_on_the_reference(monkeypatch):
     spec = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
     (why,) = efc.backends(lambda a, b: efc.gemm(a, b, lambda acc: (acc, jnp.sum(acc, 0))), spec, spec)
     assert why.startswith("reference: output '1' is a sum over M")
+
+
+# The kernel's side (kernels/reduction.py), checked without a GPU ------------------------------
+
+WALKS = [  # (over, epilogue subtile, tile, epilogue threads)
+    (("m",), (128, 32), (128, 128), 128), (("m",), (64, 16), (192, 128), 128),
+    (("n",), (128, 32), (128, 192), 128), (("n",), (64, 32), (128, 128), 128),
+    (("m", "n"), (128, 32), (128, 256), 256), (("n",), (128, 64), (256, 128), 256),
+    (("m", "n"), (64, 16), (64, 256), 128),
+]
+
+
+@pytest.mark.parametrize("over, epi, tile, threads", WALKS)
+def test_the_kernel_reduction_reads_every_value_once(over, epi, tile, threads):
+    """Per subtile, the threads' (lane, group, i) positions cover the staged subtile exactly
+    once, each lane reading only its own column (over M) or row (over N); the running values'
+    bands put every subtile's lanes where the subtile lies in the tile, and together cover the
+    tile's columns (rows) exactly once."""
+    pytest.importorskip("cutlass")
+    from jax_efc.kernels.problem import reduction_reason
+    from jax_efc.kernels.reduction import TileReduction
+
+    assert reduction_reason(over, epi, threads) is None
+    red = TileReduction("sum", over, epi, tile, threads)
+    seen = []
+    for ctid in range(threads):
+        lane, group = ctid % red.lanes, ctid // red.lanes
+        for i in range(red.length // red.groups):
+            r, c = red.position(lane, group, i)
+            assert (c if "m" in over else r) == lane
+            seen.append((r, c))
+    assert sorted(seen) == [(r, c) for r in range(epi[0]) for c in range(epi[1])]
+    sub_m, n_sub = tile[0] // epi[0], (tile[0] // epi[0]) * (tile[1] // epi[1])
+    if len(over) == 1:
+        for s in range(n_sub):
+            start = s // sub_m * epi[1] if over == ("m",) else s % sub_m * epi[0]
+            assert [red.offset(red.band(s), lane) for lane in range(red.lanes)] == list(range(start, start + red.lanes))
+        covered = sorted(red.offset(b, lane) for b in range(red.bands) for lane in range(red.lanes))
+        assert covered == list(range(tile[1] if over == ("m",) else tile[0]))
+
+
+def test_the_kernel_refuses_reductions_its_threads_cannot_split():
+    from jax_efc.kernels.problem import reduction_reason
+
+    # a 192-row subtile has more rows than a ping-pong consumer's 128 threads
+    assert "128 epilogue threads" in reduction_reason(("n",), (192, 32), 128)
+    assert reduction_reason(("m",), (192, 32), 128) is None
+
+
+def _reduction_plan(monkeypatch, fn, m, n, k, unverified="1", **config):
+    from jax_efc.config import GemmConfig
+    from jax_efc.plan import plan_kernel
+
+    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", unverified)
+    ir, *_ = trace_epilogue(fn, (m, n), [], [], {}, {}, None, jnp.bfloat16)
+    gemm = split_at_reductions(ir).gemm
+    specs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+    return gemm, plan_kernel(gemm, *specs, [], transpose_a=False, transpose_b=False, acc_dtype=jnp.float32,
+                             config=GemmConfig(**config) if config else None, arch="sm_90a")
+
+
+def test_the_kernel_runs_reductions_only_when_asked(monkeypatch):
+    """Until the kernel's reductions have run on a GPU they need JAX_EFC_UNVERIFIED_KERNELS=1;
+    an epilogue of reductions alone, or a config whose threads cannot split a subtile, runs on
+    the reference, with the reason."""
+    fn = lambda acc: (acc, jnp.sum(acc, axis=0))  # noqa: E731
+    _, plan = _reduction_plan(monkeypatch, fn, 4096, 4096, 4096, unverified="0")
+    assert plan.backend == "reference" and "have not yet been run on a GPU" in plan.reason
+    _, plan = _reduction_plan(monkeypatch, fn, 4096, 4096, 4096)
+    assert plan.backend == "kernel", plan.reason
+    _, plan = _reduction_plan(monkeypatch, lambda acc: jnp.max(acc, axis=1), 4096, 4096, 4096)
+    assert plan.backend == "reference" and "every output of the epilogue is a reduction" in plan.reason
+    _, plan = _reduction_plan(monkeypatch, lambda acc: (acc, jnp.max(acc, axis=1)), 4096, 4096, 4096,
+                              tile_m=192, tile_n=128, pingpong=True)
+    assert plan.backend == "reference" and "split each subtile" in plan.reason
+
+
+@pytest.mark.parametrize("fn", [
+    lambda acc: (acc, jnp.sum(acc, axis=0), jnp.max(acc, axis=1), jnp.min(acc)),
+    lambda acc: (jnp.max(jnp.abs(acc)), acc * 2, jnp.sum(acc * acc, axis=1)),
+], ids=["sum-max-min", "amax-first"])
+def test_the_launch_finishes_the_kernels_partials(monkeypatch, rng, fn):
+    """The kernel leaves one fp32 partial per tile; the launch reduces them in XLA and puts
+    every output back in the epilogue's order and shape. Partials made here from a tile output
+    (M and N not multiples of the tile) come out as the oracle's reductions."""
+    from jax_efc import ffi
+
+    m, n = 300, 520
+    gemm, plan = _reduction_plan(monkeypatch, fn, m, n, 256)
+    assert plan.backend == "kernel", plan.reason
+    cfg = plan.problem.config
+    acc = rng.standard_normal((m, n)).astype(np.float32)
+    tiles_m, tiles_n = -(-m // cfg.tile_m), -(-n // cfg.tile_n)
+    def value(o):  # the fp32 value an output stores or reduces
+        (v,) = evaluate(gemm.with_outputs([Output(o.name, o.value, "float32")]), jnp.asarray(acc), [])
+        return np.asarray(v)
+
+    results = [jnp.asarray(value(o))[None].astype(o.dtype) for o in gemm.outputs if not o.reduce]
+    value = {o.name: value(o) for o in gemm.outputs if o.reduce}
+    for o in gemm.outputs:
+        if not o.reduce:
+            continue
+        red = REDUCE[o.reduce][1]
+        v = value[o.name]
+        blocks = [[v[i * cfg.tile_m:(i + 1) * cfg.tile_m, j * cfg.tile_n:(j + 1) * cfg.tile_n]
+                   for j in range(tiles_n)] for i in range(tiles_m)]
+        if o.over == ("m",):
+            part = np.stack([np.concatenate([red(b, axis=0) for b in row]) for row in blocks])
+        elif o.over == ("n",):
+            part = np.concatenate([np.stack([red(b, axis=1) for b in row], axis=1) for row in blocks])
+        else:
+            part = np.array([[red(b) for b in row] for row in blocks])
+        results.append(jnp.asarray(part, jnp.float32)[None])
+    outs = ffi._finished(plan.problem, results)
+    for o, got in zip(gemm.outputs, outs):
+        if o.reduce:
+            want = REDUCE[o.reduce][1](value[o.name], axis=tuple("mn".index(d) for d in o.over), keepdims=True)
+            assert got.shape == want.shape
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-3)
+        else:
+            assert got.shape == (m, n)

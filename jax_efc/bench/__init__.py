@@ -27,7 +27,8 @@ tables, plots), ``command.py`` (the command line).
 """
 
 from .command import add_arguments, main, parse_config, parse_shape, run_from_args
-from .problems import (ALPHA_BETA_SCALARS, EPILOGUES, EIGHT_BIT_EPILOGUES, MLP_STEPS, QUICK_SHAPES, SCAN_EPILOGUES, STANDARD_SHAPES,
+from .problems import (ALPHA_BETA_SCALARS, EPILOGUES, EIGHT_BIT_EPILOGUES, MLP_STEPS, QUICK_SHAPES, REDUCTION_EPILOGUES,
+                       SCAN_EPILOGUES, STANDARD_SHAPES,
                        TRAIN_EPILOGUES, Problem, Shape, bench_problem, config_label, epilogue_problem,
                        eight_bit_problem, mlp_problem, random_inputs, scan_problem, train_problem)
 from .report import NO_TRITON_FLAG, Result, baseline_title, fixed_width, format_table, plot
@@ -35,7 +36,7 @@ from .timing import (MAX_TIMED, PEAK_TFLOPS, ROUNDS, ClockSampler, measure, meas
                      timing_order)
 
 __all__ = ["Problem", "Result", "Shape", "ROUNDS", "MAX_TIMED", "PEAK_TFLOPS", "STANDARD_SHAPES", "QUICK_SHAPES",
-           "EPILOGUES", "EIGHT_BIT_EPILOGUES", "TRAIN_EPILOGUES", "MLP_STEPS", "SCAN_EPILOGUES", "ALPHA_BETA_SCALARS", "NO_TRITON_FLAG",
+           "EPILOGUES", "EIGHT_BIT_EPILOGUES", "REDUCTION_EPILOGUES", "TRAIN_EPILOGUES", "MLP_STEPS", "SCAN_EPILOGUES", "ALPHA_BETA_SCALARS", "NO_TRITON_FLAG",
            "epilogue_problem", "eight_bit_problem", "train_problem", "mlp_problem", "scan_problem", "bench_problem", "random_inputs",
            "config_label", "measure", "measure_together", "run", "timing_order", "text_progress", "ClockSampler",
            "format_table", "fixed_width", "baseline_title", "plot", "add_arguments", "parse_shape", "parse_config",

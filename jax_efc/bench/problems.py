@@ -44,7 +44,13 @@ SCAN_EPILOGUES = tuple(f"{step}scan:{e}" for step in ("", "train:") for e in EPI
 EIGHT_BIT_EPILOGUES = tuple(f"{layout}{mode}:{e}" for mode in ("", "fast") for layout, e in (
     ("fp8", "gemm"), ("fp8kn", "gemm"), ("fp8", "scaled+bias+gelu_tanh"), ("fp8", "scaled+bias+gelu_tanh->fp8"))
 ) + ("int8:gemm",)
-NAMED_EPILOGUES = EPILOGUES + TRAIN_EPILOGUES + MLP_STEPS + SCAN_EPILOGUES + EIGHT_BIT_EPILOGUES  # every name --epilogues takes
+# an epilogue with a reduction beside its tile: bias+gelu_tanh and the column sums of its output
+# (a bias gradient's shape, in fp32), against plain JAX's gelu and sum; set against bias+gelu_tanh
+# in one run, what the reduction costs the kernel (run only when asked; the kernel's reductions
+# need JAX_EFC_UNVERIFIED_KERNELS=1 until they have run on a GPU)
+REDUCTION_EPILOGUES = ("bias+gelu_tanh+colsum",)
+NAMED_EPILOGUES = (EPILOGUES + TRAIN_EPILOGUES + MLP_STEPS + SCAN_EPILOGUES + EIGHT_BIT_EPILOGUES
+                   + REDUCTION_EPILOGUES)  # every name --epilogues takes
 ALPHA_BETA_SCALARS = {"alpha": 2.0, "beta": 1.0, "x_factor": 3.0}
 
 
@@ -277,6 +283,15 @@ def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
     if epilogue == "gemm":
         return epilogue_problem(epilogue, _identity, shape, dtype, config=config,
                                 ours=lambda a, b: gemm(a, b, config=config))
+    if epilogue in REDUCTION_EPILOGUES:
+        layer = _bias_activation("gelu_tanh")
+
+        def with_colsum(acc, bias):
+            y = layer(acc, bias)
+            return y, jnp.sum(y, axis=-2)
+
+        return epilogue_problem(epilogue, with_colsum, shape, dtype, [("row", dtype)],
+                                out_dtypes=(dtype, jnp.float32), config=config)
     if epilogue.startswith("bias+"):
         act = epilogue[len("bias+"):]
         fn = _bias_activation(act)

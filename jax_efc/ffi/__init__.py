@@ -178,7 +178,12 @@ def _assemble(plan: Plan, a, b, operands, timeline: bool) -> _Call:
     keep, swap = TensorSpec(mode=(1, 2, 0)), TensorSpec(mode=(2, 1, 0))
     inputs = [_as3d(a), _as3d(b), *(_as3d(x) for x in operands)]
     in_specs = [swap if transpose_a else keep, keep if transpose_b else swap, *([keep] * len(operands))]
-    out_shapes = [jax.ShapeDtypeStruct((batch, m, n), o.dtype) for o in problem.ir.outputs]
+    stored = [o for o in problem.ir.outputs if not o.reduce]
+    out_shapes = [jax.ShapeDtypeStruct((batch, m, n), o.dtype) for o in stored]
+    # each reducing output's fp32 partials, one per tile along the axes it reduces
+    tiles = {"m": -(-m // problem.config.tile_m), "n": -(-n // problem.config.tile_n)}
+    out_shapes += [jax.ShapeDtypeStruct((batch, tiles["m"] if "m" in o.over else m, tiles["n"] if "n" in o.over else n),
+                                        jnp.float32) for o in problem.ir.outputs if o.reduce]
     out_specs = [keep] * len(out_shapes)
     aliases = {}
     slots = kernel.schedule.slots
@@ -217,6 +222,28 @@ def in_cache(plan: Plan, avals) -> bool:
     return keys[0] is not None and kernel_cache.exists(keys[0])
 
 
+def _finished(problem, results: list) -> list:
+    """The kernel's results in the order of the epilogue's outputs and in their shapes: the
+    tile outputs as they are, the reducing ones from their per-tile partials (reduced here,
+    in XLA, then converted to their dtype as the reference converts them)."""
+    import jax.numpy as jnp
+
+    from jax_efc.epilogue import output_shape, store_as
+
+    tiles, partials = iter(results), iter(results[sum(not o.reduce for o in problem.ir.outputs):])
+    outs = []
+    for o in problem.ir.outputs:
+        if o.reduce:
+            x = next(partials)
+            axes = tuple(1 + "mn".index(d) for d in o.over)
+            x = store_as({"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[o.reduce](x, axis=axes, keepdims=True),
+                         o.dtype)
+        else:
+            x = next(tiles)
+        outs.append(x if problem.batched else x.reshape(output_shape(o, x.shape[1:])))
+    return outs
+
+
 def fused_gemm(a, b, *operands, plan: Plan, timeline: bool = False) -> list:
     """The outputs of the epilogue ``plan`` was made for, one array per output in shape
     (M, N), or (L, M, N) when a or b is batched, from ``a``, ``b`` and ``operands`` in the
@@ -253,8 +280,7 @@ def fused_gemm(a, b, *operands, plan: Plan, timeline: bool = False) -> list:
             input_output_aliases=call.aliases,
             compile_key=key,
         )(*inputs)
-    n_out = len(plan.problem.ir.outputs)
-    outs = [o if plan.problem.batched else o.reshape(m, n) for o in results[:n_out]]
+    outs = _finished(plan.problem, results[: len(plan.problem.ir.outputs)])
     if not timeline:
         return outs
     return outs + [results[-1].reshape(-1, kernel.n_epi_groups, TIMELINE_UNITS, len(TIMELINE_EVENTS))]

@@ -10,7 +10,8 @@ operand, TMA-loaded two subtiles ahead, except on the CTA's last tile: the produ
 its TILE operands into the A/B ring's stages as that tile's mainloop frees them, and its
 outputs are staged in the ring too where they fit. Stream-K pieces that start past k = 0
 leave their partial sums in a workspace slot instead (:meth:`~FusedGemmBase._split_epilogue`);
-the tile's first piece adds them before its epilogue.
+the tile's first piece adds them before its epilogue. Outputs that reduce are staged and
+reduced per subtile by ``reduction.py`` and leave one partial per tile.
 
 The mainloop, the warp roles and the launch are the architecture's (``sm90.py``).
 """
@@ -28,6 +29,7 @@ from cutlass.memory import SmemAllocator
 from jax_efc.kernels.dtypes import cutlass_dtype
 from jax_efc.kernels.problem import (EPI_STAGES, SMEM_ALIGN, TIMELINE_EVENTS, TIMELINE_UNITS,
                                      KernelProblem, epilogue_tile, tile_operand_indices)
+from jax_efc.kernels.reduction import TileReduction
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, Unit
 from jax_efc.kernels.visitor import EpilogueVisitor
 
@@ -70,6 +72,12 @@ class ConsumerEpilogue:
     barrier: pipeline.NamedBarrier  # the group's epilogue threads
     store_pipe: pipeline.PipelineTmaStore
     is_store_warp: object  # this warp issues the group's TMA stores and TILE-operand loads
+    ctid: object  # this thread's index in its group
+    # per reducing output: its smem buffers (staging subtile, group partials, lane totals),
+    # its global partials and the fp32 register fragment its values are staged from
+    red_smem: tuple = ()
+    red_out: tuple = ()
+    red_frag: tuple = ()
 
 
 class FusedGemmBase:
@@ -106,6 +114,8 @@ class FusedGemmBase:
         # fp32 accumulators per epilogue thread (a stream-K partial is written in this order)
         self.acc_per_thread = cfg.tile_m * cfg.tile_n // epi_threads
         self.epi_tile = epilogue_tile(cfg)
+        self.reductions = tuple(TileReduction(o.reduce, o.over, self.epi_tile, (cfg.tile_m, cfg.tile_n), epi_threads)
+                                for o in self.visitor.reduced)
         # subtiles a tile, numbered down M first; values in one subtile of one tensor
         self.n_sub = (cfg.tile_m // self.epi_tile[0]) * (cfg.tile_n // self.epi_tile[1])
         self.subtile_elems = self.epi_tile[0] * self.epi_tile[1]
@@ -311,6 +321,8 @@ class FusedGemmBase:
                 ring_states.append(pipeline.PipelineState(
                     self.stages, past.count + k, index % self.stages, past.phase ^ (index // self.stages)))
         waited = 0  # operand stages waited for so far
+        origin = (m_idx * self.tile_mnk[0], n_idx * self.tile_mnk[1])
+        running = [r.start() for r in self.reductions]
         for s in cutlass.range_constexpr(n_sub):
             coords = self._subtile_accumulators(epi, acc, s, m_idx, n_idx)
             buf = subtile_count % EPI_STAGES
@@ -349,6 +361,9 @@ class FusedGemmBase:
             for i in cutlass.range_constexpr(n_out):
                 epi.frag_out[i].store(outs[i])
                 cute.copy(epi.r2s[i], epi.frag_out[i], out_smem[i][(None, None, None, out_stage)])
+            for r in cutlass.range_constexpr(len(self.reductions)):
+                epi.red_frag[r].store(outs[n_out + r])
+                self.reductions[r].stage(epi.red_smem[r], epi.red_frag[r], epi.tCcT, epi.acc_index[s], s)
             # make the generic-proxy smem writes visible to the TMA (async proxy)
             cute.arch.fence_proxy("async.shared", space="cta")
             epi.barrier.arrive_and_wait()
@@ -363,10 +378,20 @@ class FusedGemmBase:
                     self._load_tile_ops(epi, bSC, s + EPI_STAGES, buf)
                 if cutlass.const_expr(not out_in_ring):
                     epi.store_pipe.producer_acquire()
+            # (under the stores just issued)
+            for r in cutlass.range_constexpr(len(self.reductions)):
+                self.reductions[r].reduce(epi.red_smem[r], running[r], s, origin, epi.mn_extent, epi.ctid,
+                                          epi.barrier)
             # (a subtile staged in its own ring slot waits for no earlier store to read it)
             if cutlass.const_expr(not out_in_ring):
                 epi.barrier.arrive_and_wait()
             subtile_count += 1
+        if cutlass.const_expr(len(self.reductions) > 0):
+            # every thread is done with the reduction buffers before the other consumer's
+            # epilogue (ping-pong) may write them
+            epi.barrier.arrive_and_wait()
+            for r in cutlass.range_constexpr(len(self.reductions)):
+                self.reductions[r].write(epi.red_out[r], running[r], m_idx, n_idx, l_idx, epi.mn_extent, epi.ctid)
         if cutlass.const_expr(from_ring):
             # every thread has read its operands (the barriers above): the producer's tail
             # waits for these stages too

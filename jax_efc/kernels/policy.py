@@ -119,15 +119,24 @@ class ArchPolicy:
                 return (f"the epilogue computes a {ins.dtype} value (`{ins.op}`); the kernels "
                         f"evaluate only {self.value_dtypes} values.")
         for out in ir.outputs:
-            if out.reduce:
-                return (f"output {out.name!r} is a {out.reduce} over {'/'.join(out.over).upper()}; the "
-                        "kernels do not reduce in the epilogue yet, so the call runs on the XLA "
-                        "reference (which fuses the reduction into the epilogue's pass).")
+            if out.reduce and not _unverified_allowed():
+                return (f"output {out.name!r} is a {out.reduce} over {'/'.join(out.over).upper()}: the "
+                        f"{self.arch} kernel's epilogue reductions compile but have not yet been run on "
+                        "a GPU, so the call runs on the XLA reference (which fuses the reduction into "
+                        "the epilogue's pass); set JAX_EFC_UNVERIFIED_KERNELS=1 to run the kernel.")
+            value = ir.inputs[out.value].dtype if out.value < len(ir.inputs) else \
+                ir.instrs[out.value - len(ir.inputs)].dtype
+            if out.reduce and value not in ("float32", "float16", "bfloat16"):
+                return (f"output {out.name!r} reduces a {value} value; the kernels reduce floating "
+                        "values only (cast it to float32 in the epilogue).")
             if out.dtype not in self.out_dtypes:
                 return (f"output {out.name!r} has dtype {out.dtype}; the kernels store only "
                         f"{self.out_dtypes}.")
         if not ir.outputs:
             return "the epilogue has no outputs."
+        if all(o.reduce for o in ir.outputs):
+            return ("every output of the epilogue is a reduction; the kernels store at least one "
+                    "tile (return the tile too, or let XLA run it).")
         return None
 
     @staticmethod

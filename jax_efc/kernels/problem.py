@@ -11,7 +11,8 @@ from jax_efc.epilogue import EpilogueIR, Role
 from jax_efc.kernels.dtypes import bits
 
 __all__ = ["KernelProblem", "tile_k", "EPI_STAGES", "SMEM_ALIGN", "TIMELINE_EVENTS", "TIMELINE_UNITS",
-           "epilogue_tile", "tile_operand_indices"]
+           "epilogue_tile", "tile_operand_indices", "reduction_lanes", "reduction_reason",
+           "reduction_smem_floats"]
 
 # A pipeline stage's k-tile is 128 bytes of a K-major row, exactly one 128-byte swizzle atom:
 # 64 16-bit values (four 16-deep MMA steps), 128 8-bit ones (four 32-deep steps).
@@ -99,3 +100,26 @@ def epilogue_tile(config: GemmConfig) -> tuple[int, int]:
 def tile_operand_indices(ir: EpilogueIR) -> tuple[int, ...]:
     """Operands of role TILE that some output uses: the kernel TMA-loads those into smem."""
     return tuple(i for i, inp in enumerate(ir.operands) if inp.role is Role.TILE and ir.uses(i + 1))
+
+
+def reduction_lanes(over: tuple[str, ...], epi_tile: tuple[int, int]) -> tuple[int, int]:
+    """(positions reduced apart, positions along each) of a subtile for a reduction ``over``."""
+    epi_m, epi_n = epi_tile
+    return (epi_n, epi_m) if "m" in over else (epi_m, epi_n)
+
+
+def reduction_reason(over: tuple[str, ...], epi_tile: tuple[int, int], threads: int) -> str | None:
+    """Why ``threads`` epilogue threads cannot reduce ``epi_tile`` subtiles ``over`` these axes."""
+    lanes, length = reduction_lanes(over, epi_tile)
+    if lanes > threads or threads % lanes or length % (threads // lanes):
+        return (f"a reduction over {'/'.join(over).upper()} in {epi_tile[0]}x{epi_tile[1]} epilogue subtiles "
+                f"needs the {threads} epilogue threads to split each subtile's {lanes} lanes of "
+                f"{length} values evenly; pin a config with other subtiles, or let the heuristic choose.")
+    return None
+
+
+def reduction_smem_floats(over: tuple[str, ...], epi_tile: tuple[int, int], threads: int) -> int:
+    """fp32 values of shared memory a reducing output's buffers take (``kernels/reduction.py``)."""
+    epi_m, epi_n = epi_tile
+    lanes, _ = reduction_lanes(over, epi_tile)
+    return epi_m * (epi_n + 1) + threads + lanes

@@ -121,12 +121,14 @@ class Sm90FusedGemm(FusedGemmBase):
         split = self.schedule.stream_k is not None
         n_extra = int(split) + int(self.timeline)  # inputs between the operands and the outputs
         outputs = rest[n_extra: n_extra + n_out]
+        # each reducing output's per-tile partials, after the tile outputs
+        partials = rest[n_extra + n_out: n_extra + n_out + len(self.reductions)]
         stamps = (rest[int(split)],) if self.timeline else ()
         sk_buffers = ()
         if cutlass.const_expr(split):
             # workspace slot s, thread t, accumulator 4c + v at ((v, t, c, s)): each warp
             # writes and reads 512 contiguous bytes per vector
-            ws = rest[n_extra + n_out]
+            ws = rest[n_extra + n_out + len(self.reductions)]
             tile_elems = self.tile_mnk[0] * self.tile_mnk[1]
             sk_buffers = (rest[0], cute.make_tensor(ws.iterator, cute.make_layout(
                 (4, self.n_epi_threads, self.acc_per_thread // 4, self.schedule.slots),
@@ -176,6 +178,7 @@ class Sm90FusedGemm(FusedGemmBase):
         self.kernel(
             tiled_mma, tma_a, g_a, tma_b, g_b, tuple(tma_d), tuple(g_d), tuple(operands),
             tuple(tma_c), tuple(g_c), a_smem, b_smem, d_smem, c_smem, tiles_mnl, sk_buffers, stamps,
+            tuple(partials),
         ).launch(
             grid=(*self.cluster_mn, clusters), block=[self.threads, 1, 1], cluster=(*self.cluster_mn, 1),
             min_blocks_per_mp=1, stream=stream, use_pdl=True,
@@ -194,7 +197,7 @@ class Sm90FusedGemm(FusedGemmBase):
                tma_b: cute.CopyAtom, mB: cute.Tensor, tma_d: tuple, mD: tuple, operands: tuple,
                tma_c: tuple, mC: tuple,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, d_smem: tuple,
-               c_smem: tuple, tiles_mnl: tuple, sk_buffers: tuple, stamps: tuple):
+               c_smem: tuple, tiles_mnl: tuple, sk_buffers: tuple, stamps: tuple, mP: tuple):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
@@ -227,6 +230,8 @@ class Sm90FusedGemm(FusedGemmBase):
               for i in range(n_out)]
         sC = [smem.allocate_tensor(self.tile_op_dtypes[j], c_smem[j].outer, SMEM_ALIGN, c_smem[j].inner)
               for j in range(n_tc)]
+        red_smem = [tuple(smem.allocate_tensor(cutlass.Float32, layout, 16) for layout in r.layouts())
+                    for r in self.reductions]
         c_bar = None
         if cutlass.const_expr(n_tc > 0):
             # one "full" mbarrier per operand buffer
@@ -328,7 +333,7 @@ class Sm90FusedGemm(FusedGemmBase):
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             epi = self._consumer_epilogue(tiled_mma, ctid, group, warp_idx, mD, sD, tma_d,
-                                          operands, mC, sC, tma_c, c_bar, sA, sB)
+                                          operands, mC, sC, tma_c, c_bar, sA, sB, red_smem, mP)
             acc = cute.make_rmem_tensor(cute.shape(epi.tCcT), self.acc_dtype)
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -490,7 +495,7 @@ class Sm90FusedGemm(FusedGemmBase):
         return tiled_mma
 
     def _consumer_epilogue(self, tiled_mma: cute.TiledMma, ctid, group, warp_idx, mD, sD,
-                           tma_d, operands, mC, sC, tma_c, c_bar, sA, sB) -> ConsumerEpilogue:
+                           tma_d, operands, mC, sC, tma_c, c_bar, sA, sB, red_smem, mP) -> ConsumerEpilogue:
         """Build consumer ``group``'s epilogue machinery for thread ``ctid`` of the group."""
         # register <-> smem copies share one thread/value partition for all outputs and TILE
         # operands, so the visitor's fragments line up with every buffer
@@ -536,6 +541,10 @@ class Sm90FusedGemm(FusedGemmBase):
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.n_epi_threads),
             ),
             is_store_warp=warp_idx == 4 + 4 * self.n_mma_wg * group,
+            ctid=ctid,
+            red_smem=tuple(red_smem),
+            red_out=tuple(mP),
+            red_frag=tuple(cute.make_rmem_tensor(frag_shape, cutlass.Float32) for _ in self.reductions),
         )
 
     def _subtile_acc_indices(self, tiled_mma: cute.TiledMma, r2s: cute.TiledCopy) -> list[list[int]]:

@@ -8,7 +8,8 @@ import dataclasses
 from jax_efc.config import GemmConfig
 from jax_efc.kernels.dtypes import bits
 from jax_efc.kernels.policy import ArchPolicy
-from jax_efc.kernels.problem import EPI_STAGES, SMEM_ALIGN, KernelProblem, epilogue_tile, tile_operand_indices
+from jax_efc.kernels.problem import (EPI_STAGES, SMEM_ALIGN, KernelProblem, epilogue_tile, reduction_reason,
+                                     reduction_smem_floats, tile_operand_indices)
 
 __all__ = ["POLICY", "Sm90Policy", "DEFAULT_SM_COUNT", "mma_warpgroups", "pipeline_stages"]
 
@@ -99,10 +100,13 @@ def pipeline_stages(problem: KernelProblem) -> int:
     consumers take turns with one set)."""
     cfg = problem.config
     ab_bytes = (cfg.tile_m * bits(problem.ab_dtype) + cfg.tile_n * bits(problem.b_dtype)) * problem.tile_k // 8
-    epi_dtypes = [o.dtype for o in problem.ir.outputs] + \
+    epi_dtypes = [o.dtype for o in problem.ir.outputs if not o.reduce] + \
         [problem.ir.operands[i].dtype for i in tile_operand_indices(problem.ir)]
     epi_m, epi_n = epilogue_tile(cfg)
     epi_bytes = sum(_round_up(epi_m * epi_n * bits(d) // 8 * EPI_STAGES, SMEM_ALIGN) for d in epi_dtypes)
+    # each reducing output: its staging subtile and lane buffers, fp32
+    epi_bytes += sum(_round_up(4 * reduction_smem_floats(o.over, (epi_m, epi_n), _WG * mma_warpgroups(cfg)), SMEM_ALIGN)
+                     for o in problem.ir.outputs if o.reduce)
     # every buffer is a whole number of 1 KiB blocks; the mbarrier arrays (pipeline and
     # TILE-operand barriers, well under 1 KiB) cost at most the padding to the next block each
     fit = (_SMEM_BYTES - epi_bytes - 2 * SMEM_ALIGN) // ab_bytes
@@ -186,6 +190,10 @@ class Sm90Policy(ArchPolicy):
                     f"element, {held} registers a thread (at most {_ACC_PER_THREAD}); use cooperative "
                     "128x128 or 128x192 tiles, or precision=jax.lax.DotAlgorithmPreset."
                     "ANY_F8_ANY_F8_F32_FAST_ACCUM (no promotion).")
+        for out in problem.ir.outputs:
+            reason = out.reduce and reduction_reason(out.over, epilogue_tile(cfg), _WG * mma_warpgroups(cfg))
+            if reason:
+                return f"output {out.name!r}: {reason}"
         if pipeline_stages(problem) >= 2:
             return None
         epi_m, epi_n = epilogue_tile(cfg)

@@ -40,7 +40,11 @@ class EpilogueVisitor:
     def __init__(self, ir: EpilogueIR, operand_batched: Sequence[bool]):
         self.ir = ir = rewrite(ir)
         self.operand_batched = tuple(operand_batched)
-        self.out_dtypes = tuple(cutlass_dtype(o.dtype) for o in ir.outputs)
+        # outputs stored as tiles, then outputs that reduce (the kernel reduces their fp32 values)
+        self.stored = tuple(o for o in ir.outputs if not o.reduce)
+        self.reduced = tuple(o for o in ir.outputs if o.reduce)
+        self.out_dtypes = tuple(cutlass_dtype(o.dtype) for o in self.stored)
+        self.result_dtypes = self.out_dtypes + (cutlass.Float32,) * len(self.reduced)
         # an operand no output depends on is never loaded
         self.live = tuple(ir.uses(i + 1) for i in range(len(ir.operands)))
         # a paced evaluation hands each group's last arithmetic result on to the next group;
@@ -80,7 +84,8 @@ class EpilogueVisitor:
     def __call__(self, acc: cute.TensorSSA, coords: Sequence[tuple],
                  operands: Sequence[cute.Tensor], extent_mn, batch,
                  preloaded: dict, paced: bool = False, raw: cute.TensorSSA | None = None) -> list[cute.TensorSSA]:
-        """The outputs for one subtile, each converted to its storage dtype.
+        """The outputs for one subtile: each stored output converted to its storage dtype,
+        then the fp32 value each reducing output reduces.
 
         ``acc``: fp32 accumulator fragment; ``coords``: the (m, n) output coordinate of each
         fragment value, in linear index order; ``operands``: the epilogue operand tensors,
@@ -114,7 +119,7 @@ class EpilogueVisitor:
         size = cute.size(acc.shape)
         assert size % PACE_CHAINS == 0, f"{size} values do not split into {PACE_CHAINS} chains"
         zero = opaque_zero()
-        outs = [cute.make_rmem_tensor(acc.shape, dt) for dt in self.out_dtypes]
+        outs = [cute.make_rmem_tensor(acc.shape, dt) for dt in self.result_dtypes]
         link = None
         for start in range(0, size, PACE_CHAINS):
             group = [None if v is None else take(v, start, PACE_CHAINS) for v in values]
@@ -135,8 +140,9 @@ class EpilogueVisitor:
         return values
 
     def _outputs(self, values: list, raw: cute.TensorSSA | None = None) -> list[cute.TensorSSA]:
-        return [convert(raw if raw is not None and o.value == 0 else values[o.value], dt)
-                for o, dt in zip(self.ir.outputs, self.out_dtypes)]
+        return ([convert(raw if raw is not None and o.value == 0 else values[o.value], dt)
+                 for o, dt in zip(self.stored, self.out_dtypes)]
+                + [f32(values[o.value]) for o in self.reduced])
 
     @staticmethod
     def _instr(ins, args, like):

@@ -1,0 +1,151 @@
+"""Epilogue reductions in the kernel: a tile's sum, max or min over M, N or both.
+
+Shared by every architecture's kernel (the epilogue driver calls it per subtile). Each output
+that reduces (``Output.reduce``) leaves one partial per tile in global memory, fp32: over M a
+row of N per tile row ((tiles_m, N, L)), over N a column of M per tile column ((M, tiles_n,
+L)), over both one value per tile ((tiles_m, tiles_n, L)); XLA reduces those (``ffi``). Every
+partial is written by the one CTA that runs its tile's epilogue (stream-K pieces meet before
+it), in a fixed order: the result is the same bit for bit on every run, with no atomics and no
+zeroed workspace.
+
+Within a tile, per subtile: every thread writes its values to a staging subtile in shared
+memory (fp32, rows padded by one value so that a warp reading a row's lanes hits 32 banks);
+then thread t takes lane ``t % lanes`` (a column for a reduction over M, a row over N) and
+reduces every ``groups``-th position along it, masking what lies past the M and N edges; the
+``groups`` partials of a lane meet through a second buffer, in order; each thread keeps its
+lane's running value per band of subtiles (registers), and the tile's last subtile hands
+them to global memory. Over both axes, the lanes' values meet once more through a third
+buffer. Max and min propagate NaN, as ``jnp.max`` does.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+from jax_efc.kernels.problem import reduction_lanes
+
+__all__ = ["TileReduction"]
+
+_IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
+_UNROLL = 4  # loads in flight per lane loop
+
+
+class TileReduction:
+    """One reducing output's trace-time geometry and its per-subtile steps."""
+
+    def __init__(self, kind: str, over: tuple[str, ...], epi_tile: tuple[int, int],
+                 tile_mn: tuple[int, int], threads: int):
+        self.kind, self.over = kind, tuple(over)
+        self.epi_m, self.epi_n = epi_tile
+        self.sub_m = tile_mn[0] // self.epi_m
+        self.tile_mn = tile_mn
+        self.lanes, self.length = reduction_lanes(self.over, epi_tile)
+        self.groups = threads // self.lanes
+        self.threads = threads
+        # running values a thread keeps: one per subtile column (over M), row (over N), or one
+        self.bands = ((tile_mn[1] // self.epi_n if self.over == ("m",) else self.sub_m)
+                      if len(self.over) == 1 else 1)
+
+    def position(self, lane, group, i) -> tuple:
+        """(row, column) in the staging subtile of the ``i``-th value the thread of ``lane`` and
+        ``group`` reduces (Python or device integers)."""
+        along = group + i * self.groups
+        return (along, lane) if "m" in self.over else (lane, along)
+
+    def band(self, s: int) -> int:
+        """The running value subtile ``s`` folds into."""
+        if len(self.over) == 2:
+            return 0
+        return s // self.sub_m if self.over == ("m",) else s % self.sub_m
+
+    def offset(self, band: int, lane):
+        """The column (over M) or row (over N) within the tile of ``lane``'s running value ``band``."""
+        return band * (self.epi_n if self.over == ("m",) else self.epi_m) + lane
+
+    def layouts(self) -> tuple:
+        """Layouts of the staging subtile, the group partials and the lane totals."""
+        stage = cute.make_layout((self.epi_m, self.epi_n), stride=(self.epi_n + 1, 1))
+        return stage, cute.make_layout(self.threads), cute.make_layout(self.lanes)
+
+    def identity(self):
+        return cutlass.Float32(_IDENTITY[self.kind])
+
+    def combine(self, a, b):
+        """``a`` and ``b`` combined; max and min keep a NaN of either."""
+        if self.kind == "sum":
+            return a + b
+        wins = b > a if self.kind == "max" else b < a
+        return cutlass.select_(wins | (b != b), b, a)
+
+    def start(self) -> cute.Tensor:
+        """A thread's running values for a new tile."""
+        running = cute.make_rmem_tensor((self.bands,), cutlass.Float32)
+        for i in range(self.bands):
+            running[i] = self.identity()
+        return running
+
+    @cute.jit
+    def stage(self, smem: tuple, values: cute.Tensor, tile_coords: cute.Tensor, indices: list, s: int):
+        """Write this thread's ``values`` of subtile ``s`` into the staging subtile: value ``v``
+        lies at ``tile_coords[indices[v]]`` within the tile (a per-thread base plus a constant,
+        so each store's address folds to one immediate offset)."""
+        stage = smem[0]
+        m0 = s % self.sub_m * self.epi_m
+        n0 = s // self.sub_m * self.epi_n
+        for v in cutlass.range_constexpr(len(indices)):
+            at = tile_coords[indices[v]]
+            stage[(at[0] - m0, at[1] - n0)] = values[v]
+
+    @cute.jit
+    def reduce(self, smem: tuple, running: cute.Tensor, s: int, origin: tuple, extent: tuple, ctid,
+               barrier):
+        """Fold staged subtile ``s`` into the running values; the staging subtile was written
+        by every thread before ``barrier`` was passed. Returns when the buffers may be
+        written again."""
+        stage, partial, totals = smem
+        lane, group = ctid % self.lanes, ctid // self.lanes
+        m0 = origin[0] + s % self.sub_m * self.epi_m
+        n0 = origin[1] + s // self.sub_m * self.epi_n
+        part = self.identity()
+        # a loop the compiler keeps (a few loads in flight), not unrolled: unrolled, all of a
+        # lane's loads are hoisted and spill next to the accumulators
+        for i in cutlass.range(self.length // self.groups, unroll=_UNROLL):
+            r, c = self.position(lane, group, i)
+            inside = (m0 + r < extent[0]) & (n0 + c < extent[1])
+            part = self.combine(part, cutlass.select_(inside, stage[(r, c)], self.identity()))
+        partial[ctid] = part
+        barrier.arrive_and_wait()
+        total = self.identity()
+        for g in cutlass.range_constexpr(self.groups):
+            total = self.combine(total, partial[g * self.lanes + lane])
+        if cutlass.const_expr(len(self.over) == 2):
+            if group == 0:
+                totals[lane] = total
+            barrier.arrive_and_wait()
+            total = self.identity()
+            for c in cutlass.range(self.lanes, unroll=_UNROLL):
+                total = self.combine(total, totals[c])
+            running[0] = self.combine(running[0], total)
+        else:
+            running[self.band(s)] = self.combine(running[self.band(s)], total)
+
+    @cute.jit
+    def write(self, out: cute.Tensor, running: cute.Tensor, m_idx, n_idx, l_idx, extent: tuple, ctid):
+        """The tile's partials into ``out`` ((tiles_m | M, N | tiles_n, L), fp32)."""
+        lane, group = ctid % self.lanes, ctid // self.lanes
+        if cutlass.const_expr(len(self.over) == 2):
+            if ctid == 0:
+                out[(m_idx, n_idx, l_idx)] = running[0]
+        elif cutlass.const_expr(self.over == ("m",)):
+            if group == 0:
+                for band in cutlass.range_constexpr(self.bands):
+                    n = n_idx * self.tile_mn[1] + self.offset(band, lane)
+                    if n < extent[1]:
+                        out[(m_idx, n, l_idx)] = running[band]
+        else:
+            if group == 0:
+                for band in cutlass.range_constexpr(self.bands):
+                    m = m_idx * self.tile_mn[0] + self.offset(band, lane)
+                    if m < extent[0]:
+                        out[(m, n_idx, l_idx)] = running[band]

@@ -1,0 +1,51 @@
+"""The kernel variants whose epilogues reduce (``kernels/reduction.py``), compiled for sm_90a on
+the CPU like those of ``test_kernel_compile.py`` (whose checks they share), in a child process of
+their own; and what their reductions compile to."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from test_kernel_compile import REDUCTION_VARIANTS, assemble_all, check_spills, check_variant, compile_variants
+
+pytestmark = pytest.mark.matrix
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    return compile_variants(tmp_path_factory, "reductions")
+
+
+@pytest.mark.parametrize("name", list(REDUCTION_VARIANTS))
+def test_variant_compiles_to_wgmma(compiled, name):
+    check_variant(compiled[name], REDUCTION_VARIANTS[name], stream_k="stream_k" in name)
+
+
+def test_variants_do_not_spill_and_fit_the_register_budget(compiled, tmp_path_factory):
+    check_spills(assemble_all(compiled, tmp_path_factory.mktemp("sass")))
+
+
+def test_partials_are_staged_in_smem_and_stored_once_per_tile(compiled):
+    """Each subtile's values go through shared memory as fp32 and are read back per lane; the
+    partials leave by plain fp32 global stores (no atomics: the result is the same on every
+    run); max and min keep NaN (a self-comparison)."""
+    for name in REDUCTION_VARIANTS:
+        ptx = compiled[name]["ptx"]
+        assert re.search(r"\bst\.shared(?:\.\w+)*\.f32\b", ptx) or re.search(r"\bst\.shared(?:\.\w+)*\.b32\b", ptx), name
+        assert re.search(r"\bld\.shared(?:\.\w+)*\.(?:f|b)32\b", ptx), name
+        assert re.search(r"\bst\.global(?:\.\w+)*\.(?:f|b)32\b", ptx), name
+        assert "atom." not in ptx and "red.global" not in ptx, name
+    for name in ("bf16_pingpong_row_stats_128x192_c2x1_stream_k", "bf16_amax_128x256_c2x1",
+                 "bf16_all_reductions_batched_256x128", "fp8e4m3_nk_scaled_amax_128x128"):
+        assert re.search(r"setp\.(?:nan|neu)\.f32", compiled[name]["ptx"]), name
+
+
+def test_output_shapes(compiled):
+    """Tile outputs (M, N); reductions in their canonical shapes, finished in XLA."""
+    assert compiled["bf16_pingpong_bias_gelu_colsum_128x128_c1x2"]["out_shapes"] == [[1000, 3000], [1, 3000]]
+    assert compiled["bf16_pingpong_row_stats_128x192_c2x1_stream_k"]["out_shapes"] == [[2296, 2824], [2296, 1], [2296, 1]]
+    m = compiled["bf16_all_reductions_batched_256x128"]["out_shapes"][0][1]
+    assert compiled["bf16_all_reductions_batched_256x128"]["out_shapes"] == [
+        [2, m, 512], [2, 1, 512], [2, m, 1], [2, 1, 1]]
