@@ -175,6 +175,14 @@ REDUCTION_VARIANTS = {
                                                 (128, 128, 1, 2, {"pingpong": True, "swizzle": 8}),
                                                 "bias_gelu_colsum", (8192, 8192, 8192)),
     "fp8e4m3_nk_scaled_amax_128x128": ("float8_e4m3fn", False, True, None, (128, 128, 1, 1), "scaled_amax"),
+    # what the heuristic runs for large problems: 192 accumulators a thread, 64-row subtiles
+    "bf16_pingpong_row_stats_192x128_epi64_c1x2": ("bfloat16", False, False, None,
+                                                   (192, 128, 1, 2, {"pingpong": True, "swizzle": 8, "epi_m": 64}),
+                                                   "row_stats"),
+    "bf16_pingpong_bias_gelu_colsum_128x192_epi64_c2x1": ("bfloat16", False, False, None,
+                                                          (128, 192, 2, 1, {"pingpong": True, "swizzle": 8,
+                                                                            "raster": "n", "epi_m": 64}),
+                                                          "bias_gelu_colsum"),
 }
 
 

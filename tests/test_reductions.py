@@ -243,12 +243,27 @@ def test_the_kernel_reduction_reads_every_value_once(over, epi, tile, threads):
             seen.append((r, c))
     assert sorted(seen) == [(r, c) for r in range(epi[0]) for c in range(epi[1])]
     sub_m, n_sub = tile[0] // epi[0], (tile[0] // epi[0]) * (tile[1] // epi[1])
-    if len(over) == 1:
-        for s in range(n_sub):
+    assert red.n_sub == n_sub
+    folded = {slot: [] for slot in range(red.slots)}  # the subtiles in each running value since it was written
+    written = []
+    for s in range(n_sub):
+        folded[red.slot(s)].append(s)
+        if len(over) == 1:  # the subtile's lanes lie where the subtile lies in the tile
             start = s // sub_m * epi[1] if over == ("m",) else s % sub_m * epi[0]
-            assert [red.offset(red.band(s), lane) for lane in range(red.lanes)] == list(range(start, start + red.lanes))
-        covered = sorted(red.offset(b, lane) for b in range(red.bands) for lane in range(red.lanes))
-        assert covered == list(range(tile[1] if over == ("m",) else tile[0]))
+            assert [red.offset(s, lane) for lane in range(red.lanes)] == list(range(start, start + red.lanes))
+        if red.closes(s):
+            # what a running value holds when written: every subtile along its reduced axis
+            subs = folded[red.slot(s)]
+            if over == ("m",):
+                assert subs == [s - s % sub_m + i for i in range(sub_m)]
+            elif over == ("n",):
+                assert subs == list(range(s % sub_m, n_sub, sub_m))
+            else:
+                assert subs == list(range(n_sub))
+            written += [red.offset(s, lane) for lane in range(red.lanes)] if len(over) == 1 else [0]
+            folded[red.slot(s)] = []
+    assert all(not v for v in folded.values())  # nothing left unwritten
+    assert sorted(written) == (list(range(tile[1] if over == ("m",) else tile[0])) if len(over) == 1 else [0])
 
 
 def test_the_kernel_refuses_reductions_its_threads_cannot_split():

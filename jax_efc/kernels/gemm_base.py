@@ -382,6 +382,8 @@ class FusedGemmBase:
             for r in cutlass.range_constexpr(len(self.reductions)):
                 self.reductions[r].reduce(epi.red_smem[r], running[r], s, origin, epi.mn_extent, epi.ctid,
                                           epi.barrier)
+                self.reductions[r].flush(epi.red_out[r], running[r], s, m_idx, n_idx, l_idx, epi.mn_extent,
+                                         epi.ctid)
             # (a subtile staged in its own ring slot waits for no earlier store to read it)
             if cutlass.const_expr(not out_in_ring):
                 epi.barrier.arrive_and_wait()
@@ -390,8 +392,6 @@ class FusedGemmBase:
             # every thread is done with the reduction buffers before the other consumer's
             # epilogue (ping-pong) may write them
             epi.barrier.arrive_and_wait()
-            for r in cutlass.range_constexpr(len(self.reductions)):
-                self.reductions[r].write(epi.red_out[r], running[r], m_idx, n_idx, l_idx, epi.mn_extent, epi.ctid)
         if cutlass.const_expr(from_ring):
             # every thread has read its operands (the barriers above): the producer's tail
             # waits for these stages too

@@ -13,9 +13,10 @@ memory (fp32, rows padded by one value so that a warp reading a row's lanes hits
 then thread t takes lane ``t % lanes`` (a column for a reduction over M, a row over N) and
 reduces every ``groups``-th position along it, masking what lies past the M and N edges; the
 ``groups`` partials of a lane meet through a second buffer, in order; each thread keeps its
-lane's running value per band of subtiles (registers), and the tile's last subtile hands
-them to global memory. Over both axes, the lanes' values meet once more through a third
-buffer. Max and min propagate NaN, as ``jnp.max`` does.
+lane's running value in a register (over N one per row of subtiles: the subtiles are walked
+down M first) and writes it to global memory after the last subtile that adds to it. Over
+both axes, the lanes' values meet once more through a third buffer. Max and min propagate
+NaN (a NaN anywhere gives NaN).
 """
 
 from __future__ import annotations
@@ -43,9 +44,8 @@ class TileReduction:
         self.lanes, self.length = reduction_lanes(self.over, epi_tile)
         self.groups = threads // self.lanes
         self.threads = threads
-        # running values a thread keeps: one per subtile column (over M), row (over N), or one
-        self.bands = ((tile_mn[1] // self.epi_n if self.over == ("m",) else self.sub_m)
-                      if len(self.over) == 1 else 1)
+        self.n_sub = self.sub_m * (tile_mn[1] // self.epi_n)
+        self.slots = self.sub_m if self.over == ("n",) else 1  # running values a thread keeps
 
     def position(self, lane, group, i) -> tuple:
         """(row, column) in the staging subtile of the ``i``-th value the thread of ``lane`` and
@@ -53,15 +53,23 @@ class TileReduction:
         along = group + i * self.groups
         return (along, lane) if "m" in self.over else (lane, along)
 
-    def band(self, s: int) -> int:
-        """The running value subtile ``s`` folds into."""
-        if len(self.over) == 2:
-            return 0
-        return s // self.sub_m if self.over == ("m",) else s % self.sub_m
+    def slot(self, s: int) -> int:
+        """The running value subtile ``s`` folds into: over M one (the subtiles of a column of
+        them come one after another), over N one per row of subtiles, over both one."""
+        return s % self.sub_m if self.over == ("n",) else 0
 
-    def offset(self, band: int, lane):
-        """The column (over M) or row (over N) within the tile of ``lane``'s running value ``band``."""
-        return band * (self.epi_n if self.over == ("m",) else self.epi_m) + lane
+    def closes(self, s: int) -> bool:
+        """Whether subtile ``s`` is the last to fold into its running value, which then goes
+        to global memory."""
+        if self.over == ("m",):
+            return s % self.sub_m == self.sub_m - 1
+        return s >= self.n_sub - (self.sub_m if self.over == ("n",) else 1)
+
+    def offset(self, s: int, lane):
+        """The column (over M) or row (over N) within the tile of ``lane``'s value of subtile ``s``."""
+        if self.over == ("m",):
+            return s // self.sub_m * self.epi_n + lane
+        return s % self.sub_m * self.epi_m + lane
 
     def layouts(self) -> tuple:
         """Layouts of the staging subtile, the group partials and the lane totals."""
@@ -80,8 +88,8 @@ class TileReduction:
 
     def start(self) -> cute.Tensor:
         """A thread's running values for a new tile."""
-        running = cute.make_rmem_tensor((self.bands,), cutlass.Float32)
-        for i in range(self.bands):
+        running = cute.make_rmem_tensor((self.slots,), cutlass.Float32)
+        for i in range(self.slots):
             running[i] = self.identity()
         return running
 
@@ -128,24 +136,24 @@ class TileReduction:
                 total = self.combine(total, totals[c])
             running[0] = self.combine(running[0], total)
         else:
-            running[self.band(s)] = self.combine(running[self.band(s)], total)
+            running[self.slot(s)] = self.combine(running[self.slot(s)], total)
 
     @cute.jit
-    def write(self, out: cute.Tensor, running: cute.Tensor, m_idx, n_idx, l_idx, extent: tuple, ctid):
-        """The tile's partials into ``out`` ((tiles_m | M, N | tiles_n, L), fp32)."""
-        lane, group = ctid % self.lanes, ctid // self.lanes
-        if cutlass.const_expr(len(self.over) == 2):
-            if ctid == 0:
-                out[(m_idx, n_idx, l_idx)] = running[0]
-        elif cutlass.const_expr(self.over == ("m",)):
-            if group == 0:
-                for band in cutlass.range_constexpr(self.bands):
-                    n = n_idx * self.tile_mn[1] + self.offset(band, lane)
-                    if n < extent[1]:
-                        out[(m_idx, n, l_idx)] = running[band]
-        else:
-            if group == 0:
-                for band in cutlass.range_constexpr(self.bands):
-                    m = m_idx * self.tile_mn[0] + self.offset(band, lane)
-                    if m < extent[0]:
-                        out[(m, n_idx, l_idx)] = running[band]
+    def flush(self, out: cute.Tensor, running: cute.Tensor, s: int, m_idx, n_idx, l_idx, extent: tuple, ctid):
+        """After subtile ``s``: if it closed its running value, write that to ``out`` ((tiles_m
+        | M, N | tiles_n, L), fp32) and start it again."""
+        if cutlass.const_expr(self.closes(s)):
+            lane, group = ctid % self.lanes, ctid // self.lanes
+            slot = self.slot(s)
+            if cutlass.const_expr(len(self.over) == 2):
+                if ctid == 0:
+                    out[(m_idx, n_idx, l_idx)] = running[slot]
+            elif cutlass.const_expr(self.over == ("m",)):
+                n = n_idx * self.tile_mn[1] + self.offset(s, lane)
+                if group == 0 and n < extent[1]:
+                    out[(m_idx, n, l_idx)] = running[slot]
+            else:
+                m = m_idx * self.tile_mn[0] + self.offset(s, lane)
+                if group == 0 and m < extent[0]:
+                    out[(m, n_idx, l_idx)] = running[slot]
+            running[slot] = self.identity()

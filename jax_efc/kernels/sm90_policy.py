@@ -253,6 +253,14 @@ class Sm90Policy(ArchPolicy):
         and 128x192 tiles qualify when some subtile leaves them 5), else 64-wide ones where the
         ring keeps enough stages (128x128 ping-pong, 128x256).
         """
+        cfg = self._tile_choice(problem, m, n, k, l, sm_count)
+        threads = _WG * mma_warpgroups(cfg)
+        if any(o.reduce and reduction_reason(o.over, epilogue_tile(cfg), threads) for o in problem.ir.outputs):
+            # a subtile with more rows than the threads that reduce it: 64-row subtiles
+            cfg = dataclasses.replace(cfg, epi_m=64)
+        return cfg
+
+    def _tile_choice(self, problem: KernelProblem, m: int, n: int, k: int, l: int, sm_count: int) -> GemmConfig:
         sms = sm_count
         has_work = bool(problem.ir.instrs) or bool(problem.ir.operands)
         if problem.promote:
