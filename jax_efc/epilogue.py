@@ -233,14 +233,13 @@ def after_reduction(ir: EpilogueIR) -> list[bool]:
 
 
 def _reduced(x: Any, kind: str, axes: Sequence[str], shape: tuple[int, ...], dtype: Any) -> Any:
-    """``x`` (broadcast against a tile of ``shape``) reduced over ``axes``, keeping them as size
+    """``x`` broadcast to a tile of ``shape`` and reduced over ``axes``, keeping them as size
     1: floats accumulate in at least float32, integers in at least int32, and max and min keep
     NaN; the result in ``dtype``."""
     names = AXES[-len(shape):]
     dims = tuple(names.index(a) for a in axes)
-    x = jnp.asarray(x)
-    along = tuple(d if names[i] in axes else 1 for i, d in enumerate(shape))
-    x = jnp.broadcast_to(x, jnp.broadcast_shapes(x.shape, along))
+    # over the whole tile, as the kernels evaluate every value at every element of it
+    x = jnp.broadcast_to(jnp.asarray(x), shape)
     wide = jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int32
     x = x.astype(jnp.promote_types(x.dtype, wide))
     fn = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[kind]
@@ -399,7 +398,11 @@ def _as_leaf(out: Any, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> 
     is (1, N) here, (N,) there)."""
     if tuple(out.shape) == tuple(shape):
         return out
-    sizes = dict(zip(AXES[-out.ndim:], out.shape))
+    names = AXES[-out.ndim:]
+    # an axis the epilogue's value did not vary along (it holds copies there): one copy
+    leaf = {a: d for a, d in zip(axes, shape) if a is not None}
+    out = out[tuple(slice(None) if leaf.get(a, 1) == d else slice(0, 1) for a, d in zip(names, out.shape))]
+    sizes = dict(zip(names, out.shape))
     return jnp.broadcast_to(out.reshape([sizes.get(a, 1) for a in axes]), shape)
 
 

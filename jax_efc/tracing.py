@@ -241,10 +241,12 @@ class _Builder:
 
     def reduction(self, eqn: Any, kind: str, x: int, axes: tuple, shape: tuple) -> tuple[int, tuple]:
         """A sum, max or min over some of the tile's axes: over M and N in one instruction,
-        over L (whose batches the kernels reduce apart) in a second. Dimensions of length 1
-        reduce to themselves."""
+        over L (whose batches the kernels reduce apart) in a second."""
         dims = tuple(eqn.params["axes"])
-        over = {axes[d] for d in dims if shape[d] != 1}
+        # a dimension as long as the tile's along its axis is reduced (even of length 1, where
+        # M or N is 1: the result is still a reduction); a broadcast one reduces to itself
+        extent = dict(zip(self.axes, self.acc_shape))
+        over = {axes[d] for d in dims if axes[d] is not None and shape[d] == extent[axes[d]]}
         dtype = np.dtype(eqn.outvars[0].aval.dtype).name
         for group in (tuple(a for a in ("m", "n") if a in over), ("l",) if "l" in over else ()):
             if group:

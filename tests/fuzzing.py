@@ -2,7 +2,8 @@
 against a float64 NumPy oracle that shares no code with jax_efc.
 
 An epilogue is a random expression tree over the accumulator, tile / row / column / scalar
-operands and static and dynamic scalars; each output is one tree. The oracle evaluates every
+operands and static and dynamic scalars; each output is one tree, or a reduction of one (a sum,
+max, min or amax over M, N or both). The oracle evaluates every
 tree in float64 on the very values the call sees (inputs as stored, scalars as float32), and
 alongside each value a bound on the error float32 evaluation may carry (a forward error
 analysis: an operation adds its own rounding, and scales its arguments' errors by its
@@ -94,6 +95,8 @@ class Case:
     seed: int
     as_dict: bool = field(default=True)
     b_shared: bool = False  # B 2-D, shared by every batch of A
+    # output name -> (kind: sum, max, min or amax; axes: "m", "n" or "mn"), for outputs that reduce
+    reductions: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 def _leaves(n_ops: int, static: list[str], dynamic: list[str]):
@@ -151,8 +154,32 @@ def cases(draw, *, kernel: bool = False, floats32: bool = False) -> Case:
     outputs = {f"o{i}": draw(tree) for i in range(n_out)}
     out_dtypes = {name: draw(st.sampled_from(floats)) for name in outputs}
     poison = not floats32 and draw(st.booleans())
+    # the kernel stores at least one tile: its first output never reduces
+    reducible = list(outputs)[1:] if kernel else list(outputs)
+    reductions = {name: r for name in reducible
+                  if (r := draw(st.sampled_from(_REDUCTIONS))) is not None}
     return Case(m, n, k, batch, ab, transpose_a, transpose_b, operands, static, dynamic, outputs,
-                out_dtypes, poison, draw(st.integers(0, 2**31 - 1)), draw(st.booleans()), b_shared)
+                out_dtypes, poison, draw(st.integers(0, 2**31 - 1)), draw(st.booleans()), b_shared, reductions)
+
+
+_REDUCTIONS = (None, None, None, ("sum", "m"), ("sum", "n"), ("sum", "mn"), ("max", "n"), ("min", "m"),
+               ("amax", "mn"), ("amax", "m"))
+_AXES = {"m": (-2,), "n": (-1,), "mn": (-2, -1)}
+
+
+def _reduce_jax(v, kind, axes):
+    if kind == "amax":
+        return jnp.max(jnp.abs(v), axis=_AXES[axes])
+    return {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[kind](v, axis=_AXES[axes])
+
+
+def out_shape(case: Case, name: str) -> tuple[int, ...]:
+    """The shape of output ``name``: the tile's, less the axes it reduces."""
+    shape = (() if case.batch is None else (case.batch,)) + (case.m, case.n)
+    if name not in case.reductions:
+        return shape
+    dropped = {len(shape) + d for d in _AXES[case.reductions[name][1]]}
+    return tuple(d for i, d in enumerate(shape) if i not in dropped)
 
 
 def _jax_eval(tree, acc, ops, scalars):
@@ -182,6 +209,8 @@ def epilogue_of(case: Case):
     def epilogue(acc, *ops, **scalars):
         outs = {name: jnp.broadcast_to(_jax_eval(t, acc, ops[:n_ops], scalars), acc.shape)
                 for name, t in case.outputs.items()}
+        outs = {name: _reduce_jax(v, *case.reductions[name]) if name in case.reductions else v
+                for name, v in outs.items()}
         return outs if case.as_dict else tuple(outs.values())
 
     return epilogue
@@ -280,10 +309,28 @@ def oracle(case: Case, a, b, ops, dyn, *, kernel: bool) -> dict[str, tuple[np.nd
         for name, tree in case.outputs.items():
             ambiguous = np.zeros(shape, bool)
             value, err = ev(tree)
+            if name in case.reductions:
+                value, err, ambiguous = _reduce_oracle(value, err, ambiguous, *case.reductions[name])
             dt = case.out_dtypes[name]
             near_max = np.abs(value) + err >= 0.9 * _MAX[dt]
             result[name] = (value, err, ambiguous | near_max)
     return result
+
+
+def _reduce_oracle(value, err, ambiguous, kind, axes):
+    """A reduction's float64 value and error bound (a sum adds its terms' errors and, accumulated
+    in float32, one rounding of its running sum per term), judged only where every term is."""
+    axes = _AXES[axes]
+    if kind == "amax":
+        value, kind = np.abs(value), "max"
+    if kind == "sum":
+        count = math.prod(value.shape[a] for a in axes)
+        out = value.sum(axes)
+        bound = err.sum(axes) + count * 2.0 ** -23 * np.abs(value).sum(axes)
+    else:
+        out = value.max(axes) if kind == "max" else value.min(axes)
+        bound = err.max(axes)
+    return out, bound, ambiguous.any(axes)
 
 
 def check(case: Case, got: dict[str, Any], want: dict[str, tuple]) -> None:
@@ -324,16 +371,19 @@ def run(case: Case, *, kernel: bool = False, config: Any = None) -> None:
 
 @contextlib.contextmanager
 def strict():
-    """``JAX_EFC_STRICT=1`` for the calls inside: a fallback is an error."""
-    old = os.environ.get("JAX_EFC_STRICT")
-    os.environ["JAX_EFC_STRICT"] = "1"
+    """``JAX_EFC_STRICT=1`` for the calls inside, a fallback an error; and
+    ``JAX_EFC_UNVERIFIED_KERNELS=1``, so that the kernel's epilogue reductions run too."""
+    settings = {"JAX_EFC_STRICT": "1", "JAX_EFC_UNVERIFIED_KERNELS": "1"}
+    old = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
     try:
         yield
     finally:
-        if old is None:
-            del os.environ["JAX_EFC_STRICT"]
-        else:
-            os.environ["JAX_EFC_STRICT"] = old
+        for k, v in old.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def run_grad(case: Case) -> None:
@@ -347,7 +397,7 @@ def run_grad(case: Case) -> None:
     fn = epilogue_of(case)
     names = sorted(dyn)
     lead = () if case.batch is None else (case.batch,)
-    weights = {name: rng.standard_normal(lead + (case.m, case.n)) for name in case.outputs}
+    weights = {name: rng.standard_normal(out_shape(case, name)) for name in case.outputs}
 
     def loss(matmul, a, b, ops, scalars):
         outs = fn(matmul(a, b), *ops, **case.static, **dict(zip(names, scalars)))

@@ -346,3 +346,20 @@ def test_the_launch_finishes_the_kernels_partials(monkeypatch, rng, fn):
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-3)
         else:
             assert got.shape == (m, n)
+
+
+def test_reductions_of_one_row_and_of_broadcast_values():
+    """Found by the fuzzer: with M = 1 a sum over M is still a reduction ((N,), not an error),
+    and a value the epilogue broadcast (a scalar, a column) reduces over the tile it was
+    broadcast to."""
+    a, b = jnp.ones((1, 3)), jnp.ones((3, 4))
+    np.testing.assert_allclose(efc.gemm(a, b, lambda acc: jnp.sum(acc, axis=0)), np.full(4, 3.0))
+    a = jnp.ones((5, 3))
+    s = jnp.float32(2.0)
+    got = efc.gemm(a, b, lambda acc, *, s: (acc, jnp.sum(jnp.broadcast_to(s, acc.shape), axis=0)), s=s)[1]
+    np.testing.assert_allclose(got, np.full(4, 10.0))
+    col = jnp.arange(5.0).reshape(5, 1)
+    got = efc.gemm(a, b, lambda acc, c: (acc, jnp.sum(c * jnp.ones_like(acc), axis=0), jnp.sum(c, axis=0)), col)
+    np.testing.assert_allclose(got[1], np.full(4, 10.0))
+    assert got[2].shape == (1,)
+    np.testing.assert_allclose(got[2], [10.0])
