@@ -23,7 +23,7 @@ from jax._src import dispatch
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import ahead_of_time
+from . import compile_ahead
 from . import config as _config
 from . import device
 from .arguments import allowed_acc_dtypes, mixes_8bit
@@ -111,7 +111,7 @@ def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, pre
             raise ValueError(f"output {o.name!r} reduces by {o.reduce!r} over {o.over}; a fused GEMM "
                              "reduces by sum, max or min over some of ('m', 'n').")
     tile = (m, n) if batch is None else (batch, m, n)
-    ahead_of_time.speculate([a, b, *operands], dict(ir=ir, transpose_a=transpose_a, transpose_b=transpose_b,
+    compile_ahead.speculate([a, b, *operands], dict(ir=ir, transpose_a=transpose_a, transpose_b=transpose_b,
                                                      acc_dtype=acc_dtype, precision=precision, config=config,
                                                      local=local))
     if _out_sharding(a, b, transpose_a, transpose_b, ()) is None:
@@ -240,6 +240,8 @@ def _cuda_lowering(ctx, *args, **params):
         log_once(logging.INFO, f"the kernel runs, and {plan.note}.")
     from jax_efc import ffi
 
+    # a build started while the program was traced lands in the cache: wait for it
+    compile_ahead.wait_for(plan, ctx.avals_in)
     try:
         return ffi.lower(ctx, *args, plan=plan)
     except Exception as e:  # noqa: BLE001 - any failure to build the kernel falls back

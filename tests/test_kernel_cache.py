@@ -227,14 +227,14 @@ _AHEAD = """
 import json, sys, time
 import jax, jax.numpy as jnp
 import jax_efc as efc
-from jax_efc import ahead_of_time
+from jax_efc import compile_ahead
 S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
 def loss(x, w, b):
     return efc.fused_dense(x, w, b, activation="gelu").astype(jnp.float32).sum()
 step = jax.jit(jax.grad(loss, (0, 1, 2)))
 specs = S((2048, 1536), bf), S((1536, 1536), bf), S((1536,), bf)
 if sys.argv[1] == "broken":  # every worker dies at once: the lowering compiles the kernels itself
-    ahead_of_time._spawn = lambda arch: __import__("subprocess").Popen(
+    compile_ahead._spawn = lambda arch: __import__("subprocess").Popen(
         [sys.executable, "-c", "pass"], text=True, stdin=-1, stdout=-1)
 else:
     import cutlass.cute
@@ -242,7 +242,7 @@ else:
         raise RuntimeError("the DSL compiled a kernel in the tracing process")
     cutlass.cute.compile = compile
 exported = jax.export.export(step, platforms=["cuda"], disabled_checks=efc.export_checks())(*specs)
-outcomes = sorted(f.result() for f in ahead_of_time._started.values())
+outcomes = sorted(f.result() for f in compile_ahead._started.values())
 print(json.dumps({"kernels": exported.mlir_module().count("custom_call @CuteDSLRT"), "outcomes": outcomes}))
 """
 

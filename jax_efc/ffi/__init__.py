@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from jax_efc import ahead_of_time
 from jax_efc.kernels import TIMELINE_EVENTS, TIMELINE_UNITS, policy
 from jax_efc.log import log_once
 from jax_efc.plan import Plan, gemm_dims
@@ -258,9 +257,6 @@ def fused_gemm(a, b, *operands, plan: Plan, timeline: bool = False) -> list:
     """
     from cutlass.jax import cutlass_call
 
-    if plan.backend == "kernel" and not timeline:
-        # a build started while the program was traced lands in the cache: wait for it
-        ahead_of_time.wait_for(plan, (a, b, *operands))
     call = _assemble(plan, a, b, operands, timeline)
     key, kernel, inputs, out_shapes = call.key, call.kernel, call.inputs, call.out_shapes
     m, n = plan.mnkl[:2]
