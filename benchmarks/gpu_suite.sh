@@ -25,6 +25,7 @@ step fp8-scaled python3 examples/fp8_scaled.py --mnk 8192,8192,8192
 step flax-mlp python3 examples/flax_mlp.py --features 4096,14336,4096 --batch 8192 --dtype bfloat16 --steps 20
 step sharded python3 examples/sharded_training.py --mesh 1,1 --dtype bfloat16 --batch 8192 --width 4096 --hidden 14336
 step info python3 -m jax_efc info
+step selftest python3 -m jax_efc selftest
 if [[ ${2:-} == --no-bench ]]; then
   :
 elif [[ ${2:-} == --quick ]]; then

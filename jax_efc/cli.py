@@ -339,17 +339,40 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
+# jax-efc selftest ---------------------------------------------------------------------------
+
+def _add_selftest(sub: Any) -> None:
+    p = sub.add_parser("selftest", help="check the fused GEMM's numerics on this machine against a float64 "
+                       "oracle; prints a pass/fail table")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    p.set_defaults(func=_selftest)
+
+
+def _selftest(args: argparse.Namespace) -> int:
+    from jax_efc import selftest
+
+    rows = selftest.run()
+    print(f"devices: {', '.join(f'{d.platform}:{d.id} {d.device_kind}' for d in jax.devices())}; "
+          f"GPU arch: {device.arch() or 'none'}")
+    print(selftest.format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if all(r["result"] == "PASS" for r in rows) else 1
+
+
 # entry point --------------------------------------------------------------------------------
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: the command line) and run the subcommand; returns its exit
     status. Bad arguments exit with status 2 and a usage message."""
     parser = argparse.ArgumentParser(prog="jax-efc", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,bench,info,cache}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,bench,info,cache,selftest}")
     _add_run(sub)
     _add_bench(sub)
     _add_info(sub)
     _add_cache(sub)
+    _add_selftest(sub)
     args = parser.parse_args(argv)
     args.parser = sub.choices[args.command]
     return args.func(args)

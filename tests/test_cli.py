@@ -579,3 +579,24 @@ def test_bench_eight_bit_problems(name):
     assert r.err < tolerance and r.baseline_err < tolerance, (r.err, r.baseline_err)
     with pytest.raises(ValueError, match="takes no batch"):
         bench.bench_problem(name, (m, n, k, 2))
+
+
+def test_selftest_passes_here_and_reports_a_wrong_answer(tmp_path, capsys):
+    """Every case passes on this machine (the reference on a CPU), the table names the backend,
+    and a case whose answer is wrong is a FAIL with a nonzero exit status."""
+    import dataclasses
+
+    from jax_efc import cli, selftest
+
+    path = tmp_path / "rows.json"
+    assert cli.main(["selftest", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(selftest.CASES)} of {len(selftest.CASES)} passed" in out and "backend" in out
+    rows = json.loads(path.read_text())
+    assert [r["case"] for r in rows] == [c.name for c in selftest.CASES] and all(r["result"] == "PASS" for r in rows)
+    wrong = dataclasses.replace(selftest.CASES[0], name="off by one", oracle=lambda acc: acc + 1.0)
+    (row,) = selftest.run((wrong,))
+    assert row["result"] == "FAIL" and row["error"] > row["bound"]
+    broken = dataclasses.replace(selftest.CASES[0], name="raises", epilogue=lambda acc: acc @ acc)
+    (row,) = selftest.run((broken,))
+    assert row["result"] == "FAIL" and "EpilogueError" in row["why"]

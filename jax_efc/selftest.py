@@ -1,0 +1,166 @@
+"""``jax-efc selftest``: the numerics of the fused GEMM on whatever machine runs it.
+
+For users on hardware this project has not run on (another Hopper part, a Blackwell GPU):
+each case is one ``efc.gemm`` call on random data with partial tiles at every edge, checked
+against a float64 NumPy oracle of the same stored inputs, and reported with the backend that
+ran it (``efc.backends``) and the largest error against its bound. On a GPU with a kernel the
+cases run under ``JAX_EFC_STRICT=1``, so a case the kernel should run cannot quietly fall
+back; where the kernel is not expected (no GPU, or an architecture without one) they run on
+the reference and say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["Case", "CASES", "run", "format_table"]
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One call: ``epilogue`` and its float64 ``oracle`` of (acc, *operands), inputs of
+    ``dtype`` (M, K) x (K, N) (B stored (N, K) with ``transpose_b``), operands by shape
+    ("row": (N,), "tile": (M, N)), and the bound on the largest error relative to the
+    largest magnitude of each output."""
+
+    name: str
+    dtype: str
+    mnk: tuple[int, int, int]
+    epilogue: Callable[..., Any]
+    oracle: Callable[..., Any]
+    operands: tuple[str, ...] = ()
+    transpose_b: bool = False
+    batch: int | None = None
+    out_dtypes: Any = None
+    tol: float = 2e-2
+    config: Any = None
+    env: tuple[tuple[str, str], ...] = ()  # switches the case needs (as strings)
+
+
+def _cases() -> tuple[Case, ...]:
+    from jax_efc.config import GemmConfig
+
+    bias_gelu = (lambda acc, b: jax.nn.gelu(acc + b), lambda acc, b: _gelu_tanh(acc + b))
+    alpha_beta = (lambda acc, c: {"D": 2 * acc + c, "Y": acc}, lambda acc, c: {"D": 2 * acc + c, "Y": acc})
+    shape = (1000, 1032, 520)  # partial tiles on every edge
+    cases = [
+        Case("bf16 gemm", "bfloat16", shape, lambda acc: acc, lambda acc: acc),
+        Case("fp16 gemm, B (N, K)", "float16", shape, lambda acc: acc, lambda acc: acc, transpose_b=True),
+        Case("bf16 bias+gelu_tanh", "bfloat16", shape, *bias_gelu, operands=("row",)),
+        Case("bf16 alpha-beta, two outputs", "bfloat16", shape, *alpha_beta, operands=("tile",),
+             out_dtypes={"D": jnp.bfloat16, "Y": jnp.float32}),
+        Case("bf16 batched bias+gelu_tanh", "bfloat16", (264, 520, 136), *bias_gelu, operands=("row",), batch=3),
+        Case("bf16 ping-pong 128x128", "bfloat16", shape, *bias_gelu, operands=("row",),
+             config=GemmConfig(128, 128, 1, 2, pingpong=True)),
+        Case("bf16 cooperative 128x256", "bfloat16", shape, *bias_gelu, operands=("row",),
+             config=GemmConfig(128, 256, 2, 1)),
+        Case("bf16 stream-K", "bfloat16", (2296, 2824, 1288), lambda acc: acc, lambda acc: acc,
+             config=GemmConfig(128, 192, 2, 1, pingpong=True, raster="n")),
+        Case("fp8 e4m3 bias+gelu_tanh", "float8_e4m3fn", shape, *bias_gelu, operands=("row",), transpose_b=True,
+             out_dtypes=jnp.bfloat16),
+        Case("int8 gemm (exact)", "int8", shape, lambda acc: acc, lambda acc: acc, transpose_b=True, tol=0.0),
+        Case("bf16 column sums (unverified kernel)", "bfloat16", shape,
+             lambda acc, b: (acc + b, jnp.sum(acc + b, axis=0)), lambda acc, b: (acc + b, (acc + b).sum(0)),
+             operands=("row",), env=(("JAX_EFC_UNVERIFIED_KERNELS", "1"),)),
+    ]
+    return tuple(cases)
+
+
+CASES = _cases()
+
+
+def _inputs(case: Case, rng: np.random.Generator) -> tuple[list[Any], list[np.ndarray]]:
+    """The call's arrays and their float64 values as stored."""
+    m, n, k = case.mnk
+    lead = () if case.batch is None else (case.batch,)
+    dtype = jnp.dtype(case.dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        a, b = (rng.integers(-8, 8, lead + s) for s in ((m, k), (n, k) if case.transpose_b else (k, n)))
+    else:
+        a = rng.standard_normal(lead + (m, k)) / math.sqrt(k)
+        b = rng.standard_normal(lead + ((n, k) if case.transpose_b else (k, n)))
+    ops = [rng.standard_normal((n,) if role == "row" else lead + (m, n)) for role in case.operands]
+    arrays = [jnp.asarray(a, dtype), jnp.asarray(b, dtype)] + [jnp.asarray(x, jnp.bfloat16) for x in ops]
+    return arrays, [np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64) for x in arrays]
+
+
+def _leaves(tree: Any) -> list[Any]:
+    if isinstance(tree, dict):
+        return [tree[k] for k in sorted(tree)]
+    return list(tree) if isinstance(tree, (tuple, list)) else [tree]
+
+
+def run_case(case: Case, strict: bool, seed: int = 0) -> dict[str, Any]:
+    """One case's row: name, backend, worst error, bound, and PASS or FAIL (with why)."""
+    import jax_efc as efc
+
+    saved = {k: os.environ.get(k) for k, _ in case.env + (("JAX_EFC_STRICT", ""),)}
+    os.environ.update(dict(case.env))
+    if strict:
+        os.environ["JAX_EFC_STRICT"] = "1"
+    try:
+        arrays, f64 = _inputs(case, np.random.default_rng(seed))
+
+        def call(a, b, *ops):
+            return efc.gemm(a, b, case.epilogue, *ops, transpose_b=case.transpose_b, out_dtypes=case.out_dtypes,
+                            config=case.config)
+
+        backend = "; ".join(sorted(set(efc.backends(call, *arrays))))
+        got = _leaves(jax.jit(call)(*arrays))
+        a, b, *ops = f64
+        acc = np.matmul(a, np.swapaxes(b, -1, -2) if case.transpose_b else b)
+        want = _leaves(case.oracle(acc, *ops))
+        worst = 0.0
+        for g, w in zip(got, want):
+            g = np.asarray(jnp.asarray(g).astype(jnp.float32), np.float64)
+            if g.shape != np.shape(w) or not np.isfinite(g).all():
+                return dict(case=case.name, backend=backend, error=math.inf, bound=case.tol, result="FAIL",
+                            why=f"shape {g.shape} (want {np.shape(w)}) or non-finite values")
+            worst = max(worst, float(np.abs(g - w).max() / max(np.abs(w).max(), 1e-30)))
+        ok = worst <= case.tol
+        return dict(case=case.name, backend=backend, error=worst, bound=case.tol, result="PASS" if ok else "FAIL",
+                    why="" if ok else "error above the bound")
+    except Exception as e:  # noqa: BLE001 - a case that cannot run is a failure to report, not a crash
+        return dict(case=case.name, backend="-", error=math.inf, bound=case.tol, result="FAIL",
+                    why=f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run(cases: tuple[Case, ...] = CASES, strict: bool | None = None) -> list[dict[str, Any]]:
+    """Every case's row. ``strict`` (default: on a GPU whose architecture has a kernel) runs
+    them under ``JAX_EFC_STRICT=1``."""
+    from jax_efc import device
+    from jax_efc.kernels import SUPPORTED_ARCHS
+
+    if strict is None:
+        strict = jax.default_backend() == "gpu" and device.arch() in SUPPORTED_ARCHS
+    return [run_case(case, strict) for case in cases]
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a fixed-width table, then a count of passes."""
+    width = max(len(r["case"]) for r in rows)
+    lines = [f"{'case':<{width}}  result  {'max error':>10}  {'bound':>8}  backend"]
+    for r in rows:
+        lines.append(f"{r['case']:<{width}}  {r['result']:<6}  {r['error']:>10.3g}  {r['bound']:>8.3g}  {r['backend']}"
+                     + (f"  ({r['why']})" if r["why"] else ""))
+    passed = sum(r["result"] == "PASS" for r in rows)
+    lines.append(f"{passed} of {len(rows)} passed")
+    return "\n".join(lines)
