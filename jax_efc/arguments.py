@@ -124,8 +124,11 @@ def check_x64(*dtypes: Any) -> None:
 
 
 def check_config(config: Any) -> None:
-    if config is not None and not isinstance(config, GemmConfig):
-        raise TypeError(f"config must be a jax_efc.GemmConfig or None, got {type(config).__name__}.")
+    if config is None or isinstance(config, GemmConfig) or config == "autotune":
+        return
+    if isinstance(config, str):
+        raise ValueError(f"config={config!r}: the only config named by a string is 'autotune'.")
+    raise TypeError(f"config must be a jax_efc.GemmConfig, 'autotune' or None, got {type(config).__name__}.")
 
 
 def precision(precision: Any) -> Any:

@@ -148,3 +148,31 @@ def dsl_reason() -> str | None:
     if not cjax.is_available():
         return "cutlass.jax is not available with this JAX version; upgrade JAX or nvidia-cutlass-dsl."
     return None
+
+
+@functools.cache
+def build_versions() -> tuple:
+    """jax_efc's, the DSL's and JAX's versions, and a digest of the sources that generate kernel
+    code (``ffi/`` and ``kernels/``): what a stored kernel or a timing record was made with."""
+    import hashlib
+    import importlib.metadata
+
+    import jax
+
+    import jax_efc
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "none"
+
+    digest = hashlib.sha256()
+    here = os.path.dirname(os.path.abspath(jax_efc.__file__))
+    for root in (os.path.join(here, "ffi"), os.path.join(here, "kernels")):
+        for name in sorted(os.listdir(root)):
+            if name.endswith(".py"):
+                with open(os.path.join(root, name), "rb") as f:
+                    digest.update(name.encode() + b"\0" + f.read())
+    return (jax_efc.__version__, version("nvidia-cutlass-dsl"), jax.__version__, digest.hexdigest())
+

@@ -33,7 +33,7 @@ class _Static:
     transpose_b: bool
     acc_dtype: Any
     precision: Any
-    config: GemmConfig | None
+    config: GemmConfig | str | None
     recompute_acc: bool
     save_acc: bool  # whether the backward pass reads the accumulator
 
@@ -55,7 +55,7 @@ def gemm(
     transpose_b: bool = False,
     precision: Any = None,
     recompute_acc: bool = False,
-    config: GemmConfig | None = None,
+    config: GemmConfig | str | None = None,
     **scalars: Any,
 ) -> Any:
     """``epilogue(op(a) @ op(b), *operands, **scalars)`` as one fused op.
@@ -72,7 +72,9 @@ def gemm(
     float32, or float64 for float64 inputs.
 
     ``recompute_acc=True`` recomputes ``op(a) @ op(b)`` in the backward pass instead of saving
-    it as a residual.
+    it as a residual. ``config`` pins the kernel's ``GemmConfig``; ``"autotune"`` times the
+    heuristic's candidates on the GPU at first use (each GEMM of the backward too) and keeps the
+    fastest on disk (``jax_efc.autotune``).
 
     >>> import jax.numpy as jnp, jax_efc as efc
     >>> a, b = jnp.ones((256, 4), jnp.bfloat16), jnp.ones((4, 64), jnp.bfloat16)
@@ -407,7 +409,7 @@ def fused_dense(
     out_dtype: Any = None,
     precision: Any = None,
     recompute_acc: bool = False,
-    config: GemmConfig | None = None,
+    config: GemmConfig | str | None = None,
 ) -> Any:
     """``activation(x @ kernel + bias) + residual`` in one kernel.
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_efc import autotune
 from jax_efc import config as _config
 from jax_efc import device
 from jax_efc.arguments import fast_accumulation, is_8bit_float, kernel_precision_reason, mixes_8bit
@@ -168,7 +169,8 @@ def plan_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence
     Raises ``ValueError`` when the call pins a config that is the only obstacle (the
     heuristic's config would run): a pinned config is a request, not a hint to drop silently.
     Only the heuristic hands calls to XLA's GEMM: never with a pinned config or under
-    ``JAX_EFC_STRICT=1``."""
+    ``JAX_EFC_STRICT=1``. ``config="autotune"`` (see :mod:`jax_efc.autotune`) starts from the
+    heuristic's plan and runs the tuned config where a record or a tuning run has one."""
     reason = empty_reason(avals_in)
     if reason:
         return _reference(reason, level=0)
@@ -186,7 +188,8 @@ def plan_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence
     a, b, *operands = avals_in
     kw = dict(transpose_a=params["transpose_a"], transpose_b=params["transpose_b"],
               acc_dtype=params["acc_dtype"], arch=arch, devices=devices, precision=params["precision"])
-    pinned = params["config"]
+    tune = autotune.requested(params["config"])
+    pinned = None if tune else params["config"]
     plan = plan_kernel(params["ir"], a, b, operands, config=pinned, **kw)
     if plan.backend != "kernel":
         if pinned is not None and plan_kernel(params["ir"], a, b, operands, config=None, **kw).backend == "kernel":
@@ -199,4 +202,10 @@ def plan_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence
         reason = pol.xla_faster_reason(plan.problem, m, n, l, sm_count=device.sm_count(pol.default_sm_count))
         if reason:
             return _reference(reason, level=logging.INFO, arch=arch)
+    if tune:
+        tuned = autotune.tuned_config(plan, avals_in, params, devices)
+        if tuned is not None and tuned != plan.config:
+            tuned_plan = plan_kernel(params["ir"], a, b, operands, config=tuned, **kw)
+            if tuned_plan.backend == "kernel":
+                return tuned_plan
     return plan

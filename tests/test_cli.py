@@ -159,13 +159,13 @@ def test_bench_bound_times_our_plain_gemm_in_the_same_rounds(capsys, tmp_path):
 def test_bench_calls_per_jit(capsys, monkeypatch, tmp_path):
     # R calls inside one jitted function, each on inputs of its own; times are per call
     timed = []
-    real_time = bench.timing._time
+    real_time = bench.timing.time_interleaved
 
     def spy(fns, input_sets, *rest):
         timed.append((fns, input_sets))
         return real_time(fns, input_sets, *rest)
 
-    monkeypatch.setattr(bench.timing, "_time", spy)
+    monkeypatch.setattr(bench.timing, "time_interleaved", spy)
     out_json = tmp_path / "bench.json"
     argv = ["bench", "--shapes", "32,64,48", "--epilogues", "bias+silu,train:bias+gelu_tanh",
             "--calls-per-jit", "3", "--bound", "--rounds", "2", "--min-round-time", "0.001",
@@ -313,7 +313,7 @@ def test_rounds_follow_the_timing_order():
         return fn
 
     x = jax.numpy.ones(4)
-    times, windows = bench.timing._time([named("a"), named("b"), named("base")], [(x,)], rounds=3,
+    times, windows = bench.timing.time_interleaved([named("a"), named("b"), named("base")], [(x,)], rounds=3,
                                  calls=1, min_round_s=0.0, warmup=1)
     names = ("a", "b", "base")
     order = [names[i] for i in bench.timing_order(3, 3)]
@@ -325,7 +325,7 @@ def test_rounds_follow_the_timing_order():
     assert windows[0][1][0] >= windows[0][0][1]
 
     log.clear()  # a lone function settles for one untimed round
-    times, windows = bench.timing._time([named("a")], [(x,)], rounds=2, calls=3, min_round_s=0.0, warmup=1)
+    times, windows = bench.timing.time_interleaved([named("a")], [(x,)], rounds=2, calls=3, min_round_s=0.0, warmup=1)
     assert len(log) == 2 + 3 + 2 * 3 and len(windows[0]) == 2
 
 

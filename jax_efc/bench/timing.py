@@ -160,7 +160,7 @@ def timing_order(n: int, rounds: int) -> list[int]:
     return seq[1:] * -(-rounds // (n - 1))
 
 
-def _time(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tuple], rounds: int,
+def time_interleaved(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tuple], rounds: int,
           calls: int | None, min_round_s: float, warmup: int
           ) -> tuple[list[float], list[list[tuple[float, float]]]]:
     """For each function, the median over the rounds of the mean time per call, and the
@@ -269,7 +269,7 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
     if calls_per_jit > 1:
         fns = [jax.jit(lambda sets, fn=fn: [fn(*inputs) for inputs in sets]) for fn in fns]
     stage(f"warming up and timing {len(fns)} functions in interleaved rounds")
-    times, windows = _time(fns, input_sets, rounds, calls, min_round_s, warmup)
+    times, windows = time_interleaved(fns, input_sets, rounds, calls, min_round_s, warmup)
     times = [t / calls_per_jit for t in times]
     count = len(problems)
     ours_s, base_s, plain_s = times[:count], times[count], times[count + 1] if bound else None

@@ -15,9 +15,7 @@ place) with a checksum, so a torn or foreign file is ignored (and removed), neve
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import importlib.metadata
 import os
 import base64
 import json
@@ -25,6 +23,8 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from jax_efc import device
 
 __all__ = ["enabled", "Entry", "entry_key", "exists", "load", "store", "clear", "directory", "usage"]
 
@@ -54,30 +54,6 @@ def directory() -> str:
     return private_cache_dir("kernels")
 
 
-@functools.cache
-def _versions() -> tuple:
-    """jax_efc's, the DSL's and JAX's versions, and a digest of the sources that generate code."""
-    import jax
-
-    import jax_efc
-
-    def version(dist: str) -> str:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "none"
-
-    digest = hashlib.sha256()
-    roots = [os.path.dirname(os.path.abspath(__file__)),
-             os.path.join(os.path.dirname(os.path.abspath(jax_efc.__file__)), "kernels")]
-    for root in roots:
-        for name in sorted(os.listdir(root)):
-            if name.endswith(".py"):
-                with open(os.path.join(root, name), "rb") as f:
-                    digest.update(name.encode() + b"\0" + f.read())
-    return (jax_efc.__version__, version("nvidia-cutlass-dsl"), jax.__version__, digest.hexdigest())
-
-
 def entry_key(compile_key: Any, inputs: Sequence[Any], in_modes: Sequence[Any],
               outputs: Sequence[Any], aliases: dict[int, int]) -> str:
     """The file name of the entry for one kernel call."""
@@ -87,7 +63,7 @@ def entry_key(compile_key: Any, inputs: Sequence[Any], in_modes: Sequence[Any],
                             if k.startswith("CUTE_DSL_") and k not in ("CUTE_DSL_ARCH", "CUTE_DSL_CACHE_DIR")))
     text = repr((_MAGIC, compile_key, [(tuple(x.shape), str(x.dtype)) for x in inputs], tuple(in_modes),
                  [(tuple(x.shape), str(x.dtype)) for x in outputs], sorted(aliases.items()),
-                 _versions(), settings))
+                 device.build_versions(), settings))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -178,6 +178,12 @@ class ArchPolicy:
         """A config for an M x N x K x L GEMM on a GPU with ``sm_count`` SMs."""
         raise NotImplementedError
 
+    def candidate_configs(self, problem: KernelProblem, m: int, n: int, k: int, l: int,
+                          sm_count: int) -> list[GemmConfig]:
+        """The configs an autotuner times for an M x N x K x L GEMM: the heuristic's first,
+        then others the kernel can run."""
+        return [self.choose_config(problem, m, n, k, l, sm_count)]
+
     def xla_faster_reason(self, problem: KernelProblem, m: int, n: int, l: int,
                           sm_count: int) -> str | None:
         """Why XLA's GEMM outruns the kernel on this GEMM (``None``: it does not)."""

@@ -113,6 +113,14 @@ def pipeline_stages(problem: KernelProblem) -> int:
     return min(cfg.stages or _MAX_STAGES, fit)
 
 
+# (tile_m, tile_n, pingpong, cluster_m, cluster_n) an autotuner tries besides the heuristic's
+# choice (each tile with the cluster the heuristic pairs it with), and how many configs it times
+# at most (each one more kernel to compile at first use)
+_TUNED_TILES = ((192, 128, True, 1, 2), (128, 192, True, 2, 1), (128, 128, True, 1, 2), (128, 256, False, 2, 1),
+                (256, 128, False, 1, 2), (128, 128, False, 2, 1))
+_AUTOTUNE_CANDIDATES = 6
+
+
 def _tiles(m: int, n: int, l: int, tm: int, tn: int) -> int:
     """Output tiles of tm x tn in an M x N x L result."""
     return -(-m // tm) * -(-n // tn) * l
@@ -259,6 +267,23 @@ class Sm90Policy(ArchPolicy):
             # a subtile with more rows than the threads that reduce it: 64-row subtiles
             cfg = dataclasses.replace(cfg, epi_m=64)
         return cfg
+
+    def candidate_configs(self, problem: KernelProblem, m: int, n: int, k: int, l: int,
+                          sm_count: int = DEFAULT_SM_COUNT) -> list[GemmConfig]:
+        """The heuristic's config, then its tile and cluster swapped for the others the heuristic
+        chooses among (``_TUNED_TILES``), those the kernel can run, at most
+        ``_AUTOTUNE_CANDIDATES``."""
+        best = self.choose_config(problem, m, n, k, l, sm_count)
+        found = [best]
+        for tm, tn, pingpong, cm, cn in _TUNED_TILES:
+            # the heuristic's subtile height where it divides the tile, else the tile's
+            epi_m = best.epi_m if best.epi_m and tm % best.epi_m == 0 else 0
+            cfg = dataclasses.replace(best, tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn,
+                                      pingpong=pingpong, epi_m=epi_m)
+            if cfg not in found and self.unsupported_reason(dataclasses.replace(problem, config=cfg),
+                                                            (m, n, k, l)) is None:
+                found.append(cfg)
+        return found[:_AUTOTUNE_CANDIDATES]
 
     def _tile_choice(self, problem: KernelProblem, m: int, n: int, k: int, l: int, sm_count: int) -> GemmConfig:
         sms = sm_count

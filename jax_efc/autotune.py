@@ -1,0 +1,145 @@
+"""Autotuning: the heuristic's candidate configs for one GEMM timed on the GPU at first use, the
+fastest kept on disk.
+
+``config="autotune"`` (or ``JAX_EFC_AUTOTUNE=1`` for calls without a config) asks for it. The
+plan (``jax_efc.plan``) first makes the heuristic's plan; :func:`tuned_config` then looks for a
+record of that GEMM on this GPU model and, if there is none and a GPU is present, has a tuning
+process (``python -m jax_efc.tuning``: a fresh interpreter on the same GPU, so nothing runs
+inside the program being traced or lowered) time the policy's candidates in interleaved
+rounds and write one. A candidate replaces the heuristic's config only if it was faster by
+more than ``NOISE``, so tuning never picks a config slower than the heuristic's beyond the
+timing noise. Without a GPU (an export), the heuristic's config stands unless a record says
+otherwise.
+
+A record's key covers what decides the timing: the GPU model and SM count, the kernel's
+problem without its config (epilogue IR, dtypes, majors, arch), the GEMM's sizes, and the
+versions of jax_efc, the DSL and JAX with a digest of the kernel sources. Records live
+owner-only under ``jax_efc.config.cache_dir()/autotune``, written atomically; one that does not
+parse is ignored and tuned again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["requested", "gpu", "record_key", "choose", "tuned_config", "store", "load", "NOISE"]
+
+# a candidate must beat the heuristic's time by this fraction to replace it: about the spread of
+# repeated timings of one kernel in interleaved rounds on the H200 (benchmarks/FINDINGS.md)
+NOISE = 0.01
+
+_memo: dict[str, Any] = {}
+
+
+def requested(config: Any) -> bool:
+    """Whether a call's ``config`` asks for autotuning: ``"autotune"``, or None with
+    ``JAX_EFC_AUTOTUNE=1``."""
+    if config == "autotune":
+        return True
+    return config is None and os.environ.get("JAX_EFC_AUTOTUNE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def gpu() -> tuple[str, int] | None:
+    """(model, SM count) of the first CUDA device, or None."""
+    import jax
+
+    from jax_efc import device
+
+    try:
+        dev = jax.devices("cuda")[0]
+    except RuntimeError:
+        return None
+    return dev.device_kind, device.sm_count(0)
+
+
+def record_key(plan: Any, gpu: tuple[str, int]) -> str:
+    """The record name of ``plan``'s GEMM on ``gpu``: everything its timing depends on but the
+    config."""
+    from jax_efc import device
+    from jax_efc.config import GemmConfig
+
+    problem = dataclasses.replace(plan.problem, config=GemmConfig())
+    text = repr(("jax_efc autotune v1", gpu, problem.compile_key, plan.mnkl, device.build_versions()))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def choose(configs: Sequence[Any], times: Sequence[float]) -> Any:
+    """Of ``configs`` (the heuristic's first) timed ``times``, the one to keep: the fastest,
+    if it beat the heuristic's by more than ``NOISE``; else the heuristic's."""
+    best = min(range(len(configs)), key=lambda i: times[i])
+    return configs[best] if times[best] < times[0] * (1 - NOISE) else configs[0]
+
+
+def _directory() -> str:
+    from jax_efc.config import private_cache_dir
+
+    return private_cache_dir("autotune")
+
+
+def store(key: str, config: Any, configs: Sequence[Any], times: Sequence[float]) -> None:
+    """Write the record ``key`` (atomically): the config kept, and every candidate's time."""
+    body = json.dumps({"config": dataclasses.asdict(config),
+                       "timed": [[dataclasses.asdict(c), t] for c, t in zip(configs, times)]})
+    folder = _directory()
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(body)
+    os.replace(tmp, os.path.join(folder, key + ".json"))
+    _memo.pop(key, None)
+
+
+def load(key: str) -> Any:
+    """The config the record ``key`` keeps, or None (no record, or one that does not parse)."""
+    from jax_efc.config import GemmConfig
+
+    try:
+        with open(os.path.join(_directory(), key + ".json")) as f:
+            return GemmConfig(**json.load(f)["config"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def tuned_config(plan: Any, avals: Sequence[Any], params: dict[str, Any], devices: Any) -> Any:
+    """The config to run ``plan``'s GEMM with: a record's, else (with a GPU, and the devices
+    known) the tuning process's, else None (keep the heuristic's)."""
+    model = gpu()
+    if model is None:
+        return None  # no GPU to time on, nor a model to look a record up for
+    key = record_key(plan, model)
+    if key not in _memo:
+        config = load(key)
+        if config is None and devices != ():
+            config = _tune_in_a_process(avals, params, key)
+        _memo[key] = config
+    return _memo[key]
+
+
+def _tune_in_a_process(avals: Sequence[Any], params: dict[str, Any], key: str) -> Any:
+    """Run ``jax_efc.tuning`` on the call and read the record it writes (None if it failed:
+    the heuristic's config then stands)."""
+    import logging
+
+    from jax_efc.log import log_once
+
+    specs = [(tuple(a.shape), str(a.dtype)) for a in avals]
+    with tempfile.TemporaryDirectory(prefix="jax_efc-tune-") as tmp:
+        job = os.path.join(tmp, "job.pickle")
+        with open(job, "wb") as f:
+            pickle.dump((specs, {k: v for k, v in params.items() if k != "local"}), f)
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_EFC_AUTOTUNE="0",
+                   JAX_EFC_COMPILE_AHEAD="0")
+        proc = subprocess.run([sys.executable, "-m", "jax_efc.tuning", job], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        log_once(logging.WARNING, "autotuning failed; the heuristic's config runs: "
+                 + ((proc.stderr.strip().splitlines() or ["no output"])[-1][:300]))
+        return None
+    return load(key)

@@ -1,0 +1,59 @@
+"""Timing a GEMM's candidate configs on the GPU and recording the fastest (``autotune``).
+
+Run as ``python -m jax_efc.tuning JOB`` by the plan at a call's first use, and by
+``jax-efc tune`` ahead of time. Each candidate is the kernel the plan makes with that config,
+timed on the same random inputs as the others in interleaved rounds (``bench.timing``); the
+record keeps the heuristic's config unless another was faster by more than
+``autotune.NOISE``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from jax_efc import autotune
+
+__all__ = ["tune_call"]
+
+_ROUNDS = 5
+
+
+def tune_call(specs: Sequence[tuple], params: dict[str, Any]) -> tuple[Any, list[Any], list[float]]:
+    """Time the candidates of the fused-GEMM call with inputs ``specs`` ((shape, dtype) each, in
+    the primitive's canonical shapes) and ``params``; record and return (the config kept, the
+    candidates, their times in seconds)."""
+    from jax_efc import device, ffi
+    from jax_efc.bench.problems import random_inputs
+    from jax_efc.bench.timing import time_interleaved
+    from jax_efc.kernels import policy
+    from jax_efc.plan import plan_kernel
+
+    avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs]
+    a, b, *operands = avals
+    kw = dict(transpose_a=params["transpose_a"], transpose_b=params["transpose_b"], acc_dtype=params["acc_dtype"],
+              arch=device.arch(), precision=params["precision"])
+    heuristic = plan_kernel(params["ir"], a, b, operands, config=None, **kw)
+    if heuristic.backend != "kernel":
+        raise ValueError(f"no kernel to tune: {heuristic.reason}")
+    pol = policy(heuristic.arch)
+    configs = pol.candidate_configs(heuristic.problem, *heuristic.mnkl, sm_count=device.sm_count(pol.default_sm_count))
+    plans = [plan_kernel(params["ir"], a, b, operands, config=c, **kw) for c in configs]
+    kept = [(c, p) for c, p in zip(configs, plans) if p.backend == "kernel"]
+    configs = [c for c, _ in kept]
+    fns = [jax.jit(lambda *args, plan=p: ffi.fused_gemm(*args, plan=plan)) for _, p in kept]
+    inputs = random_inputs(avals, jax.random.key(0))
+    times, _ = time_interleaved(fns, [inputs], _ROUNDS, None, 0.05, 1)
+    config = autotune.choose(configs, times)
+    autotune.store(autotune.record_key(heuristic, autotune.gpu()), config, configs, times)
+    return config, configs, times
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1], "rb") as f:
+        job_specs, job_params = pickle.load(f)
+    tune_call(job_specs, job_params)

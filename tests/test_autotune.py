@@ -1,0 +1,50 @@
+"""Autotuning's parts that need no GPU: the argument, the candidates, the choice within the
+noise, the records."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_efc as efc
+from jax_efc import autotune
+from jax_efc.config import GemmConfig
+
+
+def test_config_takes_autotune_and_names_the_string_it_refuses():
+    a = jnp.ones((16, 8))
+    assert efc.gemm(a, a.T, config="autotune").shape == (16, 16)  # the reference here: no GPU
+    with pytest.raises(ValueError, match="only config named by a string is 'autotune'"):
+        efc.gemm(a, a.T, config="fast")
+
+
+def test_a_candidate_replaces_the_heuristic_only_beyond_the_noise():
+    h, c = GemmConfig(), GemmConfig(128, 256, 2, 1)
+    assert autotune.choose([h, c], [1.0, 1.0 - autotune.NOISE / 2]) == h
+    assert autotune.choose([h, c], [1.0, 0.9]) == c
+    assert autotune.choose([h, c], [1.0, 1.2]) == h
+
+
+def test_candidates_start_with_the_heuristic_and_all_run():
+    from jax_efc.kernels import policy
+    from jax_efc.plan import plan_kernel
+    from jax_efc.tracing import trace_epilogue
+
+    ir, *_ = trace_epilogue(lambda acc: acc, (8192, 8192), [], [], {}, {}, None, jnp.bfloat16)
+    spec = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16)
+    plan = plan_kernel(ir, spec, spec, [], transpose_a=False, transpose_b=False, acc_dtype=jnp.float32,
+                       config=None, arch="sm_90a")
+    pol = policy("sm_90a")
+    configs = pol.candidate_configs(plan.problem, *plan.mnkl, sm_count=132)
+    assert configs[0] == plan.config and len(set(configs)) == len(configs) > 1
+    assert all(pol.unsupported_reason(dataclasses.replace(plan.problem, config=c), plan.mnkl) is None for c in configs)
+
+
+def test_records_round_trip_and_a_torn_one_is_ignored(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAX_EFC_CACHE_DIR", str(tmp_path))
+    c = GemmConfig(128, 256, 2, 1)
+    autotune.store("k", c, [GemmConfig(), c], [1.0, 0.8])
+    assert autotune.load("k") == c
+    (tmp_path / "autotune" / "k.json").write_text("{not json")
+    assert autotune.load("k") is None
