@@ -207,7 +207,7 @@ def test_wrong_kinds_of_argument_are_named(rng):
         (dict(out_dtypes="bogus"), "out_dtypes must be a dtype"),
         (dict(out_dtypes=jnp.complex64), "out_dtypes must be a real numeric dtype"),
         (dict(epi_dtype=jnp.int32), "epi_dtype must be a floating dtype"),
-        (dict(config=(128, 128)), "config must be a jax_efc.GemmConfig or None"),
+        (dict(config=(128, 128)), "config must be a jax_efc.GemmConfig, 'autotune' or None"),
         (dict(precision="bogus"), "precision must be None, a jax.lax.Precision"),
     ]
     for kwargs, message in cases:
