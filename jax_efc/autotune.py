@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["requested", "gpu", "record_key", "choose", "tuned_config", "store", "load", "NOISE"]
+__all__ = ["requested", "gpu", "record_key", "choose", "tuned_config", "store", "load", "records", "NOISE"]
 
 # a candidate must beat the heuristic's time by this fraction to replace it: about the spread of
 # repeated timings of one kernel in interleaved rounds on the H200 (benchmarks/FINDINGS.md)
@@ -85,9 +85,10 @@ def _directory() -> str:
     return private_cache_dir("autotune")
 
 
-def store(key: str, config: Any, configs: Sequence[Any], times: Sequence[float]) -> None:
-    """Write the record ``key`` (atomically): the config kept, and every candidate's time."""
-    body = json.dumps({"config": dataclasses.asdict(config),
+def store(key: str, mnkl: Sequence[int], config: Any, configs: Sequence[Any], times: Sequence[float]) -> None:
+    """Write the record ``key`` of an M x N x K x L GEMM (atomically): the config kept, and every
+    candidate's time (the heuristic's first)."""
+    body = json.dumps({"mnkl": list(mnkl), "config": dataclasses.asdict(config),
                        "timed": [[dataclasses.asdict(c), t] for c, t in zip(configs, times)]})
     folder = _directory()
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
@@ -106,6 +107,22 @@ def load(key: str) -> Any:
             return GemmConfig(**json.load(f)["config"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def records() -> dict[str, dict[str, Any]]:
+    """Every record on disk that parses, by key: its ``mnkl``, ``config`` and ``timed``."""
+    found = {}
+    folder = _directory()
+    for name in os.listdir(folder):
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    body = json.load(f)
+                body["mnkl"], body["config"], body["timed"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            found[name[:-len(".json")]] = body
+    return found
 
 
 def tuned_config(plan: Any, avals: Sequence[Any], params: dict[str, Any], devices: Any) -> Any:

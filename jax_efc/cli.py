@@ -361,18 +361,53 @@ def _selftest(args: argparse.Namespace) -> int:
     return 0 if all(r["result"] == "PASS" for r in rows) else 1
 
 
+# jax-efc tune -------------------------------------------------------------------------------
+
+def _add_tune(sub: Any) -> None:
+    p = sub.add_parser("tune", help="autotune the kernels of a list of GEMMs ahead of time (needs a GPU); the "
+                       "records land in the cache that config='autotune' reads")
+    p.add_argument("--shapes", nargs="+", type=bench.parse_shape, required=True, metavar="M,N,K[,L]")
+    p.add_argument("--epilogues", type=bench.parse_epilogues, default=["gemm"],
+                   help="comma-separated names, as for jax-efc bench (default: gemm)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.set_defaults(func=_tune)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from jax_efc import autotune
+
+    if autotune.gpu() is None:
+        args.parser.error("tuning times kernels on a GPU, and JAX sees none here")
+    print(f"{'epilogue':<24} {'M,N,K,L':<22} {'kept config':<36} {'candidates':>10} {'gain':>7}")
+    for shape in args.shapes:
+        for name in args.epilogues:
+            before = autotune.records()
+            problem = bench.bench_problem(name, shape, jnp.dtype(args.dtype), config="autotune")
+            jax.jit(problem.ours).lower(*problem.specs)  # the plan tunes each GEMM it has no record of
+            new = [r for k, r in autotune.records().items() if before.get(k) != r]
+            if not new:
+                print(f"{name:<24} {','.join(map(str, shape)):<22} {'(on record already)':<36}")
+            for record in new:
+                times = [t for _, t in record["timed"]]
+                kept = bench.config_label(GemmConfig(**record["config"]))
+                gain = times[0] / min(times) if record["config"] != record["timed"][0][0] else 1.0
+                print(f"{name:<24} {','.join(map(str, record['mnkl'])):<22} {kept:<36} {len(times):>10} {gain:>6.3f}x")
+    return 0
+
+
 # entry point --------------------------------------------------------------------------------
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: the command line) and run the subcommand; returns its exit
     status. Bad arguments exit with status 2 and a usage message."""
     parser = argparse.ArgumentParser(prog="jax-efc", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,bench,info,cache,selftest}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,bench,info,cache,selftest,tune}")
     _add_run(sub)
     _add_bench(sub)
     _add_info(sub)
     _add_cache(sub)
     _add_selftest(sub)
+    _add_tune(sub)
     args = parser.parse_args(argv)
     args.parser = sub.choices[args.command]
     return args.func(args)

@@ -44,7 +44,35 @@ def test_candidates_start_with_the_heuristic_and_all_run():
 def test_records_round_trip_and_a_torn_one_is_ignored(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_EFC_CACHE_DIR", str(tmp_path))
     c = GemmConfig(128, 256, 2, 1)
-    autotune.store("k", c, [GemmConfig(), c], [1.0, 0.8])
+    autotune.store("k", (8192, 8192, 8192, 1), c, [GemmConfig(), c], [1.0, 0.8])
     assert autotune.load("k") == c
+    assert autotune.records()["k"]["mnkl"] == [8192, 8192, 8192, 1]
     (tmp_path / "autotune" / "k.json").write_text("{not json")
-    assert autotune.load("k") is None
+    assert autotune.load("k") is None and "k" not in autotune.records()
+
+
+def test_a_tuning_process_that_fails_leaves_the_heuristic_with_a_warning(tmp_path, monkeypatch, caplog):
+    """Forced here by a GPU that is not there: the tuning process finds no device to time on."""
+    from jax_efc import primitive
+    from jax_efc.plan import plan_kernel
+
+    monkeypatch.setenv("JAX_EFC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "gpu", lambda: ("NVIDIA H200", 132))
+    a = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((256, 384), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda a, b: efc.gemm(a, b, config="autotune"))(a, b)
+    (eqn,) = primitive.fused_gemm_eqns(jaxpr)
+    plan = plan_kernel(eqn.params["ir"], a, b, [], transpose_a=False, transpose_b=False,
+                       acc_dtype=eqn.params["acc_dtype"], config=None, arch="sm_90a")
+    with caplog.at_level("WARNING", logger="jax_efc"):
+        assert autotune.tuned_config(plan, [a, b], eqn.params, devices=None) is None
+    assert "autotuning failed; the heuristic's config runs" in caplog.text
+    assert autotune.records() == {}
+
+
+def test_tune_needs_a_gpu_and_says_so(capsys):
+    from jax_efc.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["tune", "--shapes", "256,256,256"])
+    assert e.value.code == 2 and "tuning times kernels on a GPU" in capsys.readouterr().err

@@ -26,7 +26,7 @@ The package: ``problems.py`` (shape sets, named epilogues, a :class:`Problem` ea
 tables, plots), ``command.py`` (the command line).
 """
 
-from .command import add_arguments, main, parse_config, parse_shape, run_from_args
+from .command import add_arguments, main, parse_config, parse_epilogues, parse_shape, run_from_args
 from .problems import (ALPHA_BETA_SCALARS, EPILOGUES, EIGHT_BIT_EPILOGUES, MLP_STEPS, QUICK_SHAPES, REDUCTION_EPILOGUES,
                        SCAN_EPILOGUES, STANDARD_SHAPES,
                        TRAIN_EPILOGUES, Problem, Shape, bench_problem, config_label, epilogue_problem,
@@ -39,5 +39,5 @@ __all__ = ["Problem", "Result", "Shape", "ROUNDS", "MAX_TIMED", "PEAK_TFLOPS", "
            "EPILOGUES", "EIGHT_BIT_EPILOGUES", "REDUCTION_EPILOGUES", "TRAIN_EPILOGUES", "MLP_STEPS", "SCAN_EPILOGUES", "ALPHA_BETA_SCALARS", "NO_TRITON_FLAG",
            "epilogue_problem", "eight_bit_problem", "train_problem", "mlp_problem", "scan_problem", "bench_problem", "random_inputs",
            "config_label", "measure", "measure_together", "run", "timing_order", "text_progress", "ClockSampler",
-           "format_table", "fixed_width", "baseline_title", "plot", "add_arguments", "parse_shape", "parse_config",
+           "format_table", "fixed_width", "baseline_title", "plot", "add_arguments", "parse_shape", "parse_config", "parse_epilogues",
            "run_from_args", "main"]

@@ -34,11 +34,13 @@ def parse_shape(text: str) -> Shape:
     return dims if len(dims) == 4 else (*dims, 1)
 
 
-def parse_config(text: str) -> GemmConfig | None:
-    """"auto" -> None; "tile_m,tile_n[,cluster_m,cluster_n][,field=value ...]" -> a GemmConfig,
-    e.g. "128,256,2,1,swizzle=8" or "64,256,pingpong=1"."""
+def parse_config(text: str) -> GemmConfig | str | None:
+    """"auto" -> None; "autotune" stays; "tile_m,tile_n[,cluster_m,cluster_n][,field=value ...]"
+    -> a GemmConfig, e.g. "128,256,2,1,swizzle=8" or "64,256,pingpong=1"."""
     if text == "auto":
         return None
+    if text == "autotune":
+        return text
     positional, named = [], {}
     fields = {f.name: f.type for f in dataclasses.fields(GemmConfig)}
     try:
@@ -60,7 +62,8 @@ def parse_config(text: str) -> GemmConfig | None:
     return config
 
 
-def _epilogue_list(text: str) -> list[str]:
+def parse_epilogues(text: str) -> list[str]:
+    """"gemm,bias+gelu_tanh" -> the named epilogues, each checked."""
     names = [e for e in text.split(",") if e]
     bad = [e for e in names if e not in NAMED_EPILOGUES]
     if bad or not names:
@@ -85,12 +88,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="problem shapes (default: the standard set, 8192^3, the LLM FFN shapes "
                         "and small M)")
     p.add_argument("--quick", action="store_true", help=f"a quick subset: {QUICK_SHAPES}")
-    p.add_argument("--epilogues", type=_epilogue_list, default=list(EPILOGUES),
+    p.add_argument("--epilogues", type=parse_epilogues, default=list(EPILOGUES),
                    help=f"comma-separated, from {','.join(NAMED_EPILOGUES)} (default: "
                         f"{','.join(EPILOGUES)})")
     p.add_argument("--configs", nargs="+", type=parse_config, default=[None], metavar="CONFIG",
                    help="kernel configs to compare, timed in the same rounds: 'auto' (the "
-                        "heuristic, default) or tile_m,tile_n[,cluster_m,cluster_n][,field=value...]")
+                        "heuristic, default), 'autotune' (the fastest candidate, tuned at first "
+                        "use) or tile_m,tile_n[,cluster_m,cluster_n][,field=value...]")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--rounds", type=int, default=ROUNDS,
                    help="timed rounds (at least; rounded up so that each function is timed right "

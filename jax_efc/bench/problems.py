@@ -107,7 +107,7 @@ def epilogue_problem(
     out_dtypes: Any = None,
     acc_dtype: Any = None,
     epi_dtype: Any = None,
-    config: GemmConfig | None = None,
+    config: GemmConfig | str | None = None,
     ours: Callable[..., Any] | None = None,
     majors: tuple[str, str, str] = ("k", "n", "n"),
 ) -> Problem:
@@ -171,7 +171,7 @@ def _in_float32(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
-                  config: GemmConfig | None = None) -> Problem:
+                  config: GemmConfig | str | None = None) -> Problem:
     """``epilogue`` = "train:bias+<activation>": a dense layer's training step, the output of
     ``activation(x @ kernel + bias)`` and, for a random output cotangent, the gradients of x,
     kernel and bias (``jax.vjp``). Ours is ``fused_dense`` (forward kernel, then two
@@ -203,7 +203,7 @@ def train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
 
 
 def mlp_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
-                config: GemmConfig | None = None) -> Problem:
+                config: GemmConfig | str | None = None) -> Problem:
     """``epilogue`` in ``MLP_STEPS``: the training step of a two-layer MLP of width K and
     hidden width N over M rows, ``fused_mlp`` against the same MLP in plain JAX: its output and,
     for a random output cotangent, the gradients of x and of every kernel and bias (six GEMMs
@@ -239,7 +239,7 @@ def mlp_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
 
 
 def scan_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
-                 config: GemmConfig | None = None) -> Problem:
+                 config: GemmConfig | str | None = None) -> Problem:
     """``epilogue`` in ``SCAN_EPILOGUES``: L dense layers ``activation(h @ kernel + bias)`` of
     width K (shape M,K,K,L) applied by ``lax.scan`` over kernels stacked (L, K, K) and biases
     (L, K); with "train:", their training step (the output and, for a random output
@@ -270,7 +270,7 @@ def scan_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
 
 
 def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
-                  config: GemmConfig | None = None) -> Problem:
+                  config: GemmConfig | str | None = None) -> Problem:
     """One of the benchmark epilogues (``EPILOGUES``, ``TRAIN_EPILOGUES``, ``MLP_STEPS``,
     ``SCAN_EPILOGUES``) at one shape; ``config`` pins the kernel's configuration (None: the
     heuristic's)."""
@@ -307,7 +307,7 @@ def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
     raise ValueError(f"unknown epilogue {epilogue!r}; choose from {', '.join(NAMED_EPILOGUES)}.")
 
 
-def eight_bit_problem(epilogue: str, shape: Shape, config: GemmConfig | None = None) -> Problem:
+def eight_bit_problem(epilogue: str, shape: Shape, config: GemmConfig | str | None = None) -> Problem:
     """One of ``EIGHT_BIT_EPILOGUES`` at one shape (L = 1): e4m3 (or int8) A (M, K) and B (N, K)
     or, for "fp8kn", (K, N); the scaled epilogues take the scales of A and B as float32 scalars
     and a bf16 bias. The baseline is ``lax.dot_general`` of the 8-bit operands in the same
@@ -366,7 +366,7 @@ def eight_bit_problem(epilogue: str, shape: Shape, config: GemmConfig | None = N
                    jax.jit(baseline), jax.jit(reference), stds=(1.0, 1.0, 1.0, 1 / k ** 0.5, 1.0))
 
 
-def _int8_problem(epilogue: str, shape: Shape, config: GemmConfig | None) -> Problem:
+def _int8_problem(epilogue: str, shape: Shape, config: GemmConfig | str | None) -> Problem:
     m, n, k, _ = shape
     i8, i32 = jnp.dtype(jnp.int8), jnp.dtype(jnp.int32)
     contract = (((1,), (1,)), ((), ()))
@@ -396,10 +396,12 @@ def random_inputs(specs: Sequence[jax.ShapeDtypeStruct], key: Any,
                  for kk, s, sd in zip(keys, specs, stds))
 
 
-def config_label(config: GemmConfig | None) -> str:
+def config_label(config: GemmConfig | str | None) -> str:
     """The inverse of :func:`parse_config`: only the fields that differ from the defaults."""
     if config is None:
         return "auto"
+    if isinstance(config, str):
+        return config
     default = GemmConfig()
     core = f"{config.tile_m},{config.tile_n},{config.cluster_m},{config.cluster_n}"
     extra = [f"{f.name}={int(v) if isinstance(v, bool) else v}" for f in dataclasses.fields(GemmConfig)[4:]
