@@ -27,10 +27,10 @@ tables, plots), ``command.py`` (the command line).
 """
 
 from .command import add_arguments, main, parse_config, parse_epilogues, parse_shape, run_from_args
-from .problems import (ALPHA_BETA_SCALARS, EPILOGUES, EIGHT_BIT_EPILOGUES, MLP_STEPS, QUICK_SHAPES, REDUCTION_EPILOGUES,
+from .problems import (ALPHA_BETA_SCALARS, EPILOGUES, EIGHT_BIT_EPILOGUES, FP8_TRAIN_STEPS, MLP_STEPS, QUICK_SHAPES, REDUCTION_EPILOGUES,
                        SCAN_EPILOGUES, STANDARD_SHAPES,
                        TRAIN_EPILOGUES, Problem, Shape, bench_problem, config_label, epilogue_problem,
-                       eight_bit_problem, mlp_problem, random_inputs, scan_problem, train_problem)
+                       eight_bit_problem, fp8_train_problem, mlp_problem, random_inputs, scan_problem, train_problem)
 from .report import NO_TRITON_FLAG, Result, baseline_title, fixed_width, format_table, plot
 from .timing import (MAX_TIMED, PEAK_TFLOPS, ROUNDS, ClockSampler, measure, measure_together, run, text_progress,
                      timing_order)

@@ -49,8 +49,12 @@ EIGHT_BIT_EPILOGUES = tuple(f"{layout}{mode}:{e}" for mode in ("", "fast") for l
 # in one run, what the reduction costs the kernel (run only when asked; the kernel's reductions
 # need JAX_EFC_UNVERIFIED_KERNELS=1 until they have run on a GPU)
 REDUCTION_EPILOGUES = ("bias+gelu_tanh+colsum",)
+# fp8_dense's training step (output, gradients of x, kernel and bias; delayed scaling from a
+# one-entry history): "fp8train:" against Flax's FP8 Dense on XLA with the same meta, and
+# "fp8train-bf16:" against the bf16 dense layer in plain JAX; measured only when asked for
+FP8_TRAIN_STEPS = ("fp8train:bias+gelu_tanh", "fp8train-bf16:bias+gelu_tanh")
 NAMED_EPILOGUES = (EPILOGUES + TRAIN_EPILOGUES + MLP_STEPS + SCAN_EPILOGUES + EIGHT_BIT_EPILOGUES
-                   + REDUCTION_EPILOGUES)  # every name --epilogues takes
+                   + REDUCTION_EPILOGUES + FP8_TRAIN_STEPS)  # every name --epilogues takes
 ALPHA_BETA_SCALARS = {"alpha": 2.0, "beta": 1.0, "x_factor": 3.0}
 
 
@@ -202,6 +206,50 @@ def train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
                    jax.jit(_in_float32(_training_step(exact))), gemms=3, stds=(1.0, k ** -0.5))
 
 
+def fp8_train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
+                      config: GemmConfig | str | None = None) -> Problem:
+    """One of ``FP8_TRAIN_STEPS``: the training step of ``fp8_dense(x, kernel, bias,
+    activation)`` with delayed scaling, its histories holding one amax each (about the inputs'
+    largest values), against Flax's ``nn.Dense`` with ``Fp8DirectDotGeneralOp`` given the same
+    meta, or against the bf16 layer in plain JAX."""
+    import flax.linen as nn
+
+    from ..fp8 import Fp8Meta, fp8_dense
+
+    if config is not None:
+        raise ValueError(f"{epilogue} runs the heuristic's configs: leave --configs at auto.")
+    act = epilogue.split(":")[1].removeprefix("bias+")
+    m, n, k, l = shape
+    if l > 1:
+        raise ValueError(f"{epilogue} is a dense layer: give M,N,K without a batch")
+    fn = _bias_activation(act)
+    specs = tuple(jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (n,), (m, n)))
+    history = jnp.zeros((16,), jnp.float32)
+    amaxes = (5.0, 5.0 / k ** 0.5, 5.0)  # input, kernel, output gradient: ~5 standard deviations
+    meta = Fp8Meta(*(v for a in amaxes for v in (jnp.ones((1,), jnp.float32), history.at[0].set(a))))
+
+    def ours(x, kernel, bias):
+        return fp8_dense(x, kernel, bias, activation=act, meta=meta)
+
+    dense = nn.Dense(n, dtype=dtype, param_dtype=dtype, dot_general_cls=nn.Fp8DirectDotGeneralOp)
+    fp8_vars = {"Fp8DirectDotGeneralOp_0": meta._asdict()}
+
+    def flax_fp8(x, kernel, bias):
+        y = dense.apply({"params": {"kernel": kernel, "bias": bias}, "_overwrite_with_gradient": fp8_vars}, x)
+        return activations.resolve(act)(y)
+
+    def plain(x, kernel, bias):
+        return fn(x @ kernel, bias)
+
+    def exact(x, kernel, bias):
+        return fn(jnp.matmul(x, kernel, precision=jax.lax.Precision.HIGHEST), bias)
+
+    baseline = plain if epilogue.startswith("fp8train-bf16:") else flax_fp8
+    return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
+                   jax.jit(_training_step(ours)), jax.jit(_training_step(baseline)),
+                   jax.jit(_in_float32(_training_step(exact))), gemms=3, stds=(1.0, k ** -0.5))
+
+
 def mlp_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
                 config: GemmConfig | str | None = None) -> Problem:
     """``epilogue`` in ``MLP_STEPS``: the training step of a two-layer MLP of width K and
@@ -280,6 +328,8 @@ def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
         return scan_problem(epilogue, shape, dtype, config)
     if epilogue.startswith("train:"):
         return train_problem(epilogue, shape, dtype, config)
+    if epilogue in FP8_TRAIN_STEPS:
+        return fp8_train_problem(epilogue, shape, dtype, config)
     if epilogue == "gemm":
         return epilogue_problem(epilogue, _identity, shape, dtype, config=config,
                                 ours=lambda a, b: gemm(a, b, config=config))

@@ -1,0 +1,217 @@
+"""``fp8_dense``: a dense layer whose three GEMMs run on FP8 inputs, with the scaling recipe of
+Flax's FP8 ops.
+
+Forward, ``x`` and ``kernel`` are quantised to e4m3 with one scale each; the GEMM's epilogue
+dequantises (``acc * (sx * sw)``), adds the bias and applies the activation, so the only
+passes outside the GEMM are the quantisations themselves. Backward, the output's cotangent
+times the activation's derivative is quantised to e5m2, and the data and weight gradients are
+FP8 GEMMs whose epilogues dequantise. Each quantisation also writes the K-major copy its GEMM
+reads (Hopper's 8-bit WGMMA reads both operands K-major only), so no GEMM transposes an FP8
+operand: the weight is written both ways, the input and the gradient once more transposed.
+
+Scaling: with ``meta=None``, *current* scaling (each tensor's scale is its amax over the
+format's largest finite value, this step); with an :class:`Fp8Meta`, *delayed* scaling exactly
+as ``flax.linen.fp8_ops`` does it: the scale comes from the largest amax of the history, the
+history then takes this step's amax, and the gradient of ``meta`` *is* the updated meta (Flax's
+``_overwrite_with_gradient`` convention: the training step replaces the meta by its gradient
+instead of applying an optimizer to it). Conversions to FP8 saturate to the finite range and
+round to nearest even; a NaN stays NaN. Under current scaling, an input or gradient holding
+Inf or NaN makes the whole result NaN (its scale is not finite); under delayed scaling, as in
+Flax, such an amax enters the history and the scale stays at its last finite value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from . import activations, arguments
+from .ops import gemm
+
+__all__ = ["fp8_dense", "Fp8Meta", "E4M3", "E5M2"]
+
+E4M3 = jnp.float8_e4m3fn  # activations and weights: 3 mantissa bits, largest finite 448
+E5M2 = jnp.float8_e5m2  # gradients: 2 mantissa bits, largest finite 57344
+
+
+class Fp8Meta(NamedTuple):
+    """The delayed-scaling state of one layer, named and shaped as Flax's FP8 ops keep it: a
+    scale ((1,) float32, x ~ q * scale) and an amax history ((length,) float32; each step
+    rotates it by one and writes its amax at index 0)
+    for the input, the kernel and the output's gradient."""
+
+    input_scale: Any
+    input_amax_history: Any
+    kernel_scale: Any
+    kernel_amax_history: Any
+    output_grad_scale: Any
+    output_grad_amax_history: Any
+
+    @classmethod
+    def init(cls, history_length: int = 1024) -> Fp8Meta:
+        """Scales of one and empty histories (Flax's initial values)."""
+        if not isinstance(history_length, int) or history_length < 1:
+            raise ValueError(f"history_length must be a positive int, got {history_length!r}.")
+        ones, zeros = jnp.ones((1,), jnp.float32), jnp.zeros((history_length,), jnp.float32)
+        return cls(ones, zeros, ones, zeros, ones, zeros)
+
+
+def _fp8_max(dtype: Any) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+def _amax(x: Any) -> Any:
+    """max |x|, NaN if x holds one (XLA's CPU max reduction can drop NaNs: say so explicitly)."""
+    return jnp.where(jnp.isnan(x).any(), jnp.nan, jnp.max(jnp.abs(x))).astype(jnp.float32)
+
+
+def _current_scale(amax: Any, dtype: Any) -> Any:
+    """The scale that maps ``amax`` onto ``dtype``'s largest finite value; one for a zero
+    tensor. A tensor holding Inf or NaN gets an Inf or NaN scale, so the whole result is NaN
+    rather than finite values scaled wrongly."""
+    return jnp.where(amax == 0, 1.0, amax / _fp8_max(dtype)).reshape(1)
+
+
+def _delayed(x: Any, dtype: Any, scale: Any, history: Any) -> tuple[Any, Any]:
+    """Flax's delayed-scaling step: the scale from the history's largest amax (the previous one
+    where that is zero or not finite), and the history with ``x``'s amax pushed in front."""
+    amax = jnp.max(history, axis=0)
+    new_scale = jnp.where((amax > 0) & jnp.isfinite(amax), amax / _fp8_max(dtype), scale)
+    new_history = jnp.roll(history, -1, axis=0).at[0].set(_amax(x))
+    return new_scale, new_history
+
+
+def _quantize(x: Any, dtype: Any, scale: Any) -> Any:
+    """``x / scale`` saturated to ``dtype``'s finite range and rounded to it (in float32)."""
+    top = _fp8_max(dtype)
+    return jnp.clip(x.astype(jnp.float32) / scale[0], -top, top).astype(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_epilogue(activation: Callable[[Any], Any], has_bias: bool, keep_z: bool) -> Callable[..., Any]:
+    """``activation(acc * s + bias)`` and, where the backward needs it, the pre-activation."""
+
+    def epilogue(acc, *ops, s):
+        z = acc * s + ops[0] if has_bias else acc * s
+        return (activation(z), z) if keep_z else activation(z)
+
+    epilogue.__efc_builtin__ = activations.is_builtin(activation)
+    return epilogue
+
+
+def _dequantize(acc, *, s):
+    return acc * s
+
+
+_dequantize.__efc_builtin__ = True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    activation: Callable[[Any], Any]
+    delayed: bool
+    x_dtype: Any  # of the output and of x's gradient
+    kernel_dtype: Any  # of kernel's gradient
+
+
+def _scales(static: _Static, x: Any, kernel: Any, meta: Any) -> tuple[Any, Any, Any]:
+    """(input scale, kernel scale, the meta's update so far) for this step."""
+    if not static.delayed:
+        return _current_scale(_amax(x), E4M3), _current_scale(_amax(kernel), E4M3), None
+    sx, hx = _delayed(x, E4M3, meta.input_scale, meta.input_amax_history)
+    sw, hw = _delayed(kernel, E4M3, meta.kernel_scale, meta.kernel_amax_history)
+    return sx, sw, (sx, hx, sw, hw)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_dense(static: _Static, x, kernel, bias, meta):
+    return _fp8_dense_fwd(static, x, kernel, bias, meta)[0]
+
+
+def _fp8_dense_fwd(static: _Static, x, kernel, bias, meta):
+    sx, sw, update = _scales(static, x, kernel, meta)
+    xq = _quantize(x, E4M3, sx)
+    wq = _quantize(kernel, E4M3, sw)  # (K, N): K-major as the data gradient's B
+    keep_z = static.activation is not activations.identity
+    ops = () if bias is None else (bias,)
+    out = gemm(xq, wq.T, _forward_epilogue(static.activation, bias is not None, keep_z), *ops,
+               transpose_b=True, s=(sx * sw)[0], out_dtypes=x.dtype)
+    y, z = out if keep_z else (out, None)
+    return y, (xq.T, wq, sx, sw, z, update, meta, bias)
+
+
+def _fp8_dense_bwd(static: _Static, residuals, g):
+    xq_t, wq, sx, sw, z, update, meta, bias = residuals
+    if z is not None:
+        _, pullback = jax.vjp(static.activation, z.astype(jnp.float32))
+        (g,) = pullback(g.astype(jnp.float32))
+    if static.delayed:
+        sg, hg = _delayed(g, E5M2, meta.output_grad_scale, meta.output_grad_amax_history)
+    else:
+        sg = _current_scale(_amax(g), E5M2)
+    gq = _quantize(g, E5M2, sg)  # (M, N): K-major as the data gradient's A
+    dx = gemm(gq, wq, _dequantize, transpose_b=True, s=(sg * sw)[0], out_dtypes=static.x_dtype)
+    dw = gemm(xq_t, gq.T, _dequantize, transpose_b=True, s=(sx * sg)[0], out_dtypes=static.kernel_dtype)
+    db = None if bias is None else jnp.sum(g, axis=0, dtype=jnp.float32).astype(bias.dtype)
+    d_meta = None
+    if static.delayed:  # the gradient of the meta is its update (overwrite with gradient)
+        d_meta = Fp8Meta(update[0], update[1], update[2], update[3], sg, hg)
+    return dx, dw, db, d_meta
+
+
+_fp8_dense.defvjp(_fp8_dense_fwd, _fp8_dense_bwd)
+
+
+def fp8_dense(
+    x: Any,
+    kernel: Any,
+    bias: Any = None,
+    *,
+    activation: str | Callable[[Any], Any] | None = None,
+    meta: Fp8Meta | None = None,
+) -> Any:
+    """``activation(x @ kernel + bias)`` with ``x`` and ``kernel`` in FP8 (e4m3) and, in the
+    backward, the output gradient in e5m2: three FP8 GEMMs whose epilogues dequantise.
+
+    ``x`` is (..., K) and ``kernel`` (K, N), both bf16, fp16 or fp32 (the output takes ``x``'s
+    dtype, ``kernel``'s gradient ``kernel``'s); ``bias`` (N,). ``meta=None`` scales each tensor
+    by its amax this step; an :class:`Fp8Meta` scales by its amax histories (delayed scaling,
+    as Flax's FP8 ops) and its gradient is the updated meta.
+
+    >>> import jax.numpy as jnp, jax_efc as efc
+    >>> x, w = jnp.ones((4, 32)), jnp.full((32, 16), 0.25)
+    >>> round(float(efc.fp8_dense(x, w, activation="relu")[0, 0]), 4)
+    8.0
+    """
+    x, kernel = arguments.array("x", x), arguments.array("kernel", kernel)
+    for name, v in (("x", x), ("kernel", kernel)):
+        if v.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+            raise TypeError(f"{name} is {v.dtype}; fp8_dense quantises bfloat16, float16 or float32 inputs.")
+    if kernel.ndim != 2:
+        raise ValueError(f"kernel must be 2-D (K, N), got shape {kernel.shape}.")
+    if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
+        raise ValueError(f"x has shape {x.shape} but kernel is {kernel.shape}: x's last dimension must equal "
+                         f"kernel's first (K={kernel.shape[0]}).")
+    lead, (k, n) = x.shape[:-1], kernel.shape
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != (n,):
+            raise ValueError(f"bias has shape {bias.shape}; expected ({n},).")
+    if meta is not None:
+        if not isinstance(meta, Fp8Meta):
+            raise TypeError(f"meta must be a jax_efc.Fp8Meta or None, got {type(meta).__name__}.")
+        for field, value in zip(meta._fields, meta):
+            want = (1,) if field.endswith("scale") else meta.input_amax_history.shape
+            if jnp.shape(value) != want or len(want) != 1:
+                raise ValueError(f"meta.{field} has shape {jnp.shape(value)}; expected {want} (Fp8Meta.init "
+                                 "makes a valid one).")
+        meta = Fp8Meta(*(jnp.asarray(v, jnp.float32) for v in meta))
+    static = _Static(activations.resolve(activation), meta is not None, x.dtype, kernel.dtype)
+    rows = x.reshape(math.prod(lead), k)
+    return _fp8_dense(static, rows, kernel, bias, meta).reshape(*lead, n)

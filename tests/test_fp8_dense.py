@@ -1,0 +1,185 @@
+"""``fp8_dense``: its numerics against a float64 oracle of the same quantisation, its delayed
+scaling against Flax's FP8 ops step by step, its errors, and its three GEMMs on the Hopper
+kernel (compiled for sm_90a on the CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_efc as efc
+from conftest import run_for_sm90
+
+
+def _q(x, dtype, scale):
+    """The oracle's quantisation: saturate, round to ``dtype``, back to float64."""
+    top = float(ml_dtypes.finfo(dtype).max)
+    return np.clip(np.asarray(x, np.float64) / scale, -top, top).astype(dtype).astype(np.float64) * scale
+
+
+def _scale(x, dtype):
+    amax = np.abs(np.asarray(x, np.float64)).max()
+    return float(np.float32(np.float32(amax) / np.float32(ml_dtypes.finfo(dtype).max))) if amax else 1.0
+
+
+def _gelu_tanh(z):
+    return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)))
+
+
+def _gelu_tanh_grad(z):
+    u = np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)
+    t = np.tanh(u)
+    return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * z * z)
+
+
+ACTS = {None: (lambda z: z, lambda z: np.ones_like(z)), "gelu_tanh": (_gelu_tanh, _gelu_tanh_grad),
+        "relu": (lambda z: np.maximum(z, 0), lambda z: (z > 0).astype(np.float64))}
+
+
+def _inputs(rng, lead, k, n, dtype):
+    x = jnp.asarray(rng.standard_normal((*lead, k)) * 3, dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
+    b = jnp.asarray(rng.standard_normal(n), dtype)
+    g = jnp.asarray(rng.standard_normal((*lead, n)), dtype)
+    return x, w, b, g
+
+
+@pytest.mark.parametrize("activation", list(ACTS))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_forward_and_gradients_against_the_quantised_oracle(rng, activation, dtype):
+    x, w, b, g = _inputs(rng, (3, 37), 96, 80, dtype)
+    y, pullback = jax.vjp(lambda x, w, b: efc.fp8_dense(x, w, b, activation=activation), x, w, b)
+    dx, dw, db = pullback(g)
+    act, act_grad = ACTS[activation]
+    x2 = np.asarray(x, np.float64).reshape(-1, 96)
+    w2 = np.asarray(w, np.float64)
+    sx, sw = _scale(x2, ml_dtypes.float8_e4m3fn), _scale(w2, ml_dtypes.float8_e4m3fn)
+    xq, wq = _q(x2, ml_dtypes.float8_e4m3fn, sx), _q(w2, ml_dtypes.float8_e4m3fn, sw)
+    z = xq @ wq + np.asarray(b, np.float64)
+    # the backward reads the pre-activation as the forward stored it, in the layer's dtype
+    gz = np.asarray(g, np.float64).reshape(-1, 80) * act_grad(np.asarray(jnp.asarray(z, dtype), np.float64))
+    sg = _scale(gz, ml_dtypes.float8_e5m2)
+    gq = _q(gz, ml_dtypes.float8_e5m2, sg)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    for name, got, want in (("y", y.reshape(-1, 80), act(z)), ("dx", dx.reshape(-1, 96), gq @ wq.T),
+                            ("dw", dw, xq.T @ gq), ("db", db, gz.sum(0))):
+        got = np.asarray(got, np.float64)
+        assert got.shape == want.shape and got.dtype == np.float64, name
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err <= tol, (name, err)
+    assert y.dtype == dtype and dx.dtype == dtype and dw.dtype == dtype and y.shape == (3, 37, 80)
+
+
+def test_it_is_an_fp8_approximation_of_the_dense_layer(rng):
+    """Against the unquantised layer: within what e4m3 (and e5m2 for gradients) allow, and not
+    equal to it (the quantisation happened)."""
+    x, w, b, g = _inputs(rng, (256,), 512, 256, jnp.float32)
+    y, pullback = jax.vjp(lambda x, w: efc.fp8_dense(x, w, b, activation="gelu_tanh"), x, w)
+    want, ref_pullback = jax.vjp(lambda x, w: jax.nn.gelu(x @ w + b), x, w)
+    rel = float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want))
+    assert 1e-3 < rel < 5e-2
+    for got, ref in zip(pullback(g), ref_pullback(g)):
+        assert 1e-3 < float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 1e-1
+
+
+def test_non_finite_inputs_give_nan_not_finite_values_scaled_wrongly(rng):
+    x, w, b, _ = _inputs(rng, (64,), 128, 64, jnp.float32)
+    for bad in (jnp.inf, jnp.nan):
+        y = efc.fp8_dense(x.at[3, 5].set(bad), w, b)
+        assert bool(jnp.isnan(y).all()), bad
+    assert bool(jnp.isfinite(efc.fp8_dense(jnp.zeros_like(x), w, b)).all())
+
+
+class _FlaxMlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.gelu(nn.Dense(128, dot_general_cls=nn.Fp8DirectDotGeneralOp, name="up")(x))
+        return nn.Dense(64, dot_general_cls=nn.Fp8DirectDotGeneralOp, name="down")(h)
+
+
+def _meta(flax_meta):
+    f = flax_meta["Fp8DirectDotGeneralOp_0"]
+    return efc.Fp8Meta(**{k: f[k] for k in efc.Fp8Meta._fields})
+
+
+def test_delayed_scaling_follows_flax_step_by_step(rng):
+    """A two-layer MLP trained four SGD steps with Flax's FP8 Dense and with fp8_dense from the
+    same start: the same scales and amax histories (the meta's gradient overwrites it, as
+    Flax's collection does), the same losses."""
+    x = jnp.asarray(rng.standard_normal((32, 96)), jnp.float32)
+    t = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    model = _FlaxMlp()
+    variables = model.init(jax.random.key(0), x)
+    assert set(variables) == {"params", "_overwrite_with_gradient"}
+
+    def flax_loss(v):
+        return jnp.mean((model.apply(v, x) - t) ** 2)
+
+    def ours_loss(p, metas):
+        h = efc.fp8_dense(x, p["up"]["kernel"], p["up"]["bias"], activation="gelu_tanh", meta=metas[0])
+        return jnp.mean((efc.fp8_dense(h, p["down"]["kernel"], p["down"]["bias"], meta=metas[1]) - t) ** 2)
+
+    params = variables["params"]
+    metas = [_meta(variables["_overwrite_with_gradient"][name]) for name in ("up", "down")]
+    lr = 0.05
+    for step in range(4):
+        want, grads = jax.value_and_grad(flax_loss)(variables)
+        got, (g_params, g_metas) = jax.value_and_grad(ours_loss, (0, 1))(params, metas)
+        assert abs(float(got) - float(want)) <= 1e-4 * float(want), step
+        for name, meta in zip(("up", "down"), g_metas):
+            flax_new = _meta(grads["_overwrite_with_gradient"][name])
+            for field, a, b in zip(efc.Fp8Meta._fields, meta, flax_new):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=0, err_msg=f"{step} {name}.{field}")
+        variables = {"params": jax.tree.map(lambda p, g: p - lr * g, variables["params"], grads["params"]),
+                     "_overwrite_with_gradient": grads["_overwrite_with_gradient"]}
+        params = jax.tree.map(lambda p, g: p - lr * g, params, g_params)
+        metas = list(g_metas)
+    assert int((metas[0].input_amax_history > 0).sum()) == 4 and float(metas[0].input_scale[0]) != 1.0
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda x, w: efc.fp8_dense(x.astype(jnp.int8), w), TypeError, "x is int8; fp8_dense quantises"),
+    (lambda x, w: efc.fp8_dense(x, w[None]), ValueError, "kernel must be 2-D"),
+    (lambda x, w: efc.fp8_dense(x, w.T), ValueError, "x's last dimension must equal kernel's first"),
+    (lambda x, w: efc.fp8_dense(x, w, jnp.ones(3)), ValueError, r"bias has shape \(3,\); expected \(16,\)"),
+    (lambda x, w: efc.fp8_dense(x, w, meta=(1, 2)), TypeError, "meta must be a jax_efc.Fp8Meta"),
+    (lambda x, w: efc.fp8_dense(x, w, meta=efc.Fp8Meta.init(8)._replace(kernel_scale=jnp.ones(2))),
+     ValueError, r"meta.kernel_scale has shape \(2,\); expected \(1,\)"),
+    (lambda x, w: efc.Fp8Meta.init(0), ValueError, "history_length must be a positive int"),
+])
+def test_bad_arguments_name_what_is_wrong(call, error, match):
+    with pytest.raises(error, match=match):
+        call(jnp.ones((4, 32)), jnp.ones((32, 16)))
+
+
+_SCRIPT = """
+import json, sys
+import jax, jax.numpy as jnp
+import jax_efc as efc
+
+S = jax.ShapeDtypeStruct
+m, k, n = 4096, 1024, 2048
+def loss(x, w, b):
+    return efc.fp8_dense(x, w, b, activation="gelu_tanh").astype(jnp.float32).sum()
+specs = S((m, k), jnp.bfloat16), S((k, n), jnp.bfloat16), S((n,), jnp.bfloat16)
+exported = jax.export.export(jax.jit(jax.grad(loss, (0, 1, 2))), platforms=["cuda"],
+                             disabled_checks=efc.export_checks())(*specs)
+text = exported.mlir_module()
+print(json.dumps({"kernels": text.count("NvJaxCutlassCall"), "transposes": text.count("stablehlo.transpose"),
+                  "backends": efc.backends(jax.grad(loss, (0, 1, 2)), *specs)}))
+"""
+
+
+def test_its_three_gemms_are_fp8_kernels_on_hopper():
+    """Forward, data and weight gradients each an FP8 kernel for sm_90a, none reading an
+    operand the plan must transpose first (the quantisations write the K-major copies)."""
+    out = json.loads(run_for_sm90(_SCRIPT).strip().splitlines()[-1])
+    assert out["kernels"] == 3, out
+    # a plan that transposes an operand first says so after the backend
+    assert out["backends"] == ["kernel (sm_90a)"] * 3, out
