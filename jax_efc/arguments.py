@@ -146,6 +146,10 @@ def precision(precision: Any) -> Any:
         raise TypeError(f"precision must be None, a jax.lax.Precision, its name, a pair of them, or a "
                         f"jax.lax.DotAlgorithmPreset; got {precision!r}.")
 
+    if precision is None:
+        # the default a dot takes where none is given (jax.default_matmul_precision), resolved
+        # here so that the call's parameters, and every plan and cache keyed on them, hold it
+        precision = jax.config.jax_default_matmul_precision
     if isinstance(precision, (tuple, list)) and len(precision) == 2:
         pair = tuple(one(p) for p in precision)
         if any(isinstance(p, jax.lax.DotAlgorithmPreset) for p in pair):
@@ -171,9 +175,26 @@ def fast_accumulation(precision: Any) -> bool:
     return isinstance(precision, jax.lax.DotAlgorithmPreset) and precision.name in _FAST_ACCUM
 
 
-def kernel_precision_reason(precision: Any) -> str | None:
-    """Why the kernel does not run a dot of ``precision``: a preset that asks for arithmetic
-    other than the kernel's (``None``: it runs)."""
+# float32 inputs multiply as TF32 in the kernel: what JAX gives the levels DEFAULT and HIGH on
+# NVIDIA GPUs ("tensorfloat32" is HIGH), and the preset that names it
+_TF32_LEVELS = (None, jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGH)
+_TF32_PRESETS = ("DEFAULT", "TF32_TF32_F32")
+
+
+def kernel_precision_reason(precision: Any, a_dtype: Any) -> str | None:
+    """Why the kernel does not run a dot of ``a_dtype`` inputs at ``precision``: a preset that asks
+    for arithmetic other than the kernel's, or float32 inputs at a precision above TF32
+    (``None``: it runs)."""
+    if np.dtype(a_dtype) == np.float32:
+        if isinstance(precision, jax.lax.DotAlgorithmPreset):
+            tf32 = precision.name in _TF32_PRESETS
+        else:
+            tf32 = all(p in _TF32_LEVELS for p in (precision if isinstance(precision, tuple) else (precision,)))
+        if not tf32:
+            return (f"float32 inputs at precision={getattr(precision, 'name', precision)}: the kernel multiplies "
+                    "float32 as TF32 (10-bit mantissas, what JAX gives precision DEFAULT and HIGH on NVIDIA "
+                    "GPUs) and has no 3xTF32 mode, so XLA runs the more precise dot asked for.")
+        return None
     if isinstance(precision, jax.lax.DotAlgorithmPreset) and precision.name not in _KERNEL_PRESETS:
         return f"precision={precision.name} asks for an algorithm the kernel does not implement."
     return None

@@ -88,7 +88,7 @@ def plan_kernel(ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], *, tran
     if np.dtype(a.dtype) != np.dtype(b.dtype) and not mixes_8bit(a.dtype, b.dtype):
         raise TypeError(f"a is {np.dtype(a.dtype).name} but b is {np.dtype(b.dtype).name}; the kernel "
                         "takes A and B of one dtype (or two 8-bit float formats): cast one of them.")
-    reason = kernel_precision_reason(precision)
+    reason = kernel_precision_reason(precision, a.dtype)
     if reason:
         return _reference(reason, arch=arch)
     promote = is_8bit_float(a.dtype) and not fast_accumulation(precision)

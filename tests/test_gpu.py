@@ -213,12 +213,13 @@ def test_one_device_shard_map_runs_the_kernel(rng):
 
 def test_unsupported_dtype_falls_back_and_says_why(rng, monkeypatch, caplog):
     monkeypatch.delenv("JAX_EFC_STRICT")
+    # float32 at precision HIGHEST: the kernel multiplies float32 as TF32 only
     a, b = rand(rng, (64, 64), jnp.float32), rand(rng, (64, 64), jnp.float32)
-    (reason,) = efc.backends(lambda a, b: efc.gemm(a, b, jnp.tanh), a, b)
-    assert reason.startswith("reference: ") and "float32" in reason
+    (reason,) = efc.backends(lambda a, b: efc.gemm(a, b, jnp.tanh, precision="highest"), a, b)
+    assert reason.startswith("reference: ") and "float32 inputs at precision=HIGHEST" in reason
     monkeypatch.setenv("JAX_EFC_STRICT", "1")
     with pytest.raises(efc.FallbackError, match="float32"):
-        jax.jit(lambda a, b: efc.gemm(a, b, jnp.sin))(a, b)
+        jax.jit(lambda a, b: efc.gemm(a, b, jnp.sin, precision="highest"))(a, b)
 
 
 def test_flax_training_on_the_kernel_matches_plain_flax(rng):

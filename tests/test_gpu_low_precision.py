@@ -187,3 +187,28 @@ def test_int8_accumulates_exactly_and_saturates(rng):
     assert np.array_equal(np.asarray(out["I"], np.int64), want)
     assert np.array_equal(np.asarray(out["Q"]), np.clip(want, -128, 127))
     assert _rel(out["D"], want * 1e-8 + _f64(bias)) < 1e-6
+
+
+@pytest.mark.parametrize("transpose_b", [True, False])
+def test_float32_runs_as_tf32_as_accurate_as_xlas_default_dot(rng, transpose_b):
+    """float32 inputs at JAX's default precision: the TF32 kernel (B stored (K, N) transposed once
+    before it), with a bias and gelu over partial tiles, as accurate against the float64 oracle
+    as XLA's own default-precision (TF32) dot, and far from fp32 exactness (TF32 ran). At
+    precision HIGHEST the kernel does not run (strict mode: an error naming it)."""
+    m, n, k = 1000, 776, 2048
+    a = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((n, k) if transpose_b else (k, n)) / math.sqrt(k), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(n), jnp.float32)
+    fn = jax.jit(lambda a, b, bias: efc.gemm(a, b, lambda acc, bias: jax.nn.gelu(acc + bias), bias,
+                                             transpose_b=transpose_b))
+    assert efc.backends(fn, a, b, bias) == ["kernel (sm_90a)"]
+    b_kn = _f64(b).T if transpose_b else _f64(b)
+    acc = _f64(a) @ b_kn
+    got = fn(a, b, bias)
+    assert got.dtype == jnp.float32
+    xla_acc = jax.jit(lambda a, b: a @ (b.T if transpose_b else b))(a, b)
+    xla = _rel(xla_acc, acc)
+    assert 1e-5 < xla < 1e-2  # XLA's default dot is TF32 on Hopper
+    assert _rel(got, _gelu_tanh(acc + _f64(bias))) <= 2 * xla
+    with pytest.raises(efc.FallbackError, match="precision=HIGHEST"):
+        jax.jit(lambda a, b: efc.gemm(a, b, transpose_b=transpose_b, precision="highest"))(a, b)

@@ -155,6 +155,13 @@ LOW_PRECISION_VARIANTS = {
     "fp8e4m3_nk_fast_pingpong_192x128_bias_gelu": ("float8_e4m3fn", False, True, None,
                                                    (192, 128, 1, 2, {"pingpong": True, "epi_m": 64, "epi_n": 16,
                                                                      "fast": True}), "bias_gelu"),
+    # float32 A and B as TF32 (K-major both; 32-deep k-tiles, m64nNk8 WGMMAs), fp32 epilogue
+    # operands and outputs; B stored (K, N) is transposed once before the kernel
+    "tf32_nk_bias_gelu_128x128": ("float32", False, True, None, (128, 128, 1, 1), "bias_gelu"),
+    "tf32_kn_pingpong_128x192_c2x1": ("float32", False, False, None,
+                                      (128, 192, 2, 1, {"pingpong": True, "swizzle": 8, "raster": "n"}), "identity"),
+    "tf32_nk_bias_gelu_128x128_c2x1_stream_k": ("float32", False, True, None, (128, 128, 2, 1, {"swizzle": 8}),
+                                                "bias_gelu", (8192, 8192, 8192)),
 }
 
 # Epilogues that reduce (kernels/reduction.py): sums, maxes and amaxes over M, N and both, on
@@ -318,7 +325,7 @@ def compile_variants(tmp_path_factory, which: str) -> dict:
     dump = tmp_path_factory.mktemp("ptx")
     out = dump / "results.json"
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump),
-               JAX_PLATFORMS="cpu", JAX_EFC_UNVERIFIED_KERNELS="1" if which == "reductions" else "0")
+               JAX_PLATFORMS="cpu", JAX_EFC_UNVERIFIED_KERNELS="0" if which == "standard" else "1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, __file__, str(dump), str(out), which], env=env,

@@ -1,5 +1,5 @@
 """The kernel variants for the input types beyond 16-bit floats with fp32 accumulation (8-bit
-floats, 8-bit integers, fp16 accumulation), compiled for sm_90a on the CPU like those of
+floats, 8-bit integers, fp16 accumulation, float32 as TF32), compiled for sm_90a on the CPU like those of
 ``test_kernel_compile.py`` (whose checks they share), in a child process of their own; and the
 instructions their types call for."""
 
@@ -74,3 +74,11 @@ def test_fp16_accumulation_uses_the_f16_accumulating_wgmma(compiled):
         ptx = compiled[name]["ptx"]
         assert f"wgmma.mma_async.sync.aligned.m64n{tile_n}k16.f16.f16.f16" in ptx, name
         assert ".f32.f16.f16" not in ptx, name
+
+
+def test_float32_kernels_use_the_tf32_wgmma(compiled):
+    for name, tile_n in (("tf32_nk_bias_gelu_128x128", 128), ("tf32_kn_pingpong_128x192_c2x1", 192),
+                         ("tf32_nk_bias_gelu_128x128_c2x1_stream_k", 128)):
+        ptx = compiled[name]["ptx"]
+        assert set(re.findall(r"wgmma\.mma_async[\w.]*", ptx)) == {
+            f"wgmma.mma_async.sync.aligned.m64n{tile_n}k8.f32.tf32.tf32"}, name

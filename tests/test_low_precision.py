@@ -177,9 +177,42 @@ def test_precision_takes_jax_dot_algorithm_presets(rng):
         jax.lax.Precision.DEFAULT
     assert arguments.reference_precision(preset.ANY_F8_ANY_F8_F32_FAST_ACCUM, jnp.bfloat16) is None
     assert arguments.reference_precision(preset.BF16_BF16_F32_X3, jnp.float32) is preset.BF16_BF16_F32_X3
-    assert arguments.kernel_precision_reason(preset.ANY_F8_ANY_F8_F32) is None
-    assert "TF32_TF32_F32" in arguments.kernel_precision_reason(preset.TF32_TF32_F32)
+    assert arguments.kernel_precision_reason(preset.ANY_F8_ANY_F8_F32, jnp.float8_e4m3fn) is None
+    assert "TF32_TF32_F32" in arguments.kernel_precision_reason(preset.TF32_TF32_F32, jnp.bfloat16)
     with pytest.raises(TypeError, match="precision must be"):
         efc.gemm(a, b, transpose_b=True, precision="FASTEST")
     with pytest.raises(TypeError, match="one precision for the whole dot"):
         efc.gemm(a, b, transpose_b=True, precision=(preset.DEFAULT, "highest"))
+
+
+def test_float32_runs_as_tf32_where_jax_would_use_tf32(monkeypatch):
+    """float32 inputs plan the kernel (TF32, K-major A and B) at JAX's default precision, at
+    DEFAULT, HIGH ("tensorfloat32") and TF32_TF32_F32, whether given per call or by
+    ``jax.default_matmul_precision`` (resolved when the call is made, so a jitted function keeps
+    the precision it was traced with); HIGHEST, float32, F32_F32_F32 and 3xTF32 run on the
+    reference, which says why."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
+    from jax_efc.plan import plan_call
+    from jax_efc.primitive import fused_gemm_eqns
+
+    a = jax.ShapeDtypeStruct((4096, 2048), jnp.float32)
+    b = jax.ShapeDtypeStruct((4096, 2048), jnp.float32)
+
+    def plan(precision=None):
+        (eqn,) = fused_gemm_eqns(jax.make_jaxpr(lambda a, b: efc.gemm(a, b, transpose_b=True,
+                                                                      precision=precision))(a, b))
+        return plan_call([v.aval for v in eqn.invars], eqn.params)
+
+    for p in (None, "default", "high", "tensorfloat32", jax.lax.DotAlgorithmPreset.TF32_TF32_F32):
+        got = plan(p)
+        assert got.backend == "kernel" and got.problem.ab_dtype == "float32" and got.problem.tile_k == 32, p
+        assert got.transposes == (False, False)
+    for p in ("highest", "float32", "F32_F32_F32", "TF32_TF32_F32_X3"):
+        reason = plan(p).reason
+        assert reason.startswith("float32 inputs at precision=") and "no 3xTF32 mode" in reason, p
+    with jax.default_matmul_precision("float32"):
+        assert plan().backend == "reference"
+    with jax.default_matmul_precision("tensorfloat32"):
+        assert plan().backend == "kernel"

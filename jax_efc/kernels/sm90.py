@@ -38,6 +38,7 @@ from jax_efc.kernels.gemm_base import ConsumerEpilogue, FusedGemmBase
 from jax_efc.kernels.problem import EPI_STAGES, SMEM_ALIGN, KernelProblem
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, cluster_tiles
 from jax_efc.kernels.sm90_policy import mma_warpgroups, pipeline_stages
+from jax_efc.kernels.sm90_tf32 import tf32_tiled_mma
 
 __all__ = ["Sm90FusedGemm"]
 
@@ -133,11 +134,15 @@ class Sm90FusedGemm(FusedGemmBase):
             sk_buffers = (rest[0], cute.make_tensor(ws.iterator, cute.make_layout(
                 (4, self.n_epi_threads, self.acc_per_thread // 4, self.schedule.slots),
                 stride=(1, 4, 4 * self.n_epi_threads, tile_elems))))
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.b_dtype,
-            self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, (self.n_mma_wg, 1, 1), tiler_mn=(64, self.tile_mnk[1]),
-        )
+        if cutlass.const_expr(self.ab_dtype is cutlass.Float32):
+            # fp32 inputs multiply as TF32 (the plan reads them K-major)
+            tiled_mma = tf32_tiled_mma((self.n_mma_wg, 1, 1), (64, self.tile_mnk[1]))
+        else:
+            tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                self.ab_dtype, self.b_dtype,
+                self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+                self.acc_dtype, (self.n_mma_wg, 1, 1), tiler_mn=(64, self.tile_mnk[1]),
+            )
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.ab_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.b_dtype, self.stages)
         d_smem = tuple(

@@ -19,7 +19,8 @@ DEFAULT_SM_COUNT = 132
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 _INT8 = ("int8", "uint8")
-_AB_DTYPES = ("bfloat16", "float16", *_FP8, *_INT8)
+# float32 inputs multiply as TF32 (kernels/sm90_tf32.py), where JAX's precision rules allow it
+_AB_DTYPES = ("bfloat16", "float16", *_FP8, *_INT8, "float32")
 # 8-bit float outputs round to nearest even and saturate to the finite range (cvt.rn.satfinite);
 # integer ones saturate (from floats rounded toward zero)
 _OUT_DTYPES = ("bfloat16", "float16", "float32", *_FP8, "int32", *_INT8)
@@ -128,8 +129,8 @@ def _tiles(m: int, n: int, l: int, tm: int, tn: int) -> int:
 
 
 class Sm90Policy(ArchPolicy):
-    """Hopper's kernel (:class:`~jax_efc.kernels.sm90.Sm90FusedGemm`): 16-bit and 8-bit float inputs,
-    fp32 accumulation, warp-specialized cooperative and ping-pong schedules."""
+    """Hopper's kernel (:class:`~jax_efc.kernels.sm90.Sm90FusedGemm`): 16-bit, 8-bit and TF32 inputs,
+    warp-specialized cooperative and ping-pong schedules."""
 
     arch = "sm_90a"
     kernel = "jax_efc.kernels.sm90:Sm90FusedGemm"
@@ -140,6 +141,7 @@ class Sm90Policy(ArchPolicy):
     out_dtypes = _OUT_DTYPES
     operand_dtypes = _OPERAND_DTYPES
     value_dtypes = _VALUE_DTYPES
+    unverified_ab_dtypes = ("float32",)
 
     def accumulator_reason(self, problem: KernelProblem) -> str | None:
         if problem.acc_dtype == "float16" and problem.ab_dtype != "float16":
@@ -151,8 +153,8 @@ class Sm90Policy(ArchPolicy):
         return None
 
     def mma_majors(self, problem: KernelProblem) -> tuple[str, str] | None:
-        # WGMMA reads 8-bit A and B from shared memory K-major only (16-bit ones either way)
-        return ("k", "k") if bits(problem.ab_dtype) == 8 or bits(problem.b_dtype) == 8 else None
+        # WGMMA reads 8-bit and TF32 A and B from shared memory K-major only (16-bit ones either way)
+        return None if bits(problem.ab_dtype) == 16 else ("k", "k")
 
     def config_reason(self, config: GemmConfig) -> str | None:
         if config.tile_m not in _TILE_M:
