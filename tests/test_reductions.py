@@ -266,6 +266,48 @@ def test_the_kernel_reduction_reads_every_value_once(over, epi, tile, threads):
     assert sorted(written) == (list(range(tile[1] if over == ("m",) else tile[0])) if len(over) == 1 else [0])
 
 
+@pytest.mark.parametrize("over", [("m",), ("n",), ("m", "n")])
+@pytest.mark.parametrize("cfg, m, n, k", [
+    ((128, 128, 1, 2, {"pingpong": True, "epi_m": 64, "epi_n": 16}), 2296, 2824, 1288),  # 23 tile columns in 1x2
+    ((256, 128, 2, 1, {"epi_m": 128}), 2296, 1000, 640),  # 9 tile rows in 2x1
+    ((128, 128, 2, 2, {}), 1000, 3000, 512),
+    ((128, 256, 2, 1, {}), 8192, 8192, 8192),  # stream-K: only the first piece of a tile writes
+])
+def test_every_partial_is_written_once_and_nothing_past_the_partials(over, cfg, m, n, k):
+    """The per-tile partials each reducing output leaves: over the grid's walk (clusters cover a
+    tile count rounded up to the cluster, so some tiles lie wholly past an edge), every thread
+    that writes (``TileReduction.target``) writes inside the partials' shape, and every partial
+    is written exactly once, by the unit that runs its tile's epilogue."""
+    pytest.importorskip("cutlass")
+    from test_schedule import _walks
+
+    from jax_efc.config import GemmConfig
+    from jax_efc.kernels.problem import epilogue_tile
+    from jax_efc.kernels.reduction import TileReduction
+
+    config = GemmConfig(*cfg[:4], **cfg[4])
+    threads = 128 * (1 if config.pingpong else min(config.tile_m // 64, 2))
+    red = TileReduction("max", over, epilogue_tile(config), (config.tile_m, config.tile_n), threads)
+    tiles_m, tiles_n = -(-m // config.tile_m), -(-n // config.tile_n)
+    shape = (tiles_m if "m" in over else m, tiles_n if "n" in over else n)
+    _, units, _, _ = _walks(config, m, n, k, 1, 66)
+    written = []
+    for ctas in units.values():
+        for run in ctas.values():
+            for u in run:
+                if u.k_begin:  # a stream-K piece past k = 0 leaves its sums to the first piece
+                    continue
+                for s in range(red.n_sub):
+                    if not red.closes(s):
+                        continue
+                    for ctid in range(threads):
+                        at, writes = red.target(s, ctid % red.lanes, ctid // red.lanes, u.m, u.n, (m, n))
+                        if writes:
+                            assert 0 <= at[0] < shape[0] and 0 <= at[1] < shape[1], (u, s, ctid, at, shape)
+                            written.append(at)
+    assert len(written) == len(set(written)) == shape[0] * shape[1]
+
+
 def test_the_kernel_refuses_reductions_its_threads_cannot_split():
     from jax_efc.kernels.problem import reduction_reason
 

@@ -138,22 +138,29 @@ class TileReduction:
         else:
             running[self.slot(s)] = self.combine(running[self.slot(s)], total)
 
+    def target(self, s: int, lane, group, m_idx, n_idx, extent: tuple) -> tuple:
+        """((row, column) in the partials, whether to write) for the running value the thread of
+        ``lane`` and ``group`` closes after subtile ``s`` of tile (m_idx, n_idx) (Python or device
+        integers). One thread a lane writes, only inside the M and N edges; a tile that lies
+        wholly past an edge (a cluster's padding: a grid of 2-CTA clusters covers an odd tile
+        count with one tile more) writes nothing, since its partial has no place."""
+        inside = (m_idx * self.tile_mn[0] < extent[0]) & (n_idx * self.tile_mn[1] < extent[1])
+        first = group == 0
+        if len(self.over) == 2:
+            return (m_idx, n_idx), inside & first & (lane == 0)
+        if self.over == ("m",):
+            n = n_idx * self.tile_mn[1] + self.offset(s, lane)
+            return (m_idx, n), inside & first & (n < extent[1])
+        m = m_idx * self.tile_mn[0] + self.offset(s, lane)
+        return (m, n_idx), inside & first & (m < extent[0])
+
     @cute.jit
     def flush(self, out: cute.Tensor, running: cute.Tensor, s: int, m_idx, n_idx, l_idx, extent: tuple, ctid):
         """After subtile ``s``: if it closed its running value, write that to ``out`` ((tiles_m
-        | M, N | tiles_n, L), fp32) and start it again."""
+        | M, N | tiles_n, L), fp32) where :meth:`target` says, and start it again."""
         if cutlass.const_expr(self.closes(s)):
-            lane, group = ctid % self.lanes, ctid // self.lanes
             slot = self.slot(s)
-            if cutlass.const_expr(len(self.over) == 2):
-                if ctid == 0:
-                    out[(m_idx, n_idx, l_idx)] = running[slot]
-            elif cutlass.const_expr(self.over == ("m",)):
-                n = n_idx * self.tile_mn[1] + self.offset(s, lane)
-                if group == 0 and n < extent[1]:
-                    out[(m_idx, n, l_idx)] = running[slot]
-            else:
-                m = m_idx * self.tile_mn[0] + self.offset(s, lane)
-                if group == 0 and m < extent[0]:
-                    out[(m, n_idx, l_idx)] = running[slot]
+            (row, col), writes = self.target(s, ctid % self.lanes, ctid // self.lanes, m_idx, n_idx, extent)
+            if writes:
+                out[(row, col, l_idx)] = running[slot]
             running[slot] = self.identity()
