@@ -7,7 +7,8 @@ passes outside the GEMM are the quantisations themselves. Backward, the output's
 times the activation's derivative is quantised to e5m2, and the data and weight gradients are
 FP8 GEMMs whose epilogues dequantise. Each quantisation also writes the K-major copy its GEMM
 reads (Hopper's 8-bit WGMMA reads both operands K-major only), so no GEMM transposes an FP8
-operand: the weight is written both ways, the input and the gradient once more transposed.
+operand: the weight is written both ways, the input and the gradient once more transposed (their
+rows padded with zeros to a multiple of 16, as TMA needs of the weight gradient's contraction).
 
 Scaling: with ``meta=None``, *current* scaling (each tensor's scale is its amax over the
 format's largest finite value, this step); with an :class:`Fp8Meta`, *delayed* scaling exactly
@@ -87,6 +88,17 @@ def _delayed(x: Any, dtype: Any, scale: Any, history: Any) -> tuple[Any, Any]:
     return new_scale, new_history
 
 
+# 8-bit values a TMA row must hold a multiple of (16 bytes): the weight gradient contracts over
+# the tokens, so its operands' rows are padded with zeros to this many (which add nothing)
+_ALIGN = 16
+
+
+def _transposed(q: Any) -> Any:
+    """``q`` (M, X) as (X, M') with M' the next multiple of ``_ALIGN``, zeros past M: the K-major
+    operand of the weight gradient, whose contraction runs over M."""
+    return jnp.pad(q, ((0, -q.shape[0] % _ALIGN), (0, 0))).T
+
+
 def _quantize(x: Any, dtype: Any, scale: Any) -> Any:
     """``x / scale`` saturated to ``dtype``'s finite range and rounded to it (in float32)."""
     top = _fp8_max(dtype)
@@ -143,7 +155,7 @@ def _fp8_dense_fwd(static: _Static, x, kernel, bias, meta):
     out = gemm(xq, wq.T, _forward_epilogue(static.activation, bias is not None, keep_z), *ops,
                transpose_b=True, s=(sx * sw)[0], out_dtypes=x.dtype)
     y, z = out if keep_z else (out, None)
-    return y, (xq.T, wq, sx, sw, z, update, meta, bias)
+    return y, (_transposed(xq), wq, sx, sw, z, update, meta, bias)
 
 
 def _fp8_dense_bwd(static: _Static, residuals, g):
@@ -157,7 +169,7 @@ def _fp8_dense_bwd(static: _Static, residuals, g):
         sg = _current_scale(_amax(g), E5M2)
     gq = _quantize(g, E5M2, sg)  # (M, N): K-major as the data gradient's A
     dx = gemm(gq, wq, _dequantize, transpose_b=True, s=(sg * sw)[0], out_dtypes=static.x_dtype)
-    dw = gemm(xq_t, gq.T, _dequantize, transpose_b=True, s=(sx * sg)[0], out_dtypes=static.kernel_dtype)
+    dw = gemm(xq_t, _transposed(gq), _dequantize, transpose_b=True, s=(sx * sg)[0], out_dtypes=static.kernel_dtype)
     db = None if bias is None else jnp.sum(g, axis=0, dtype=jnp.float32).astype(bias.dtype)
     d_meta = None
     if static.delayed:  # the gradient of the meta is its update (overwrite with gradient)
