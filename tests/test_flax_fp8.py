@@ -70,7 +70,9 @@ def test_delayed_scaling_trains_as_flax_fp8_dense(rng, ours):
     x, t = _normal(rng, (32, 96), 2.0), _normal(rng, (32, 64))
     flax_model = _FlaxMlp()
     variables = flax_model.init(jax.random.key(0), x)
-    assert _shapes(ours.init(jax.random.key(0), x)) == _shapes(variables)
+    initial = ours.init(jax.random.key(0), x)
+    assert _shapes(initial) == _shapes(variables)
+    _assert_close(initial, variables, 0, "init")  # the same key, the same values
     variables = {"params": variables["params"],
                  OWG: {name: {"Fp8DirectDotGeneralOp_0": _random_meta(rng, 1024)._asdict()} for name in ("up", "down")}}
     _assert_close(ours.apply(variables, x), flax_model.apply(variables, x), 1e-5, "outputs")

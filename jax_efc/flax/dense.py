@@ -118,5 +118,6 @@ def check_fp8(fp8: Any, amax_history_length: Any, epilogue: Callable[..., Any] |
         raise ValueError(f"fp8 must be one of {', '.join(map(repr, FP8_MODES))}; got {fp8!r}.")
     if fp8 is not None and epilogue is not None:
         raise ValueError(f"fp8={fp8!r} supports activation= only, not a custom epilogue=.")
-    if not isinstance(amax_history_length, int) or isinstance(amax_history_length, bool) or amax_history_length < 1:
+    if isinstance(amax_history_length, bool) or not isinstance(amax_history_length, int) \
+            or amax_history_length < 1:
         raise ValueError(f"amax_history_length must be a positive int, got {amax_history_length!r}.")

@@ -103,6 +103,7 @@ def _dense_params(module: nn.Module, in_features: int) -> tuple[Any, Any]:
 
 
 def _history_start(length: int, field: str) -> Any:
+    """The initial value of one of ``Fp8Meta``'s fields."""
     return getattr(Fp8Meta.init(length), field)
 
 
