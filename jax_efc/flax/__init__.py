@@ -4,7 +4,8 @@
 ``jax_efc.flax.nnx.FusedLinear`` one for ``flax.nnx.Linear``: same attributes, same parameter
 names, shapes and initializers (checkpoints load unchanged), plus an ``activation`` or a
 general ``epilogue`` fused into the GEMM; each submodule's ``FusedMLP`` runs
-``jax_efc.fused_mlp`` on such layers' parameters. The submodules need Flax
+``jax_efc.fused_mlp`` on such layers' parameters; ``fp8=`` runs them on ``jax_efc.fp8_dense``
+(delayed scaling's state kept as Flax's FP8 ops keep it). The submodules need Flax
 (``pip install 'jax_efc[flax]'``); ``jax_efc.flax.dense`` holds the computation they share.
 """
 

@@ -1,4 +1,5 @@
-"""The computation shared by the Flax layers: a dense layer with a fused activation or epilogue."""
+"""The computation shared by the Flax layers: a dense layer with a fused activation or epilogue,
+the MLP, and their FP8 forms."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import jax
 import jax.numpy as jnp
 
 from ..activations import resolve
+from ..fp8 import Fp8Meta, fp8_dense
+from ..mlp import fused_mlp
 from ..ops import fused_dense, gemm
 
-__all__ = ["dense"]
+__all__ = ["dense", "mlp"]
+
+FP8_MODES = (None, "current", "delayed")
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,16 +49,21 @@ def dense(
     activation: str | Callable[[Any], Any] | None = None,
     epilogue: Callable[..., Any] | None = None,
     precision: Any = None,
+    fp8: str | None = None,
+    meta: Fp8Meta | None = None,
 ) -> Any:
     """``activation(inputs @ kernel + bias)``, or ``epilogue(inputs @ kernel + bias, *extra)``.
 
     ``inputs`` is (..., K), ``kernel`` (K, N), ``bias`` (N,) or None (then the epilogue gets
     the bare product). Each extra operand is shaped like the output (..., N), a column
     (..., 1), a row vector (N,) or a scalar; the epilogue may return one array or a pytree.
+    With ``fp8`` set, ``jax_efc.fp8_dense`` with ``meta`` (None: current scaling).
     """
     if epilogue is None:
         if extra:
             raise TypeError(f"got {len(extra)} extra operand(s) but no epilogue= to take them.")
+        if fp8 is not None:
+            return fp8_dense(inputs, kernel, bias, activation=activation, meta=meta)
         return fused_dense(inputs, kernel, bias, activation=activation, precision=precision)
     if activation is not None:
         raise ValueError("pass either activation= or epilogue=, not both; "
@@ -67,6 +77,47 @@ def dense(
     return jax.tree.map(lambda y: y.reshape(*lead, n), out)
 
 
+def mlp(
+    inputs: Any,
+    up_kernel: Any,
+    up_bias: Any,
+    gate_kernel: Any,
+    gate_bias: Any,
+    down_kernel: Any,
+    down_bias: Any,
+    *,
+    activation: str | Callable[[Any], Any],
+    precision: Any = None,
+    fp8: str | None = None,
+    metas: tuple[Fp8Meta | None, Fp8Meta | None, Fp8Meta | None] = (None, None, None),
+) -> Any:
+    """``jax_efc.fused_mlp`` (``gate_kernel`` None: not gated); with ``fp8`` set, each projection
+    an ``fp8_dense`` with its own meta from ``metas`` (up, gate, down; None: current scaling),
+    the gated form's product ``act(x @ Wg + bg) * (x @ Wu + bu)`` computed by XLA between them."""
+    if fp8 is None:
+        return fused_mlp(inputs, up_kernel, up_bias, down_kernel, down_bias, activation=activation,
+                         gate_kernel=gate_kernel, gate_bias=gate_bias, precision=precision)
+    up_meta, gate_meta, down_meta = metas
+    if gate_kernel is None:
+        hidden = fp8_dense(inputs, up_kernel, up_bias, activation=activation, meta=up_meta)
+    else:
+        hidden = (fp8_dense(inputs, gate_kernel, gate_bias, activation=activation, meta=gate_meta)
+                  * fp8_dense(inputs, up_kernel, up_bias, meta=up_meta))
+    return fp8_dense(hidden, down_kernel, down_bias, meta=down_meta)
+
+
 def check_activation(activation: str | Callable[[Any], Any] | None) -> None:
     """Fail at construction, not at the first call, on an unknown activation name."""
     resolve(activation)
+
+
+def check_fp8(fp8: Any, amax_history_length: Any, epilogue: Callable[..., Any] | None = None) -> None:
+    """Fail at construction on a bad ``fp8`` mode, an FP8 layer given an epilogue, or a history
+    length that is not a positive int."""
+    if not (fp8 is None or (isinstance(fp8, str) and fp8 in FP8_MODES)):
+        raise ValueError(f"fp8 must be one of {', '.join(map(repr, FP8_MODES))}; got {fp8!r}.")
+    if fp8 is not None and epilogue is not None:
+        raise ValueError(f"fp8={fp8!r} supports activation= only, not a custom epilogue=.")
+    if isinstance(amax_history_length, bool) or not isinstance(amax_history_length, int) \
+            or amax_history_length < 1:
+        raise ValueError(f"amax_history_length must be a positive int, got {amax_history_length!r}.")

@@ -3,10 +3,13 @@
     from jax_efc.flax.linen import FusedDense
     y = FusedDense(4096, activation="gelu_tanh")(x)                  # gelu_tanh(x @ W + b)
     y = FusedDense(4096, epilogue=lambda z, r: jax.nn.silu(z) + r)(x, residual)
+    y = FusedDense(4096, activation="gelu_tanh", fp8="delayed")(x)     # FP8 GEMMs, delayed scaling
 
 Same attributes, parameter names (``kernel`` (in, features), ``bias`` (features,)), dtypes,
 initializers and auto-names (an unnamed one is ``Dense_0``, as an ``nn.Dense`` would be) as
-``nn.Dense``, so an ``nn.Dense`` model's checkpoint loads unchanged.
+``nn.Dense``, so an ``nn.Dense`` model's checkpoint loads unchanged; with ``fp8="delayed"``, the
+FP8 state is kept where ``nn.Dense(dot_general_cls=nn.Fp8DirectDotGeneralOp)`` keeps it, so that
+model's checkpoint loads unchanged too.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
-from ..mlp import fused_mlp
-from .dense import check_activation, dense
+from ..fp8 import Fp8Meta
+from .dense import check_activation, check_fp8, dense, mlp
 
 __all__ = ["FusedDense", "FusedMLP"]
 
@@ -45,6 +49,11 @@ class FusedDense(nn.Module):
       (not a new lambda per call) so its trace is reused.
     - ``kernel_axes`` / ``bias_axes``: logical axis names for ``nn.with_logical_partitioning``
       (e.g. ``("embed", "mlp")`` and ``("mlp",)``); None adds no metadata.
+    - ``fp8``: None (no FP8), ``"current"`` or ``"delayed"``: ``jax_efc.fp8_dense`` (FP8 GEMMs
+      with ``activation``; ``precision`` is then unused) scaling each tensor by its amax this
+      step, or by amax histories of ``amax_history_length`` steps kept, as Flax's
+      ``Fp8DirectDotGeneralOp`` keeps them, in the ``_overwrite_with_gradient`` collection
+      under ``Fp8DirectDotGeneralOp_0``: the training step replaces them by their gradient.
     """
 
     features: int
@@ -58,17 +67,21 @@ class FusedDense(nn.Module):
     epilogue: Callable[..., Any] | None = None
     kernel_axes: Axes | None = None
     bias_axes: Axes | None = None
+    fp8: str | None = None
+    amax_history_length: int = 1024
 
     def __post_init__(self) -> None:
         check_activation(self.activation)
+        check_fp8(self.fp8, self.amax_history_length, self.epilogue)
         super().__post_init__()
 
     @nn.compact
     def __call__(self, inputs: Any, *extra: Any) -> Any:
         kernel, bias = _dense_params(self, jnp.shape(inputs)[-1])
+        meta = _fp8_meta(self)
         inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        return dense(inputs, kernel, bias, extra, activation=self.activation,
-                     epilogue=self.epilogue, precision=self.precision)
+        return dense(inputs, kernel, bias, extra, activation=self.activation, epilogue=self.epilogue,
+                     precision=self.precision, fp8=self.fp8, meta=meta)
 
 
 # Flax names an unnamed submodule after its class's __name__ (``Dense_0``), and so do its
@@ -89,9 +102,35 @@ def _dense_params(module: nn.Module, in_features: int) -> tuple[Any, Any]:
     return kernel, bias
 
 
+def _history_start(length: int, field: str) -> Any:
+    """The initial value of one of ``Fp8Meta``'s fields."""
+    return getattr(Fp8Meta.init(length), field)
+
+
+class _Fp8State(nn.Module):
+    """One layer's delayed-scaling state: ``Fp8Meta``'s fields, named, shaped and initialized
+    as Flax's FP8 ops keep them, in the ``_overwrite_with_gradient`` collection."""
+
+    amax_history_length: int
+
+    @nn.compact
+    def __call__(self) -> Fp8Meta:
+        return Fp8Meta(*(self.variable(OVERWRITE_WITH_GRADIENT, field, _history_start,
+                                       self.amax_history_length, field).value
+                         for field in Fp8Meta._fields))
+
+
+def _fp8_meta(module: nn.Module) -> Fp8Meta | None:
+    """With ``module.fp8 == "delayed"``, the meta declared in ``module``'s scope under the name
+    ``nn.Dense`` gives its (unnamed) ``dot_general_cls`` instance, else None."""
+    if module.fp8 != "delayed":
+        return None
+    return _Fp8State(module.amax_history_length, name="Fp8DirectDotGeneralOp_0")()
+
+
 class _DenseParams(nn.Module):
-    """The parameters of one of ``FusedMLP``'s layers, under the layer's name, as ``nn.Dense``
-    keeps them."""
+    """The parameters (and FP8 state) of one of ``FusedMLP``'s layers, under the layer's name,
+    as ``nn.Dense`` keeps them."""
 
     features: int
     use_bias: bool
@@ -100,10 +139,12 @@ class _DenseParams(nn.Module):
     bias_init: Callable[..., Any] = nn.initializers.zeros_init()
     kernel_axes: Axes | None = None
     bias_axes: Axes | None = None
+    fp8: str | None = None
+    amax_history_length: int = 1024
 
     @nn.compact
-    def __call__(self, in_features: int) -> tuple[Any, Any]:
-        return _dense_params(self, in_features)
+    def __call__(self, in_features: int) -> tuple[Any, Any, Fp8Meta | None]:
+        return (*_dense_params(self, in_features), _fp8_meta(self))
 
 
 class FusedMLP(nn.Module):
@@ -116,6 +157,10 @@ class FusedMLP(nn.Module):
     ``kernel`` and ``bias``. ``out_features`` defaults to the input's last dimension.
     ``hidden_axis`` names the hidden axis for sharding (with ``embed_axis`` for the model
     axis); None adds no metadata.
+
+    ``fp8`` and ``amax_history_length`` are ``FusedDense``'s: each projection is then a
+    ``jax_efc.fp8_dense`` with its own state (under ``up``, ``gate``, ``down``), and XLA computes
+    the gated form's product between the FP8 GEMMs (it is not fused into the first GEMM).
     """
 
     hidden_features: int
@@ -128,9 +173,12 @@ class FusedMLP(nn.Module):
     precision: Any = None
     embed_axis: str | None = None
     hidden_axis: str | None = None
+    fp8: str | None = None
+    amax_history_length: int = 1024
 
     def __post_init__(self) -> None:
         check_activation(self.activation)
+        check_fp8(self.fp8, self.amax_history_length)
         super().__post_init__()
 
     @nn.compact
@@ -140,13 +188,13 @@ class FusedMLP(nn.Module):
         out_of = dict(kernel_axes=(self.hidden_axis, self.embed_axis), bias_axes=(self.embed_axis,)) if named else {}
         d_in, d_out = jnp.shape(inputs)[-1], self.out_features or jnp.shape(inputs)[-1]
 
-        def layer(name: str, in_features: int, features: int, axes: dict[str, Axes]) -> tuple[Any, Any]:
-            return _DenseParams(features, self.use_bias, self.param_dtype, name=name, **axes)(in_features)
+        def layer(name: str, in_features: int, features: int, axes: dict[str, Axes]) -> tuple[Any, Any, Any]:
+            return _DenseParams(features, self.use_bias, self.param_dtype, fp8=self.fp8,
+                                amax_history_length=self.amax_history_length, name=name, **axes)(in_features)
 
         up = layer("up", d_in, self.hidden_features, into)
-        gate = layer("gate", d_in, self.hidden_features, into) if self.gated else (None, None)
+        gate = layer("gate", d_in, self.hidden_features, into) if self.gated else (None, None, None)
         down = layer("down", self.hidden_features, d_out, out_of)
-        inputs, up_k, up_b, gate_k, gate_b, down_k, down_b = promote_dtype(inputs, *up, *gate, *down,
-                                                                           dtype=self.dtype)
-        return fused_mlp(inputs, up_k, up_b, down_k, down_b, activation=self.activation,
-                         gate_kernel=gate_k, gate_bias=gate_b, precision=self.precision)
+        params = promote_dtype(inputs, *up[:2], *gate[:2], *down[:2], dtype=self.dtype)
+        return mlp(*params, activation=self.activation, precision=self.precision, fp8=self.fp8,
+                   metas=(up[2], gate[2], down[2]))

@@ -5,9 +5,15 @@
     layer = FusedLinear(1024, 4096, activation="gelu_tanh", rngs=nnx.Rngs(0))
     y = layer(x)                                                     # gelu_tanh(x @ W + b)
     mlp = FusedMLP(1024, 4096, activation="silu", gated=True, rngs=nnx.Rngs(0))
+    layer = FusedLinear(1024, 4096, fp8="delayed", rngs=nnx.Rngs(0))  # FP8 GEMMs, delayed scaling
 
 Same constructor, parameters (``kernel`` (in, out), ``bias`` (out,)), initializers and rng
 use as ``nnx.Linear``, so the same ``Rngs`` gives the same values and its state loads unchanged.
+
+Flax's nnx has no FP8 layers of its own; delayed scaling keeps its state in
+:class:`OverwriteWithGradient` variables, the nnx type of linen's ``_overwrite_with_gradient``
+collection (registered under that name, so ``nnx.bridge`` maps one onto the other): the
+training step differentiates with respect to them too and replaces them by their gradient.
 """
 
 from __future__ import annotations
@@ -18,12 +24,37 @@ from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.nnx.nn import dtypes
 
-from ..mlp import fused_mlp
-from .dense import check_activation, dense
+from ..fp8 import Fp8Meta
+from .dense import check_activation, check_fp8, dense, mlp
 
-__all__ = ["FusedLinear", "FusedMLP"]
+__all__ = ["FusedLinear", "FusedMLP", "OverwriteWithGradient"]
+
+
+class OverwriteWithGradient(nnx.Variable):
+    """State that the training step replaces by its gradient instead of passing it to the
+    optimizer: FP8 scales and amax histories, whose gradient ``jax_efc.fp8_dense`` makes their
+    next value (linen's ``_overwrite_with_gradient`` collection)."""
+
+
+try:  # the linen collection's nnx type, unless one was made for it first (nnx.bridge makes one)
+    nnx.register_variable_name(OVERWRITE_WITH_GRADIENT, OverwriteWithGradient)
+except ValueError:
+    pass
+
+
+class _Fp8State(nnx.Module):
+    """One layer's delayed-scaling state: ``Fp8Meta``'s fields, named, shaped and initialized as
+    Flax's FP8 ops keep them, as ``OverwriteWithGradient`` variables."""
+
+    def __init__(self, amax_history_length: int):
+        for field, value in zip(Fp8Meta._fields, Fp8Meta.init(amax_history_length)):
+            setattr(self, field, OverwriteWithGradient(value))
+
+    def meta(self) -> Fp8Meta:
+        return Fp8Meta(*(getattr(self, field)[...] for field in Fp8Meta._fields))
 
 
 class FusedLinear(nnx.Module):
@@ -35,6 +66,10 @@ class FusedLinear(nnx.Module):
     plus ``activation`` (a name from ``jax_efc.ACTIVATIONS`` or a callable) or, instead,
     ``epilogue``: ``epilogue(z, *extra)`` of ``z = x @ kernel + bias`` and the extra operands
     given at call time, ``layer(x, *extra)`` (see ``jax_efc.flax.linen.FusedDense``).
+
+    ``fp8``: None (no FP8), ``"current"`` or ``"delayed"``, as ``FusedDense``'s (``precision``
+    is then unused); delayed scaling keeps ``Fp8Meta``'s fields (histories of
+    ``amax_history_length`` steps) as ``OverwriteWithGradient`` variables under ``fp8_meta``.
     """
 
     def __init__(
@@ -50,17 +85,21 @@ class FusedLinear(nnx.Module):
         bias_init: Callable[..., Any] = nnx.initializers.zeros_init(),
         activation: str | Callable[[Any], Any] | None = None,
         epilogue: Callable[..., Any] | None = None,
+        fp8: str | None = None,
+        amax_history_length: int = 1024,
         rngs: nnx.Rngs,
         kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
         bias_metadata: Mapping[str, Any] = MappingProxyType({}),
     ):
         check_activation(activation)
+        check_fp8(fp8, amax_history_length, epilogue)
         # rng draws in nnx.Linear's order (kernel, then bias): the same Rngs, the same values
         self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype),
                                 **kernel_metadata)
         self.bias = nnx.data(None)
         if use_bias:
             self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype), **bias_metadata)
+        self.fp8_meta = _Fp8State(amax_history_length) if fp8 == "delayed" else nnx.data(None)
         self.in_features = in_features
         self.out_features = out_features
         self.use_bias = use_bias
@@ -69,12 +108,17 @@ class FusedLinear(nnx.Module):
         self.precision = precision
         self.activation = activation
         self.epilogue = epilogue
+        self.fp8 = fp8
+
+    def meta(self) -> Fp8Meta | None:
+        """The delayed-scaling state as an ``Fp8Meta``, None without it."""
+        return None if self.fp8_meta is None else self.fp8_meta.meta()
 
     def __call__(self, inputs: Any, *extra: Any) -> Any:
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = dtypes.promote_dtype((inputs, self.kernel[...], bias), dtype=self.dtype)
-        return dense(inputs, kernel, bias, extra, activation=self.activation,
-                     epilogue=self.epilogue, precision=self.precision)
+        return dense(inputs, kernel, bias, extra, activation=self.activation, epilogue=self.epilogue,
+                     precision=self.precision, fp8=self.fp8, meta=self.meta())
 
 
 class FusedMLP(nnx.Module):
@@ -85,7 +129,9 @@ class FusedMLP(nnx.Module):
     made in that order from ``rngs`` (so an MLP of ``nnx.Linear`` made in the same order gets
     the same values). ``out_features`` defaults to ``in_features``. ``embed_axis`` and
     ``hidden_axis`` name the model and hidden axes for sharding (the kernels' and biases'
-    ``out_sharding``); None adds no metadata.
+    ``out_sharding``); None adds no metadata. ``fp8`` and ``amax_history_length`` are
+    ``FusedLinear``'s, for each layer (each its own state); XLA computes the gated form's
+    product between the FP8 GEMMs.
     """
 
     def __init__(
@@ -104,16 +150,20 @@ class FusedMLP(nnx.Module):
         bias_init: Callable[..., Any] = nnx.initializers.zeros_init(),
         embed_axis: str | None = None,
         hidden_axis: str | None = None,
+        fp8: str | None = None,
+        amax_history_length: int = 1024,
         rngs: nnx.Rngs,
     ):
         check_activation(activation)
+        check_fp8(fp8, amax_history_length)
         named = embed_axis is not None or hidden_axis is not None
 
         def linear(d_in: int, d_out: int, axes: tuple[str | None, str | None]) -> FusedLinear:
             meta = (dict(kernel_metadata={"out_sharding": axes}, bias_metadata={"out_sharding": axes[1:]})
                     if named else {})
-            return FusedLinear(d_in, d_out, use_bias=use_bias, param_dtype=param_dtype,
-                               kernel_init=kernel_init, bias_init=bias_init, rngs=rngs, **meta)
+            return FusedLinear(d_in, d_out, use_bias=use_bias, param_dtype=param_dtype, kernel_init=kernel_init,
+                               bias_init=bias_init, fp8=fp8, amax_history_length=amax_history_length,
+                               rngs=rngs, **meta)
 
         self.up = linear(in_features, hidden_features, (embed_axis, hidden_axis))
         self.gate = linear(in_features, hidden_features, (embed_axis, hidden_axis)) if gated else nnx.data(None)
@@ -121,13 +171,13 @@ class FusedMLP(nnx.Module):
         self.activation = activation
         self.dtype = dtype
         self.precision = precision
+        self.fp8 = fp8
 
     def __call__(self, inputs: Any) -> Any:
         layers = [self.up, self.gate, self.down]
         params = [p for layer in layers for p in
                   ((None, None) if layer is None else
                    (layer.kernel[...], layer.bias[...] if layer.bias is not None else None))]
-        inputs, up_k, up_b, gate_k, gate_b, down_k, down_b = dtypes.promote_dtype(
-            (inputs, *params), dtype=self.dtype)
-        return fused_mlp(inputs, up_k, up_b, down_k, down_b, activation=self.activation,
-                         gate_kernel=gate_k, gate_bias=gate_b, precision=self.precision)
+        metas = tuple(None if layer is None else layer.meta() for layer in layers)
+        return mlp(*dtypes.promote_dtype((inputs, *params), dtype=self.dtype), activation=self.activation,
+                   precision=self.precision, fp8=self.fp8, metas=metas)
