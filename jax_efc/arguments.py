@@ -12,7 +12,7 @@ import numpy as np
 from .config import GemmConfig
 
 __all__ = ["array", "flag", "dtype", "INPUT_DTYPES", "inputs", "mixes_8bit", "default_out_dtype", "allowed_acc_dtypes", "acc_dtype", "out_dtypes", "check_x64", "check_config", "precision",
-           "is_8bit_float", "fast_accumulation", "kernel_precision_reason", "reference_precision"]
+           "is_8bit_float", "fast_accumulation", "tf32_requested", "kernel_precision_reason", "reference_precision"]
 
 
 def array(name: str, x: Any) -> Any:
@@ -169,6 +169,12 @@ def fast_accumulation(precision: Any) -> bool:
     """Whether ``precision`` (as :func:`precision` returns it) asks an FP8 GEMM for fast
     accumulation: the tensor cores' own, which over a long K keeps fewer bits than fp32."""
     return isinstance(precision, jax.lax.DotAlgorithmPreset) and precision.name in _FAST_ACCUM
+
+
+def tf32_requested(precision: Any, a_dtype: Any) -> bool:
+    """Whether a dot of float32 inputs asks to multiply them as TF32 (10-bit mantissas, fp32
+    accumulation): ``precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32``, nothing implicit."""
+    return np.dtype(a_dtype) == np.float32 and precision is jax.lax.DotAlgorithmPreset.TF32_TF32_F32
 
 
 def kernel_precision_reason(precision: Any) -> str | None:

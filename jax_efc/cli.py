@@ -25,6 +25,7 @@ import numpy as np
 from . import bench, device, example_epilogues
 from .config import GemmConfig
 from .epilogue import EpilogueError
+from .kernels.problem import epilogue_tile
 
 __all__ = ["main"]
 
@@ -129,9 +130,10 @@ def _configs_that_ran(problem: bench.Problem) -> list[str]:
         if plan.backend != "kernel":
             continue
         cfg = plan.config
+        schedule = "ping-pong" if cfg.pingpong else "2-CTA" if cfg.use_2cta else "cooperative"
+        epi_m, epi_n = epilogue_tile(cfg)
         lines.append(f"kernel config: tile {cfg.tile_m}x{cfg.tile_n}, cluster {cfg.cluster_m}x{cfg.cluster_n}, "
-                     f"{'ping-pong' if cfg.pingpong else 'cooperative'}, epilogue subtile "
-                     f"{cfg.epi_m or cfg.tile_m}x{cfg.epi_n}"
+                     f"{schedule}, epilogue subtile {epi_m}x{epi_n}"
                      + (" (pinned)" if eqn.params["config"] is not None else " (the heuristic's)"))
     return lines
 

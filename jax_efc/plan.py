@@ -21,7 +21,7 @@ import numpy as np
 from jax_efc import autotune
 from jax_efc import config as _config
 from jax_efc import device
-from jax_efc.arguments import fast_accumulation, is_8bit_float, kernel_precision_reason, mixes_8bit
+from jax_efc.arguments import fast_accumulation, is_8bit_float, kernel_precision_reason, mixes_8bit, tf32_requested
 from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR
 from jax_efc.kernels import KernelProblem, no_kernel_reason, policy
@@ -88,24 +88,26 @@ def plan_kernel(ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], *, tran
     if np.dtype(a.dtype) != np.dtype(b.dtype) and not mixes_8bit(a.dtype, b.dtype):
         raise TypeError(f"a is {np.dtype(a.dtype).name} but b is {np.dtype(b.dtype).name}; the kernel "
                         "takes A and B of one dtype (or two 8-bit float formats): cast one of them.")
-    reason = kernel_precision_reason(precision)
+    tf32 = tf32_requested(precision, a.dtype)
+    reason = None if tf32 else kernel_precision_reason(precision)
     if reason:
         return _reference(reason, arch=arch)
     promote = is_8bit_float(a.dtype) and not fast_accumulation(precision)
     return _plan_kernel(ir, _spec(a), _spec(b), tuple(_spec(x) for x in operands), bool(transpose_a),
                         bool(transpose_b), np.dtype(acc_dtype).name, config, arch,
-                        None if devices is None else tuple(devices), promote, _switches())
+                        None if devices is None else tuple(devices), promote, tf32, _switches())
 
 
-def _switches() -> tuple[str, str]:
+def _switches() -> tuple[str, str, str]:
     """The environment the plan reads besides its arguments (the memo's key holds it): the MPS
-    thread limit (residency) and whether unverified kernels may run (the policies)."""
+    thread limit (residency), whether unverified kernels may run and whether the sm_100a kernel
+    is on (the policies)."""
     return (os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip(),
-            os.environ.get("JAX_EFC_UNVERIFIED_KERNELS", "0"))
+            os.environ.get("JAX_EFC_UNVERIFIED_KERNELS", "0"), os.environ.get("JAX_EFC_SM100", ""))
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch, devices, promote,
+def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch, devices, promote, tf32,
                  switches) -> Plan:
     reason = no_kernel_reason(arch) or device.dsl_reason()
     if reason:
@@ -117,7 +119,7 @@ def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config
         ir=ir, ab_dtype=a[1], b_dtype=b[1], acc_dtype=acc_dtype, a_major="m" if transpose_a else "k",
         b_major="k" if transpose_b else "n", batched=batch is not None, a_batched=len(a[0]) == 3,
         b_batched=len(b[0]) == 3, operand_batched=tuple(len(x[0]) == 3 for x in operands), arch=arch,
-        config=config if config is not None else GemmConfig(), promote=promote,
+        config=config if config is not None else GemmConfig(), promote=promote, tf32=tf32,
     )
     transposes, note = (False, False), None
     need = pol.mma_majors(problem)
