@@ -20,6 +20,7 @@ The mainloop, the warp roles and the launch are the architecture's (``sm90.py``,
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import cutlass
@@ -35,7 +36,10 @@ from jax_efc.kernels.reduction import TileReduction
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, Unit
 from jax_efc.kernels.visitor import EpilogueVisitor
 
-__all__ = ["CallArguments", "ConsumerEpilogue", "EpilogueTensors", "FusedGemmBase"]
+__all__ = ["CallArguments", "ConsumerEpilogue", "EpilogueTensors", "FusedGemmBase", "EPI_BARRIER_ID"]
+
+# named barrier 0 is __syncthreads; epilogue group g syncs its threads on EPI_BARRIER_ID + g
+EPI_BARRIER_ID = 1
 
 
 class CallArguments(NamedTuple):
@@ -178,6 +182,10 @@ class FusedGemmBase:
         """The smem layout of ``stages`` epilogue subtiles of ``dtype`` (row-major, swizzled)."""
         raise NotImplementedError
 
+    def _store_warp(self, group):
+        """The warp of epilogue group ``group`` that issues its TMA stores and TILE-operand loads."""
+        raise NotImplementedError
+
     def _place_ring_subtiles(self) -> tuple:
         """Where the CTA's last tile puts its TILE-operand subtiles and, where they fit too,
         its output subtiles, in the A/B ring past the last k-tile: one 1 KiB-aligned slot
@@ -301,19 +309,19 @@ class FusedGemmBase:
         c_bar = self._full_barriers(smem, EPI_STAGES, warp_idx) if self.tile_ops else None
         return EpilogueTensors(operands, mD, sD, tma_d, mC, sC, tma_c, c_bar, red_smem, mP)
 
-    def _consumer_epilogue_from(self, tensors: EpilogueTensors, r2s: list, s2r: list, frag_shape, ctid, *,
-                                tCcT: cute.Tensor, acc_index: list, ring: tuple, barrier_id: int,
-                                is_store_warp) -> ConsumerEpilogue:
-        """One epilogue group's machinery for its thread ``ctid``, from the architecture's
+    def _consumer_epilogue_from(self, tensors: EpilogueTensors, r2s: list, s2r: list, frag_shape, ctid, group,
+                                warp_idx, *, coords: Callable[[], tuple], ring: tuple) -> ConsumerEpilogue:
+        """Epilogue group ``group``'s machinery for its thread ``ctid``, from the architecture's
         register <-> smem copies (``r2s`` per output, ``s2r`` per TILE operand, all of one
-        thread/value partition, whose register fragments have ``frag_shape``) and the
-        coordinates of its accumulator values (``tCcT``, ``acc_index``: see
-        :class:`ConsumerEpilogue`)."""
+        thread/value partition, whose register fragments have ``frag_shape``) and ``coords``,
+        which gives the coordinates of its accumulator values (``tCcT``, ``acc_index``: see
+        :class:`ConsumerEpilogue`); it is called where Hopper's kernel has always built them,
+        which keeps that kernel's generated code as it was."""
         t = tensors
         thr_r2s = [c.get_slice(ctid) for c in r2s]
         thr_s2r = [c.get_slice(ctid) for c in s2r]
         frag_c = [cute.make_rmem_tensor(frag_shape, dt) for dt in self.tile_op_dtypes]
-        return ConsumerEpilogue(
+        fields = dict(
             operands=t.operands,
             mn_extent=(t.mD[0].shape[0], t.mD[0].shape[1]),
             sD=t.sD,
@@ -336,14 +344,16 @@ class FusedGemmBase:
             frag=cute.make_rmem_tensor(frag_shape, cutlass.Float32),
             frag_raw=(cute.make_rmem_tensor(frag_shape, self.acc_dtype)
                       if self.acc_dtype in (cutlass.Int32,) else None),
-            tCcT=tCcT,
-            acc_index=acc_index,
-            barrier=pipeline.NamedBarrier(barrier_id=barrier_id, num_threads=self.n_epi_threads),
+        )
+        fields["tCcT"], fields["acc_index"] = coords()
+        return ConsumerEpilogue(
+            **fields,
+            barrier=pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID + group, num_threads=self.n_epi_threads),
             store_pipe=pipeline.PipelineTmaStore.create(
                 num_stages=EPI_STAGES,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.n_epi_threads),
             ),
-            is_store_warp=is_store_warp,
+            is_store_warp=warp_idx == self._store_warp(group),
             ctid=ctid,
             red_smem=tuple(t.red_smem),
             red_out=tuple(t.mP),

@@ -52,6 +52,11 @@ class ArchPolicy:
         module, name = self.kernel.split(":")
         return getattr(importlib.import_module(module), name)
 
+    def runs_by_default(self) -> bool:
+        """Whether the kernel runs calls without ``JAX_EFC_UNVERIFIED_KERNELS=1``: some of its
+        input types have run on a GPU of this architecture (or the switch is set)."""
+        return _unverified_allowed() or bool(set(self.ab_dtypes) - set(self.unverified_ab_dtypes))
+
     # ---- limits
     def config_reason(self, config: GemmConfig) -> str | None:
         """Why the kernel cannot run ``config`` at all (``None``: it can)."""

@@ -49,9 +49,8 @@ _EPI_WARPS = 4
 _MMA_WARP = 4
 _TMA_WARP = 5
 _THREADS = 32 * 6
-# named barriers (0 is __syncthreads): the epilogue warps' own, and the one on which the MMA
-# and epilogue warps wait for the TMEM allocation
-_EPI_BARRIER_ID = 1
+# the named barrier on which the MMA and epilogue warps wait for the TMEM allocation (0 is
+# __syncthreads, 1 the epilogue warps' own: gemm_base.EPI_BARRIER_ID)
 _TMEM_ALLOC_BARRIER_ID = 2
 # MMA instructions per k-tile: a k-tile is 128 bytes of K (problem.tile_k) and one tcgen05 MMA
 # reads 32 bytes of it (K = 16 16-bit values, 32 8-bit ones, 8 TF32 ones)
@@ -118,6 +117,10 @@ class Sm100FusedGemm(FusedGemmBase):
 
     def _epi_smem_layout(self, dtype, stages: int) -> cute.ComposedLayout:
         return sm100_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, stages)
+
+    def _store_warp(self, group):
+        """The first epilogue warp (one group)."""
+        return 0
 
     # ---------------------------------------------------------------- host side (traced)
     def _tiled_mma(self) -> cute.TiledMma:
@@ -367,13 +370,17 @@ class Sm100FusedGemm(FusedGemmBase):
         store_atoms = [self._r2s_atom(dt, t2r) for dt in self.out_dtypes]
         r2s = [cute.make_tiled_copy_D(atom, t2r) for atom in store_atoms]
         s2r = [cute.make_tiled_copy_D(self._s2r_atom(dt, store_atoms[0]), t2r) for dt in self.tile_op_dtypes]
-        # (m, n) within the tile of every accumulator value of every subtile, as the TMEM load
-        # places them: (T2R, T2R_M, T2R_N, subtiles down M, subtiles along N)
-        tile_coords = cute.flat_divide(cute.make_identity_tensor(self.tile_mnk[:2]), self.epi_tile)
         return self._consumer_epilogue_from(
-            tensors, r2s, s2r, r2s[0].retile(regs).shape, ctid,
-            tCcT=t2r.get_slice(ctid).partition_D(tile_coords), acc_index=self._subtile_acc_indices(r2s[0], regs),
-            ring=(), barrier_id=_EPI_BARRIER_ID, is_store_warp=warp_idx == 0)
+            tensors, r2s, s2r, r2s[0].retile(regs).shape, ctid, 0, warp_idx,
+            coords=lambda: self._fragment_coords(t2r, r2s[0], regs, ctid), ring=())
+
+    def _fragment_coords(self, t2r: cute.TiledCopy, r2s: cute.TiledCopy, regs: cute.Tensor, ctid) -> tuple:
+        """(tCcT, acc_index) of thread ``ctid`` (see :class:`ConsumerEpilogue`): the (m, n)
+        within the tile of every accumulator value of every subtile, as the TMEM load places
+        them, (T2R, T2R_M, T2R_N, subtiles down M, subtiles along N); and per subtile the index
+        in it of each fragment value."""
+        tile_coords = cute.flat_divide(cute.make_identity_tensor(self.tile_mnk[:2]), self.epi_tile)
+        return t2r.get_slice(ctid).partition_D(tile_coords), self._subtile_acc_indices(r2s, regs)
 
     def _subtile_acc_indices(self, r2s: cute.TiledCopy, regs: cute.Tensor) -> list[list[int]]:
         """For each subtile, the index into the (T2R, T2R_M, T2R_N, EPI_M, EPI_N) coordinate

@@ -53,9 +53,9 @@ ACC_STAGES = 2
 EPI_THREADS = 128
 # the heuristic takes a tile shape once its tiles fill this share of one round of the SMs
 _ONE_WAVE = 0.9
-# ...and keeps at least this many A/B stages: an MMA k-tile of a 128x256 CTA tile takes about 512
-# SM cycles (2*128*256*64 flops at 8192 dense bf16 flops a cycle), so 4 stages cover about 2k
-# cycles of load latency
+# ...and keeps at least this many A/B stages: a 16-bit k-tile of a 128x256 CTA tile takes the MMA
+# about 512 SM cycles (2*128*256*64 flops at 8192 dense bf16 flops a cycle), so 4 stages cover
+# about 2k cycles of load latency
 _MIN_STAGES = 4
 # tiles the autotuner tries besides the heuristic's (tile_m, tile_n, use_2cta, cluster_m,
 # cluster_n), and how many configs it times at most
@@ -119,6 +119,9 @@ class Sm100Policy(ArchPolicy):
     unverified_ab_dtypes = _AB_DTYPES
     xla_rows = _XLA_ALWAYS_ROWS
     xla_fill = _XLA_FILL
+
+    def runs_by_default(self) -> bool:
+        return not _switched_off() and super().runs_by_default()
 
     def unsupported_reason(self, problem: KernelProblem,
                            mnkl: tuple[int, int, int, int] | None = None) -> str | None:
@@ -200,48 +203,40 @@ class Sm100Policy(ArchPolicy):
                       sm_count: int = DEFAULT_SM_COUNT) -> GemmConfig:
         """A tile and cluster shape for an M x N x K x L GEMM on a GPU with ``sm_count`` SMs.
 
-        The first of these whose tiles fill one round of the SMs (``_ONE_WAVE``) and whose ring
-        keeps ``_MIN_STAGES`` stages (in 32- or else 16-wide epilogue subtiles):
-        - 2-CTA 256x256 in 2x1 clusters: each CTA holds a 128x256 accumulator (256 tensor-memory
-          columns, two buffers fill all 512) and stages only half of B, 32 KiB a 16-bit k-tile
-          against 48 KiB for a 1-CTA 128x256 tile: the most multiply-adds per byte of shared
-          memory read, and 6 stages beside one 16-bit output;
-        - 2-CTA 256x128 in 2x1 clusters (24 KiB a k-tile) where N is narrow or 256x256 tiles
-          would leave SMs idle;
-        - 1-CTA 128x256, then 128x128 (in 2x1 clusters multicasting B where M spans 8 or more
-          tiles), then 64x128 for at most 64 rows.
-        Problems with two rounds or more of tiles walk bands of 8 clusters (L2 reuse).
+        - 2-CTA 256x256 tiles in 2x1 clusters where they fill one round of the SM pairs
+          (``_ONE_WAVE``): each CTA holds a 128x256 accumulator (256 TMEM columns, two buffers
+          fill all 512) and stages only half of B, 32 KiB a 16-bit k-tile against 48 KiB for a
+          1-CTA 128x256 tile: the most multiply-adds per byte of shared memory read, and 6
+          stages beside one 16-bit output.
+        - Else, with more than 128 rows, 2-CTA 256x128 tiles in 2x1 clusters: their CTA tiles
+          are 128x128, so they fill the SMs as 1-CTA 128x128 tiles do, while each CTA stages
+          half of B (24 KiB a k-tile against 32 KiB).
+        - At most 128 rows: 1-CTA 128x256 tiles where they fill a round of the SMs, else
+          128x128 (64x128 for at most 64 rows).
+        Each keeps ``_MIN_STAGES`` A/B stages, in 16-wide epilogue subtiles where 32-wide ones
+        leave fewer. Problems with two rounds of tiles or more walk bands of 8 clusters (L2 reuse).
         """
+        def tiles(tm: int, tn: int) -> int:
+            return _tiles(m, n, l, tm, tn)
+
+        def shaped(tm: int, tn: int, use_2cta: bool, slots: int) -> GemmConfig:
+            """The tile in 2x1 clusters (a 2-CTA pair) or alone, walked in bands where it has two
+            rounds of the ``slots`` that run at once; with the widest subtile that keeps
+            ``_MIN_STAGES`` (else 16-wide ones)."""
+            cfg = GemmConfig(tile_m=tm, tile_n=tn, cluster_m=2 if use_2cta else 1, use_2cta=use_2cta,
+                             swizzle=8 if tiles(tm, tn) >= 2 * slots else 1)
+            if pipeline_stages(dataclasses.replace(problem, config=cfg)) >= _MIN_STAGES:
+                return cfg
+            return dataclasses.replace(cfg, epi_n=16)
+
         pairs = sm_count // 2
-
-        def fits(cfg: GemmConfig) -> GemmConfig | None:
-            for epi_n in (cfg.epi_n, 16):
-                narrow = dataclasses.replace(cfg, epi_n=epi_n)
-                if pipeline_stages(dataclasses.replace(problem, config=narrow)) >= _MIN_STAGES:
-                    return narrow
-            return None
-
-        def shaped(tm: int, tn: int, use_2cta: bool, cluster_m: int, slots: int) -> GemmConfig:
-            big = _tiles(m, n, l, tm, tn) >= 2 * slots
-            return GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cluster_m, cluster_n=1, use_2cta=use_2cta,
-                              swizzle=8 if big else 1)
-
-        choices = []
-        if n > 128:
-            choices.append((256, 256, True, 2, pairs))
-        choices += [(256, 128, True, 2, pairs)]
-        if n > 128:
-            choices.append((128, 256, False, 1, sm_count))
-        for tm, tn, use_2cta, cm, slots in choices:
-            if _tiles(m, n, l, tm, tn) >= _ONE_WAVE * slots:
-                cfg = fits(shaped(tm, tn, use_2cta, cm, slots))
-                if cfg is not None:
-                    return cfg
-        if m <= 64:
-            return GemmConfig(tile_m=64, tile_n=128)
-        spans = -(-m // 128) >= 8
-        cfg = shaped(128, 128, False, 2 if spans else 1, sm_count)
-        return fits(cfg) or cfg
+        if n > 128 and tiles(256, 256) >= _ONE_WAVE * pairs:
+            return shaped(256, 256, True, pairs)
+        if m > 128:
+            return shaped(256, 128, True, pairs)
+        if n > 128 and tiles(128, 256) >= _ONE_WAVE * sm_count:
+            return shaped(128, 256, False, sm_count)
+        return shaped(64 if m <= 64 else 128, 128, False, sm_count)
 
     def candidate_configs(self, problem: KernelProblem, m: int, n: int, k: int, l: int,
                           sm_count: int = DEFAULT_SM_COUNT) -> list[GemmConfig]:

@@ -58,7 +58,7 @@ __all__ = ["Sm90FusedGemm"]
 _PRODUCER_REGS = 40
 _CONSUMER_REGS = 232
 _WG = 128  # threads per warpgroup
-_EPI_BARRIER_ID = 1  # named barrier 0 is __syncthreads; ping-pong consumer g uses 1 + g
+# (the epilogue named barrier of consumer group g is gemm_base.EPI_BARRIER_ID + g: 1 or 2)
 # ping-pong: consumer g waits on named barrier _MMA_ORDER_ID + g before its mainloop and,
 # once its WGMMAs are issued, arrives on the other consumer's; likewise _EPI_ORDER_ID + g
 # around its epilogue (256 threads each: both warpgroups)
@@ -111,6 +111,10 @@ class Sm90FusedGemm(FusedGemmBase):
 
     def _epi_smem_layout(self, dtype, stages: int) -> cute.ComposedLayout:
         return sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, stages)
+
+    def _store_warp(self, group):
+        """The first warp of the group's (first) consumer warpgroup."""
+        return 4 + 4 * self.n_mma_wg * group
 
     # ---------------------------------------------------------------- host side (traced)
     @cute.jit
@@ -460,11 +464,12 @@ class Sm90FusedGemm(FusedGemmBase):
         # TILE operands come back from smem by ldmatrix when 16-bit (four 8x8 blocks per
         # instruction instead of one value per load)
         s2r = [cute.make_tiled_copy_S(self._s2r_atom(dt), c_layout_atom) for dt in self.tile_op_dtypes]
-        return self._consumer_epilogue_from(
-            tensors, r2s, s2r, frag_shape, ctid,
-            tCcT=tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor(self.tile_mnk[:2])),
-            acc_index=self._subtile_acc_indices(tiled_mma, r2s[0]), ring=(sA, sB),
-            barrier_id=_EPI_BARRIER_ID + group, is_store_warp=warp_idx == 4 + 4 * self.n_mma_wg * group)
+        def coords():
+            return (tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor(self.tile_mnk[:2])),
+                    self._subtile_acc_indices(tiled_mma, r2s[0]))
+
+        return self._consumer_epilogue_from(tensors, r2s, s2r, frag_shape, ctid, group, warp_idx, coords=coords,
+                                            ring=(sA, sB))
 
     def _subtile_acc_indices(self, tiled_mma: cute.TiledMma, r2s: cute.TiledCopy) -> list[list[int]]:
         """For each epilogue subtile, the accumulator element behind each value of the
