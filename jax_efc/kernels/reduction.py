@@ -141,19 +141,20 @@ class TileReduction:
     @cute.jit
     def flush(self, out: cute.Tensor, running: cute.Tensor, s: int, m_idx, n_idx, l_idx, extent: tuple, ctid):
         """After subtile ``s``: if it closed its running value, write that to ``out`` ((tiles_m
-        | M, N | tiles_n, L), fp32) and start it again."""
+        | M, N | tiles_n, L), fp32) and start it again. A tile wholly past the M or N edge (a
+        cluster's, or a 2-CTA pair's, beyond the output's last tile) has no partial there."""
         if cutlass.const_expr(self.closes(s)):
             lane, group = ctid % self.lanes, ctid // self.lanes
             slot = self.slot(s)
             if cutlass.const_expr(len(self.over) == 2):
-                if ctid == 0:
+                if ctid == 0 and m_idx * self.tile_mn[0] < extent[0] and n_idx * self.tile_mn[1] < extent[1]:
                     out[(m_idx, n_idx, l_idx)] = running[slot]
             elif cutlass.const_expr(self.over == ("m",)):
                 n = n_idx * self.tile_mn[1] + self.offset(s, lane)
-                if group == 0 and n < extent[1]:
+                if group == 0 and n < extent[1] and m_idx * self.tile_mn[0] < extent[0]:
                     out[(m_idx, n, l_idx)] = running[slot]
             else:
                 m = m_idx * self.tile_mn[0] + self.offset(s, lane)
-                if group == 0 and m < extent[0]:
+                if group == 0 and m < extent[0] and n_idx * self.tile_mn[1] < extent[1]:
                     out[(m, n_idx, l_idx)] = running[slot]
             running[slot] = self.identity()
