@@ -53,6 +53,11 @@ ACC_STAGES = 2
 EPI_THREADS = 128
 # the heuristic takes a tile shape once its tiles fill this share of one round of the SMs
 _ONE_WAVE = 0.9
+# 2-CTA 256x256 tiles read half the shared memory per multiply-add that 256x128 ones do (the
+# speed model in docs/performance.md: 50% of the SM's 128 B/cycle against 75%), which the
+# heuristic reckons worth at most this much worse a fill of the SM pairs' rounds (a modelled
+# trade, not a measured one: 4096^3 fills 86% of 4 rounds in 256x256 tiles, 99% of 7 in 256x128)
+_FILL_SLACK = 0.05
 # ...and keeps at least this many A/B stages: a 16-bit k-tile of a 128x256 CTA tile takes the MMA
 # about 512 SM cycles (2*128*256*64 flops at 8192 dense bf16 flops a cycle), so 4 stages cover
 # about 2k cycles of load latency
@@ -204,10 +209,11 @@ class Sm100Policy(ArchPolicy):
         """A tile and cluster shape for an M x N x K x L GEMM on a GPU with ``sm_count`` SMs.
 
         - 2-CTA 256x256 tiles in 2x1 clusters where they fill one round of the SM pairs
-          (``_ONE_WAVE``): each CTA holds a 128x256 accumulator (256 TMEM columns, two buffers
-          fill all 512) and stages only half of B, 32 KiB a 16-bit k-tile against 48 KiB for a
-          1-CTA 128x256 tile: the most multiply-adds per byte of shared memory read, and 6
-          stages beside one 16-bit output.
+          (``_ONE_WAVE``) and the pairs' rounds about as well as 256x128 tiles (``_FILL_SLACK``):
+          each CTA holds a 128x256 accumulator (256 TMEM columns, two buffers fill all 512) and
+          stages only half of B, 32 KiB a 16-bit k-tile against 48 KiB for a 1-CTA 128x256
+          tile: the most multiply-adds per byte of shared memory read, and 6 stages beside one
+          16-bit output.
         - Else, with more than 128 rows, 2-CTA 256x128 tiles in 2x1 clusters: their CTA tiles
           are 128x128, so they fill the SMs as 1-CTA 128x128 tiles do, while each CTA stages
           half of B (24 KiB a k-tile against 32 KiB).
@@ -229,8 +235,14 @@ class Sm100Policy(ArchPolicy):
                 return cfg
             return dataclasses.replace(cfg, epi_n=16)
 
+        def fill(tm: int, tn: int, slots: int) -> float:
+            """Useful share of the work when tm x tn tiles run in rounds of ``slots``: the edge
+            tiles' padding and the last round's idle slots count as waste."""
+            return m * n * l / (tm * tn * slots * -(-tiles(tm, tn) // slots))
+
         pairs = sm_count // 2
-        if n > 128 and tiles(256, 256) >= _ONE_WAVE * pairs:
+        if (n > 128 and tiles(256, 256) >= _ONE_WAVE * pairs
+                and fill(256, 256, pairs) >= fill(256, 128, pairs) - _FILL_SLACK):
             return shaped(256, 256, True, pairs)
         if m > 128:
             return shaped(256, 128, True, pairs)
