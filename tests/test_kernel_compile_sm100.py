@@ -4,8 +4,9 @@ Every variant is exported for CUDA in one child process with ``CUTE_DSL_ARCH=sm_
 helpers of ``test_kernel_compile.py``, which this module shares), and its PTX is checked for the
 tcgen05 MMA of its input type (and the 2-CTA form where its tiles take one), TMEM loads, TMA
 loads and stores, multicast in clusters and the programmatic-dependent-launch wait; ptxas
-assembles each for sm_100a with no spills. The policy's refusals and the subtile walk's
-coverage of every output element (from the kernel's own index mappings) are checked too.
+assembles each for sm_100a with no spills; and, from the kernel's own index mappings, the
+subtile walk stores every output element exactly once. Those run with the other compile
+matrices (``-m matrix``); the policy's refusals, heuristic and dispatch run by default.
 """
 
 from __future__ import annotations
@@ -95,12 +96,14 @@ def assembled(compiled, tmp_path_factory):
     return assemble_all(compiled, tmp_path_factory.mktemp("sass"), arch="sm_100a")
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", list(SM100_VARIANTS))
 def test_variant_compiles_to_tcgen05(compiled, name):
     """The export holds the custom call; the PTX the tcgen05 MMA of the variant's input type (the
     2-CTA form where its tiles take one), TMEM loads (and their waits), TMA loads into the A/B
-    ring and TMA stores of the epilogue, multicast where the cluster shares A or B, and the
-    programmatic-dependent-launch wait before the first global access."""
+    ring (2-CTA ones signalling the pair's leader) and TMA stores of the epilogue, multicast where
+    the cluster shares A or B, and the programmatic-dependent-launch wait before the first global
+    access."""
     variant = SM100_VARIANTS[name]
     result = compiled[name]
     assert "error" not in result, result.get("error")
@@ -115,7 +118,10 @@ def test_variant_compiles_to_tcgen05(compiled, name):
     assert f"tcgen05.alloc.cta_group::{group}" in ptx and f"tcgen05.dealloc.cta_group::{group}" in ptx
     assert re.search(r"tcgen05\.ld\.sync\.aligned\.\d+x\d+b", ptx) and "tcgen05.wait::ld" in ptx
     assert f"tcgen05.commit.cta_group::{group}" in ptx
-    assert "cp.async.bulk.tensor" in ptx and ".bulk_group" in ptx
+    # TMA loads (A and B, TILE operands): a pair's A and B loads signal the leader's barrier
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global\.\S+", ptx)
+    assert loads and any("cta_group::2" in op for op in loads) == two_cta, set(loads)
+    assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.\S*bulk_group", ptx)  # stores
     cfg = variant[4]
     if cfg[2] * cfg[3] > group:
         assert "multicast::cluster" in ptx
@@ -127,9 +133,11 @@ def test_variant_compiles_to_tcgen05(compiled, name):
         assert re.search(r"\bld(?:matrix)?\.shared|ldmatrix", ptx)
 
 
+@pytest.mark.matrix
 def test_variants_assemble_without_spills(compiled, assembled):
-    """ptxas assembles every variant for sm_100a with no local-memory spills; the registers it
-    uses are recorded in ``sm100_registers.json`` beside the PTX (the report's table)."""
+    """ptxas assembles every variant for sm_100a with no local-memory spills, within the 255
+    registers a thread may use; with ``JAX_EFC_SM100_REGISTERS`` set, each variant's registers
+    are written to the JSON file it names."""
     table = {}
     for name, report in assembled.items():
         (stores, loads), = [tuple(map(int, m)) for m in
@@ -146,6 +154,7 @@ def test_variants_assemble_without_spills(compiled, assembled):
             json.dump(table, f, indent=1, sort_keys=True)
 
 
+@pytest.mark.matrix
 def test_accumulator_types(compiled):
     """fp16 accumulators come out of TMEM two to a 32-bit lane column (``.pack::16b``) and are
     widened to fp32 for the epilogue; 8-bit integers accumulate in int32, whose int8 output is
@@ -158,13 +167,13 @@ def test_accumulator_types(compiled):
     assert "max.s32" in ptx and "min.s32" in ptx and "prmt.b32" in ptx
 
 
+@pytest.mark.matrix
 def test_output_shapes(compiled):
     assert compiled["bf16_2cta_256x256_c2x1_partial"]["out_shapes"] == [[1000, 1000]]
     assert compiled["bf16_2cta_256x256_c2x1_row_stats"]["out_shapes"] == [[2296, 2824], [2296, 1], [2296, 1]]
     m = compiled["bf16_2cta_256x128_all_reductions_batched"]["out_shapes"][0][1]
     assert compiled["bf16_2cta_256x128_all_reductions_batched"]["out_shapes"] == [
         [2, m, 512], [2, 1, 512], [2, m, 1], [2, 1, 1]]
-
 
 
 # ---------------------------------------------------------------- the policy
@@ -400,6 +409,7 @@ def walk_maps():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", list(_WALKS))
 def test_every_output_element_is_stored_once(walk_maps, name):
     """From the kernel's index mappings: within a subtile, each fragment value goes to the smem

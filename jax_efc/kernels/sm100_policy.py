@@ -28,8 +28,9 @@ DEFAULT_SM_COUNT = 148
 # float32 inputs run as TF32 (tcgen05 kind::tf32), only where the call's precision asks for it
 _AB_DTYPES = ("bfloat16", "float16", "float32", *FP8, *INT8)
 # A tcgen05 MMA covers 64 or 128 rows issued by one CTA, or 128 or 256 rows issued for a pair of
-# CTAs (each holding half of them); N from 32 to 256 in steps of 32 (the instruction allows steps
-# of 8 or 16, but a 32-column epilogue subtile must divide the tile)
+# CTAs (each holding half of them; the kernel takes 256, see config_reason); N from 32 to 256 in
+# steps of 32, which every input type and major takes (an 8-bit MN-major B in a 2-CTA MMA needs
+# multiples of 32) and the default 32-wide epilogue subtiles divide
 _TILE_M_1CTA = (64, 128)
 _TILE_M_2CTA = (256,)
 _TILE_N = tuple(range(32, 257, 32))
@@ -38,8 +39,7 @@ _TILE_N = tuple(range(32, 257, 32))
 _CLUSTER_SIDES = (1, 2, 4, 8, 16)
 _MAX_CLUSTER = 16
 # shared memory a CTA may opt into on SM100 (227 KiB of the SM's 228), and the A/B ring's depth
-# cap: at 128 bytes of K a stage, 8 stages keep 1 KiB of K in flight, past what the ~1 us of
-# L2/HBM latency needs at the MMA's pace
+# cap, Hopper's (GemmConfig.stages takes 2 to 8): only tiles of at most 128x128 per CTA reach it
 _SMEM_BYTES = 232448
 _MAX_STAGES = 8
 # tensor memory: 512 columns of 32 bits by 128 lanes per SM. Each accumulator buffer takes
@@ -59,8 +59,8 @@ _ONE_WAVE = 0.9
 # trade, not a measured one: 4096^3 fills 86% of 4 rounds in 256x256 tiles, 99% of 7 in 256x128)
 _FILL_SLACK = 0.05
 # ...and keeps at least this many A/B stages: a 16-bit k-tile of a 128x256 CTA tile takes the MMA
-# about 512 SM cycles (2*128*256*64 flops at 8192 dense bf16 flops a cycle), so 4 stages cover
-# about 2k cycles of load latency
+# about 512 SM cycles (2*128*256*64 flops at 8192 dense bf16 flops a cycle), so 4 stages keep 3
+# k-tiles, about 1.5k cycles, ahead of it: about a load's latency from HBM (~1 us at ~1.4 GHz)
 _MIN_STAGES = 4
 # tiles the autotuner tries besides the heuristic's (tile_m, tile_n, use_2cta, cluster_m,
 # cluster_n), and how many configs it times at most
