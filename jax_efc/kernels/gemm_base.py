@@ -26,7 +26,7 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from jax_efc.kernels.dtypes import cutlass_dtype
@@ -164,7 +164,8 @@ class FusedGemmBase:
         # bytes one subtile of every TILE operand brings in (the TMA transaction count)
         self.tile_op_bytes = sum(self.subtile_elems * dt.width // 8 for dt in self.tile_op_dtypes)
         # stmatrix stores 8x8 blocks of 16-bit values; it only helps when every output is
-        # 16-bit (one register->smem partition is shared by all outputs).
+        # 16-bit (one register->smem partition is shared by all outputs; each architecture picks
+        # its atoms).
         self.use_stmatrix = all(dt.width == 16 for dt in self.out_dtypes)
         self.stages = stages
         if self.stages < 2:
@@ -606,14 +607,3 @@ class FusedGemmBase:
         stage_offset = cute.assume(stage_index * (self.tile_mnk[part] * self.tile_mnk[2]), divby=SMEM_ALIGN // ab)
         ptr = ring[part].iterator + stage_offset + offset // ab
         return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=dtype), layout.outer)
-
-    def _r2s_atom(self, dtype):
-        if self.use_stmatrix:
-            return cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), dtype)
-        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
-
-    @staticmethod
-    def _s2r_atom(dtype):
-        if dtype.width == 16:
-            return cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), dtype)
-        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)

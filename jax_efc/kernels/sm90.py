@@ -471,6 +471,17 @@ class Sm90FusedGemm(FusedGemmBase):
         return self._consumer_epilogue_from(tensors, r2s, s2r, frag_shape, ctid, group, warp_idx, coords=coords,
                                             ring=(sA, sB))
 
+    def _r2s_atom(self, dtype):
+        if self.use_stmatrix:
+            return cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), dtype)
+        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
+
+    @staticmethod
+    def _s2r_atom(dtype):
+        if dtype.width == 16:
+            return cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), dtype)
+        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
+
     def _subtile_acc_indices(self, tiled_mma: cute.TiledMma, r2s: cute.TiledCopy) -> list[list[int]]:
         """For each epilogue subtile, the accumulator element behind each value of the
         register fragment that ``r2s`` stores (trace-time integers).
