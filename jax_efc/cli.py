@@ -25,6 +25,7 @@ import numpy as np
 from . import bench, device, example_epilogues
 from .config import GemmConfig
 from .epilogue import EpilogueError
+from .kernels.problem import epilogue_tile
 
 __all__ = ["main"]
 
@@ -99,7 +100,7 @@ def _add_run(sub: Any) -> None:
     p.add_argument("--use_cold_l2", action="store_true",
                    help="inputs rotate among sets larger than L2 (every jax_efc timing does, where one set fits)")
     p.add_argument("--use_2cta_instrs", action="store_true",
-                   help="2-CTA MMA: a Blackwell instruction; named and ignored on other GPUs")
+                   help="2-CTA MMA (Blackwell): pins a 2-CTA config; named and ignored on other GPUs")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--epilogue", choices=sorted(example_epilogues.EXAMPLES), default="alpha-beta")
     which.add_argument("--expr", help="an epilogue as a Python expression of acc, e.g. \"jnp.tanh(acc)*2\"; "
@@ -108,11 +109,15 @@ def _add_run(sub: Any) -> None:
 
 
 def _config(args: argparse.Namespace) -> GemmConfig | None:
-    if args.mma_tiler_mn is None and args.cluster_shape_mn is None:
+    """The pinned config, or None for the heuristic's. On Blackwell ``--use_2cta_instrs`` pins a
+    2-CTA one: ``--mma_tiler_mn`` is then the pair's MMA tile (CUTLASS's example defaults, 256x128
+    in 2x1 clusters, where not given)."""
+    two_cta = args.use_2cta_instrs and (device.arch() or "").startswith("sm_10")
+    if args.mma_tiler_mn is None and args.cluster_shape_mn is None and not two_cta:
         return None
-    tile = args.mma_tiler_mn or (GemmConfig.tile_m, GemmConfig.tile_n)
-    cluster = args.cluster_shape_mn or (GemmConfig.cluster_m, GemmConfig.cluster_n)
-    return GemmConfig(tile_m=tile[0], tile_n=tile[1], cluster_m=cluster[0], cluster_n=cluster[1])
+    tile = args.mma_tiler_mn or ((256, 128) if two_cta else (GemmConfig.tile_m, GemmConfig.tile_n))
+    cluster = args.cluster_shape_mn or ((2, 1) if two_cta else (GemmConfig.cluster_m, GemmConfig.cluster_n))
+    return GemmConfig(tile_m=tile[0], tile_n=tile[1], cluster_m=cluster[0], cluster_n=cluster[1], use_2cta=two_cta)
 
 
 def _configs_that_ran(problem: bench.Problem) -> list[str]:
@@ -129,9 +134,10 @@ def _configs_that_ran(problem: bench.Problem) -> list[str]:
         if plan.backend != "kernel":
             continue
         cfg = plan.config
+        schedule = "ping-pong" if cfg.pingpong else "2-CTA" if cfg.use_2cta else "cooperative"
+        epi_m, epi_n = epilogue_tile(cfg)
         lines.append(f"kernel config: tile {cfg.tile_m}x{cfg.tile_n}, cluster {cfg.cluster_m}x{cfg.cluster_n}, "
-                     f"{'ping-pong' if cfg.pingpong else 'cooperative'}, epilogue subtile "
-                     f"{cfg.epi_m or cfg.tile_m}x{cfg.epi_n}"
+                     f"{schedule}, epilogue subtile {epi_m}x{epi_n}"
                      + (" (pinned)" if eqn.params["config"] is not None else " (the heuristic's)"))
     return lines
 

@@ -46,6 +46,10 @@ class GemmConfig:
     # tiles would fill at most half of one round (partial sums meet through an fp32 workspace
     # in global memory). False: every tile is computed whole by one CTA.
     stream_k: bool = True
+    # Blackwell's 2-CTA MMA: a pair of CTAs along M (cluster_m even) issues one tcgen05 MMA of
+    # tile_m (128 or 256) rows, each CTA holding tile_m / 2 of them and half of the B tile, so
+    # each loads half as much B into shared memory per multiply-add. Hopper has no such MMA.
+    use_2cta: bool = False
 
     def __post_init__(self) -> None:
         reason = _field_error(self)
@@ -76,9 +80,12 @@ def _field_error(config: GemmConfig) -> str | None:
     if config.epi_m < 0 or config.epi_m % 64 or config.epi_m and config.tile_m % config.epi_m:
         return (f"epi_m={config.epi_m} must be 0 (the tile's height) or a multiple of 64 that "
                 f"divides tile_m={config.tile_m}.")
-    for name in ("pingpong", "stream_k"):
+    for name in ("pingpong", "stream_k", "use_2cta"):
         if not isinstance(getattr(config, name), bool):
             return f"{name}={getattr(config, name)!r} must be True or False."
+    if config.use_2cta and config.cluster_m % 2:
+        return (f"use_2cta=True pairs the CTAs of a cluster along M; cluster_m={config.cluster_m} must be "
+                "even (2, 4, ...).")
     return None
 
 

@@ -16,8 +16,8 @@ __all__ = ["arch", "set_target_arch", "sm_count", "residency", "dsl_reason", "us
 
 
 def set_target_arch(target: str) -> None:
-    """Build kernels for ``target`` (``"sm_90a"``) whatever GPU this process has, or none:
-    what ``jax.export(..., platforms=["cuda"])`` on a CPU machine needs to hold the kernels
+    """Build kernels for ``target`` (``"sm_90a"``, ``"sm_100a"``) whatever GPU this process has, or
+    none: what ``jax.export(..., platforms=["cuda"])`` on a CPU machine needs to hold the kernels
     rather than the XLA reference. Call it before the first kernel is built; it sets
     ``CUTE_DSL_ARCH``, which the CuTe DSL reads once, when it is imported.
 
@@ -25,7 +25,7 @@ def set_target_arch(target: str) -> None:
     >>> efc.set_target_arch("sm_75")
     Traceback (most recent call last):
     ...
-    ValueError: set_target_arch: 'sm_75' has no jax_efc kernel; use one of ('sm_90a',).
+    ValueError: set_target_arch: 'sm_75' has no jax_efc kernel; use one of ('sm_90a', 'sm_100a').
     """
     from jax_efc.kernels import SUPPORTED_ARCHS
 

@@ -97,11 +97,12 @@ def plan_kernel(ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], *, tran
                         None if devices is None else tuple(devices), promote, _switches())
 
 
-def _switches() -> tuple[str, str]:
+def _switches() -> tuple[str, str, str]:
     """The environment the plan reads besides its arguments (the memo's key holds it): the MPS
-    thread limit (residency) and whether unverified kernels may run (the policies)."""
+    thread limit (residency), whether unverified kernels may run and whether the sm_100a kernel
+    is on (the policies)."""
     return (os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip(),
-            os.environ.get("JAX_EFC_UNVERIFIED_KERNELS", "0"))
+            os.environ.get("JAX_EFC_UNVERIFIED_KERNELS", "0"), os.environ.get("JAX_EFC_SM100", ""))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -144,13 +144,14 @@ def run_case(case: Case, strict: bool, seed: int = 0) -> dict[str, Any]:
 
 
 def run(cases: tuple[Case, ...] = CASES, strict: bool | None = None) -> list[dict[str, Any]]:
-    """Every case's row. ``strict`` (default: on a GPU whose architecture has a kernel) runs
-    them under ``JAX_EFC_STRICT=1``."""
+    """Every case's row. ``strict`` (default: on a GPU whose architecture has a kernel that runs
+    without further opt-in) runs them under ``JAX_EFC_STRICT=1``."""
     from jax_efc import device
-    from jax_efc.kernels import SUPPORTED_ARCHS
+    from jax_efc.kernels import policy
 
     if strict is None:
-        strict = jax.default_backend() == "gpu" and device.arch() in SUPPORTED_ARCHS
+        pol = policy(device.arch()) if jax.default_backend() == "gpu" else None
+        strict = pol is not None and pol.runs_by_default()
     return [run_case(case, strict) for case in cases]
 
 

@@ -209,7 +209,8 @@ def _precision(cfg):
     """A variant's precision: 8-bit float ones marked ``"fast"`` skip promoting partial sums."""
     import jax
 
-    return jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM if len(cfg) > 4 and cfg[4].get("fast") else None
+    extra = cfg[4] if len(cfg) > 4 else {}
+    return jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM if extra.get("fast") else None
 
 
 def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
@@ -277,8 +278,9 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
     return split.gemm, [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
 
 
-def _compile_all(dump_dir: str, variants: dict) -> dict:
-    """Child process: export every variant, return {name: {"custom_call": bool, "ptx": text}}."""
+def _compile_all(dump_dir: str, variants: dict, arch: str = "sm_90a") -> dict:
+    """Child process: export every variant for ``arch``, return {name: {"custom_call": bool,
+    "ptx": text, ...}}."""
     import jax
     import jax.numpy as jnp
     from cutlass.jax import get_export_disabled_safety_checks
@@ -295,7 +297,7 @@ def _compile_all(dump_dir: str, variants: dict) -> dict:
         a = jax.ShapeDtypeStruct(a_shape if batch is None else (batch, *a_shape), dtype)
         b = jax.ShapeDtypeStruct(b_shape, b_dtype)  # B shared across the batch
         kw = dict(transpose_a=ta, transpose_b=tb, acc_dtype=_acc_dtype(cfg), config=_config(cfg),
-                  arch="sm_90a", precision=_precision(cfg))
+                  arch=arch, precision=_precision(cfg))
         plan = P.plan_kernel(ir, a, b, ops, **kw)
         if plan.reason:
             results[name] = {"error": plan.reason}
@@ -318,18 +320,21 @@ def _compile_all(dump_dir: str, variants: dict) -> dict:
     return results
 
 
-def compile_variants(tmp_path_factory, which: str) -> dict:
-    """Compile ``VARIANTS`` ("standard"), ``LOW_PRECISION_VARIANTS`` or ``REDUCTION_VARIANTS``
-    in a child process."""
+def compile_variants(tmp_path_factory, which: str, arch: str = "sm_90a", unverified: bool | None = None) -> dict:
+    """Compile ``VARIANTS`` ("standard"), ``LOW_PRECISION_VARIANTS`` ("low_precision"),
+    ``REDUCTION_VARIANTS`` ("reductions"), or another test module's ("module.NAME"), for
+    ``arch`` in a child process; ``unverified``: with JAX_EFC_UNVERIFIED_KERNELS=1 (default:
+    all but the standard variants, whose kernels run without it)."""
     pytest.importorskip("cutlass.jax")
     dump = tmp_path_factory.mktemp("ptx")
     out = dump / "results.json"
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump),
-               JAX_PLATFORMS="cpu", JAX_EFC_UNVERIFIED_KERNELS="0" if which == "standard" else "1")
+    unverified = which != "standard" if unverified is None else unverified
+    env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump),
+               JAX_PLATFORMS="cpu", JAX_EFC_UNVERIFIED_KERNELS="1" if unverified else "0")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, __file__, str(dump), str(out), which], env=env,
-                          capture_output=True, text=True, timeout=1200)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.path.dirname(__file__), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, __file__, str(dump), str(out), which, arch], env=env,
+                          capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(out.read_text())
 
@@ -453,8 +458,8 @@ def _ptxas() -> str:
     return path
 
 
-def assemble_all(compiled: dict, folder) -> dict:
-    """{variant: ptxas -v output} for every variant's PTX, assembled for sm_90a in parallel."""
+def assemble_all(compiled: dict, folder, arch: str = "sm_90a") -> dict:
+    """{variant: ptxas -v output} for every variant's PTX, assembled for ``arch`` in parallel."""
     import concurrent.futures
 
     ptxas = _ptxas()
@@ -462,7 +467,7 @@ def assemble_all(compiled: dict, folder) -> dict:
     def assemble(name: str) -> str:
         ptx = folder / f"{name}.ptx"
         ptx.write_text(compiled[name]["ptx"])
-        proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
+        proc = subprocess.run([ptxas, f"-arch={arch}", "-v", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, (name, proc.stderr[-2000:])
         return proc.stdout + proc.stderr
@@ -1021,7 +1026,14 @@ def test_timeline_build_exports(tmp_path):
 
 
 if __name__ == "__main__":
-    dump_dir, out_path, which = sys.argv[1], sys.argv[2], sys.argv[3]
+    import importlib
+
+    dump_dir, out_path, which, arch = sys.argv[1:5]
+    groups = {"low_precision": LOW_PRECISION_VARIANTS, "reductions": REDUCTION_VARIANTS, "standard": VARIANTS}
+    if which in groups:
+        variants = groups[which]
+    else:
+        module, name = which.rsplit(".", 1)
+        variants = getattr(importlib.import_module(module), name)
     with open(out_path, "w") as f:
-        json.dump(_compile_all(dump_dir, {"low_precision": LOW_PRECISION_VARIANTS, "reductions": REDUCTION_VARIANTS,
-                                          "standard": VARIANTS}[which]), f)
+        json.dump(_compile_all(dump_dir, variants, arch), f)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from jax_efc.kernels import TIMELINE_EVENTS, TIMELINE_UNITS, policy
+from jax_efc.kernels.problem import cta_tile
 from jax_efc.log import log_once
 from jax_efc.plan import Plan, gemm_dims
 
@@ -180,7 +181,8 @@ def _assemble(plan: Plan, a, b, operands, timeline: bool) -> _Call:
     stored = [o for o in problem.ir.outputs if not o.reduce]
     out_shapes = [jax.ShapeDtypeStruct((batch, m, n), o.dtype) for o in stored]
     # each reducing output's fp32 partials, one per tile along the axes it reduces
-    tiles = {"m": -(-m // problem.config.tile_m), "n": -(-n // problem.config.tile_n)}
+    tile_m, tile_n = cta_tile(problem.config)
+    tiles = {"m": -(-m // tile_m), "n": -(-n // tile_n)}
     out_shapes += [jax.ShapeDtypeStruct((batch, tiles["m"] if "m" in o.over else m, tiles["n"] if "n" in o.over else n),
                                         jnp.float32) for o in problem.ir.outputs if o.reduce]
     out_specs = [keep] * len(out_shapes)
@@ -193,9 +195,8 @@ def _assemble(plan: Plan, a, b, operands, timeline: bool) -> _Call:
         aliases = {len(inputs): len(out_shapes)}
         inputs.append(jnp.zeros((slots,), jnp.int32))
         in_specs.append(TensorSpec())
-        cfg = problem.config
         out_shapes += [jax.ShapeDtypeStruct((slots,), jnp.int32),
-                       jax.ShapeDtypeStruct((slots * cfg.tile_m * cfg.tile_n,), jnp.float32)]
+                       jax.ShapeDtypeStruct((slots * tile_m * tile_n,), jnp.float32)]
         out_specs += [TensorSpec(), TensorSpec()]
     if timeline:
         # zeroed, so units that never ran read 0 (an input aliased to an output, as the flags)

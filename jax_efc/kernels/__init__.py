@@ -24,6 +24,7 @@ __all__ = ["ArchPolicy", "KernelProblem", "SUPPORTED_ARCHS", "policy", "no_kerne
 # architecture (as CUTE_DSL_ARCH names it) -> the module whose POLICY describes its kernel
 _ARCHITECTURES = {
     "sm_90a": "jax_efc.kernels.sm90_policy",
+    "sm_100a": "jax_efc.kernels.sm100_policy",
 }
 SUPPORTED_ARCHS = tuple(_ARCHITECTURES)
 

@@ -3,7 +3,7 @@ with no cutlass import) and their CuTe DSL types (for the kernels themselves).""
 
 from __future__ import annotations
 
-__all__ = ["bits", "align_elems", "cutlass_dtype"]
+__all__ = ["bits", "align_elems", "cutlass_dtype", "FP8", "INT8", "OUT_DTYPES", "OPERAND_DTYPES", "VALUE_DTYPES"]
 
 # NumPy dtype name -> (bits, name of the cutlass numeric type)
 _DTYPES = {
@@ -17,6 +17,16 @@ _DTYPES = {
     "int32": (32, "Int32"),
     "bool": (8, "Boolean"),
 }
+
+FP8 = ("float8_e4m3fn", "float8_e5m2")
+INT8 = ("int8", "uint8")
+# What the shared epilogue stores: 8-bit float outputs round to nearest even and saturate to the
+# finite range (cvt.rn.satfinite); integer ones saturate (from floats rounded toward zero)
+OUT_DTYPES = ("bfloat16", "float16", "float32", *FP8, "int32", *INT8)
+# the dtypes of epilogue operands it reads
+OPERAND_DTYPES = ("bfloat16", "float16", "float32")
+# dtypes the visitor evaluates in: 16-bit values are computed in fp32 and rounded per op
+VALUE_DTYPES = ("float32", "bfloat16", "float16", "bool")
 
 
 def bits(name: str) -> int:

@@ -13,27 +13,60 @@ leave their partial sums in a workspace slot instead (:meth:`~FusedGemmBase._spl
 the tile's first piece adds them before its epilogue. Outputs that reduce are staged and
 reduced per subtile by ``reduction.py`` and leave one partial per tile.
 
-The mainloop, the warp roles and the launch are the architecture's (``sm90.py``).
+The mainloop, the warp roles and the launch are the architecture's (``sm90.py``,
+``sm100.py``), and so is the set-up the driver's helpers below share between them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from jax_efc.kernels.dtypes import cutlass_dtype
 from jax_efc.kernels.problem import (EPI_STAGES, SMEM_ALIGN, TIMELINE_EVENTS, TIMELINE_UNITS,
-                                     KernelProblem, epilogue_tile, tile_operand_indices)
+                                     KernelProblem, cta_tile, epilogue_tile, tile_operand_indices)
 from jax_efc.kernels.reduction import TileReduction
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, Unit
 from jax_efc.kernels.visitor import EpilogueVisitor
 
-__all__ = ["ConsumerEpilogue", "FusedGemmBase"]
+__all__ = ["CallArguments", "ConsumerEpilogue", "EpilogueTensors", "FusedGemmBase", "EPI_BARRIER_ID"]
+
+# named barrier 0 is __syncthreads; epilogue group g syncs its threads on EPI_BARRIER_ID + g
+EPI_BARRIER_ID = 1
+
+
+class CallArguments(NamedTuple):
+    """A launch's tensors after A and B, in the order the ffi passes them."""
+
+    operands: tuple  # the epilogue operands, (M|1, N|1, L|1)
+    flags: object  # stream-K: one int32 flag per CTA; else None
+    stamps: tuple  # a timeline build's (stamps,); else ()
+    outputs: tuple  # the tile outputs, (M, N, L)
+    partials: tuple  # per reducing output, its per-tile fp32 partials
+    workspace: object  # stream-K: one fp32 partial tile per CTA; else None
+
+
+class EpilogueTensors(NamedTuple):
+    """What a kernel hands its epilogue groups: the global tensors, the TMA atoms and the shared
+    memory of the outputs (D), the TILE operands (C) and the reductions."""
+
+    operands: tuple
+    mD: tuple  # TMA tensors of the outputs
+    sD: list
+    tma_d: tuple
+    mC: tuple  # TMA tensors of the TILE operands
+    sC: list
+    tma_c: tuple
+    c_bar: object  # the TILE-operand buffers' "full" mbarriers (None without TILE operands)
+    red_smem: list
+    mP: tuple  # the reductions' per-tile partials
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,14 +94,16 @@ class ConsumerEpilogue:
     frag_c: list
     c_bar: object
     # the CTA's last tile: the A/B ring (its TILE operands' and outputs' subtiles have
-    # slots there) and this thread's ldmatrix / stmatrix slices
+    # slots there; () where they have none) and this thread's smem-copy slices
     ring: tuple
     thr_s2r: list
     thr_r2s: list
     frag: cute.Tensor  # fp32 accumulator values of one subtile
     frag_raw: object  # with an integer accumulator, the same values in its own dtype; else None
-    tCcT: cute.Tensor  # (m, n) within the tile of each accumulator register
-    acc_index: list  # per subtile, the accumulator registers behind `frag`
+    # (m, n) within the tile of each accumulator value this thread holds (Hopper: registers) or
+    # reads (Blackwell: tensor memory), and per subtile the index in tCcT behind each `frag` value
+    tCcT: cute.Tensor
+    acc_index: list
     barrier: pipeline.NamedBarrier  # the group's epilogue threads
     store_pipe: pipeline.PipelineTmaStore
     is_store_warp: object  # this warp issues the group's TMA stores and TILE-operand loads
@@ -99,7 +134,9 @@ class FusedGemmBase:
         cfg = problem.config
         self.schedule = schedule
         self.timeline = timeline
-        self.tile_mnk = (cfg.tile_m, cfg.tile_n, problem.tile_k)
+        # the CTA's tile (a 2-CTA MMA's tile is a pair of them)
+        tile_m, tile_n = cta_tile(cfg)
+        self.tile_mnk = (tile_m, tile_n, problem.tile_k)
         self.cluster_mn = (cfg.cluster_m, cfg.cluster_n)
         self.ab_dtype = cutlass_dtype(problem.ab_dtype)  # A's
         self.b_dtype = cutlass_dtype(problem.b_dtype)
@@ -112,12 +149,12 @@ class FusedGemmBase:
         self.n_epi_groups = epi_groups
         self.n_epi_threads = epi_threads
         # fp32 accumulators per epilogue thread (a stream-K partial is written in this order)
-        self.acc_per_thread = cfg.tile_m * cfg.tile_n // epi_threads
+        self.acc_per_thread = tile_m * tile_n // epi_threads
         self.epi_tile = epilogue_tile(cfg)
-        self.reductions = tuple(TileReduction(o.reduce, o.over, self.epi_tile, (cfg.tile_m, cfg.tile_n), epi_threads)
+        self.reductions = tuple(TileReduction(o.reduce, o.over, self.epi_tile, (tile_m, tile_n), epi_threads)
                                 for o in self.visitor.reduced)
         # subtiles a tile, numbered down M first; values in one subtile of one tensor
-        self.n_sub = (cfg.tile_m // self.epi_tile[0]) * (cfg.tile_n // self.epi_tile[1])
+        self.n_sub = (tile_m // self.epi_tile[0]) * (tile_n // self.epi_tile[1])
         self.subtile_elems = self.epi_tile[0] * self.epi_tile[1]
         # TILE operands that some output uses are staged through smem by TMA
         ops = problem.ir.operands
@@ -127,13 +164,14 @@ class FusedGemmBase:
         # bytes one subtile of every TILE operand brings in (the TMA transaction count)
         self.tile_op_bytes = sum(self.subtile_elems * dt.width // 8 for dt in self.tile_op_dtypes)
         # stmatrix stores 8x8 blocks of 16-bit values; it only helps when every output is
-        # 16-bit (one register->smem partition is shared by all outputs).
+        # 16-bit (one register->smem partition is shared by all outputs; each architecture picks
+        # its atoms).
         self.use_stmatrix = all(dt.width == 16 for dt in self.out_dtypes)
         self.stages = stages
         if self.stages < 2:
             raise ValueError(f"{cfg} with {len(self.out_dtypes)} outputs leaves room for "
                              f"{self.stages} pipeline stages; use a smaller tile.")
-        self.ring_slots, self.ring_out_slots, self.ring_stage_bytes = self._place_ring_subtiles(cfg)
+        self.ring_slots, self.ring_out_slots, self.ring_stage_bytes = self._place_ring_subtiles()
 
     # ---------------------------------------------------------------- architecture hooks
     def _subtile_accumulators(self, epi: ConsumerEpilogue, acc, s: int, m_idx, n_idx) -> list[tuple]:
@@ -145,7 +183,11 @@ class FusedGemmBase:
         """The smem layout of ``stages`` epilogue subtiles of ``dtype`` (row-major, swizzled)."""
         raise NotImplementedError
 
-    def _place_ring_subtiles(self, cfg) -> tuple:
+    def _store_warp(self, group):
+        """The warp of epilogue group ``group`` that issues its TMA stores and TILE-operand loads."""
+        raise NotImplementedError
+
+    def _place_ring_subtiles(self) -> tuple:
         """Where the CTA's last tile puts its TILE-operand subtiles and, where they fit too,
         its output subtiles, in the A/B ring past the last k-tile: one 1 KiB-aligned slot
         per tensor and subtile, as (stage, part, byte offset) with ``stage`` counted from the
@@ -170,8 +212,8 @@ class FusedGemmBase:
         and the kernel ran 0.3% to 5% faster at four shapes (``benchmarks/FINDINGS.md``)."""
         if not self.tile_ops or self.schedule.stream_k is not None:
             return None, None, None
-        room = (cfg.tile_m * self.tile_mnk[2] * self.ab_dtype.width // 8,
-                cfg.tile_n * self.tile_mnk[2] * self.b_dtype.width // 8)
+        room = (self.tile_mnk[0] * self.tile_mnk[2] * self.ab_dtype.width // 8,
+                self.tile_mnk[1] * self.tile_mnk[2] * self.b_dtype.width // 8)
 
         def nbytes(dt):
             return self.subtile_elems * dt.width // 8
@@ -210,6 +252,119 @@ class FusedGemmBase:
         """Unit ``j`` of the CTA's walk, its coordinates marked warp-uniform."""
         u = walk.unit(j)
         return Unit(*(cute.arch.make_warp_uniform(v) if isinstance(v, cutlass.Int32) else v for v in u))
+
+    # ---------------------------------------------------------------- shared set-up
+    def _call_arguments(self, rest: tuple) -> CallArguments:
+        """Split a launch's tensors after A and B: the operands, stream-K's flags, a timeline's
+        stamps, the outputs, the reductions' partials and stream-K's workspace."""
+        operands = rest[: self.n_operands]
+        rest = rest[self.n_operands:]
+        n_out = len(self.out_dtypes)
+        split = self.schedule.stream_k is not None
+        n_extra = int(split) + int(self.timeline)  # inputs between the operands and the outputs
+        end = n_extra + n_out + len(self.reductions)
+        return CallArguments(operands, rest[0] if split else None, (rest[int(split)],) if self.timeline else (),
+                             rest[n_extra: n_extra + n_out], rest[n_extra + n_out: end],
+                             rest[end] if split else None)
+
+    def _epilogue_tma(self, operands: tuple, outputs: tuple) -> tuple:
+        """The epilogue's TMA: per output a store and per TILE operand a load of one subtile,
+        and their smem layouts (``EPI_STAGES`` subtiles each). Returns (d_smem, tma_d, g_d,
+        c_smem, tma_c, g_c)."""
+        d_smem = tuple(self._epi_smem_layout(dt, EPI_STAGES) for dt in self.out_dtypes)
+        c_smem = tuple(self._epi_smem_layout(dt, EPI_STAGES) for dt in self.tile_op_dtypes)
+        tma_c, g_c = [], []
+        for j in range(len(self.tile_ops)):  # plain Python: helpers are not preprocessed
+            atom, tensor = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), operands[self.tile_ops[j]],
+                cute.slice_(c_smem[j], (None, None, 0)), self.epi_tile,
+            )
+            tma_c.append(atom)
+            g_c.append(tensor)
+        tma_d, g_d = [], []
+        for i in range(len(outputs)):
+            atom, tensor = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), outputs[i],
+                cute.slice_(d_smem[i], (None, None, 0)), self.epi_tile,
+            )
+            tma_d.append(atom)
+            g_d.append(tensor)
+        return d_smem, tuple(tma_d), tuple(g_d), c_smem, tuple(tma_c), tuple(g_c)
+
+    @staticmethod
+    def _prefetch_descriptors(atoms) -> None:
+        for atom in atoms:
+            cpasync.prefetch_descriptor(atom)
+
+    def _epilogue_tensors(self, smem: SmemAllocator, warp_idx, operands: tuple, mD: tuple, d_smem: tuple,
+                          tma_d: tuple, mC: tuple, c_smem: tuple, tma_c: tuple, mP: tuple) -> EpilogueTensors:
+        """Allocate the epilogue's shared memory after the architecture's own: per output and
+        per TILE operand its ``EPI_STAGES`` subtile buffers, per reducing output its fp32
+        buffers, and one "full" mbarrier per TILE-operand buffer (initialized by warp 0)."""
+        sD = [smem.allocate_tensor(dt, layout.outer, SMEM_ALIGN, layout.inner)
+              for dt, layout in zip(self.out_dtypes, d_smem)]
+        sC = [smem.allocate_tensor(dt, layout.outer, SMEM_ALIGN, layout.inner)
+              for dt, layout in zip(self.tile_op_dtypes, c_smem)]
+        red_smem = [tuple(smem.allocate_tensor(cutlass.Float32, layout, 16) for layout in r.layouts())
+                    for r in self.reductions]
+        c_bar = self._full_barriers(smem, EPI_STAGES, warp_idx) if self.tile_ops else None
+        return EpilogueTensors(operands, mD, sD, tma_d, mC, sC, tma_c, c_bar, red_smem, mP)
+
+    def _consumer_epilogue_from(self, tensors: EpilogueTensors, r2s: list, s2r: list, frag_shape, ctid, group,
+                                warp_idx, *, coords: Callable[[], tuple], ring: tuple) -> ConsumerEpilogue:
+        """Epilogue group ``group``'s machinery for its thread ``ctid``, from the architecture's
+        register <-> smem copies (``r2s`` per output, ``s2r`` per TILE operand, all of one
+        thread/value partition, whose register fragments have ``frag_shape``) and ``coords``,
+        which gives the coordinates of its accumulator values (``tCcT``, ``acc_index``: see
+        :class:`ConsumerEpilogue`); it is called where Hopper's kernel has always built them,
+        which keeps that kernel's generated code as it was."""
+        t = tensors
+        thr_r2s = [c.get_slice(ctid) for c in r2s]
+        thr_s2r = [c.get_slice(ctid) for c in s2r]
+        frag_c = [cute.make_rmem_tensor(frag_shape, dt) for dt in self.tile_op_dtypes]
+        fields = dict(
+            operands=t.operands,
+            mn_extent=(t.mD[0].shape[0], t.mD[0].shape[1]),
+            sD=t.sD,
+            gD=self._local_tiles(t.mD),
+            tma_d=t.tma_d,
+            r2s=r2s,
+            tRS_sD=[thr.partition_D(sd) for thr, sd in zip(thr_r2s, t.sD)],
+            frag_out=[cute.make_rmem_tensor(frag_shape, dt) for dt in self.out_dtypes],
+            sC=t.sC,
+            gC=self._local_tiles(t.mC),
+            tma_c=t.tma_c,
+            s2r=s2r,
+            tSR_sC=[thr.partition_S(sc) for thr, sc in zip(thr_s2r, t.sC)],
+            tSR_rC=[c.retile(f) for c, f in zip(s2r, frag_c)],
+            frag_c=frag_c,
+            c_bar=t.c_bar,
+            ring=ring,
+            thr_s2r=thr_s2r,
+            thr_r2s=thr_r2s,
+            frag=cute.make_rmem_tensor(frag_shape, cutlass.Float32),
+            frag_raw=(cute.make_rmem_tensor(frag_shape, self.acc_dtype)
+                      if self.acc_dtype in (cutlass.Int32,) else None),
+        )
+        fields["tCcT"], fields["acc_index"] = coords()
+        return ConsumerEpilogue(
+            **fields,
+            barrier=pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID + group, num_threads=self.n_epi_threads),
+            store_pipe=pipeline.PipelineTmaStore.create(
+                num_stages=EPI_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.n_epi_threads),
+            ),
+            is_store_warp=warp_idx == self._store_warp(group),
+            ctid=ctid,
+            red_smem=tuple(t.red_smem),
+            red_out=tuple(t.mP),
+            red_frag=tuple(cute.make_rmem_tensor(frag_shape, cutlass.Float32) for _ in self.reductions),
+        )
+
+    def _tile_coords(self, epi: ConsumerEpilogue, s: int, m_idx, n_idx) -> list[tuple]:
+        """Global (m, n) of subtile ``s``'s fragment values in tile (m_idx, n_idx)."""
+        m0, n0 = m_idx * self.tile_mnk[0], n_idx * self.tile_mnk[1]
+        return [(m0 + epi.tCcT[i][0], n0 + epi.tCcT[i][1]) for i in epi.acc_index[s]]
 
     @cute.jit
     def _split_epilogue(self, epi: ConsumerEpilogue, acc: cute.Tensor, bSC, u: Unit, subtile_count,
@@ -452,14 +607,3 @@ class FusedGemmBase:
         stage_offset = cute.assume(stage_index * (self.tile_mnk[part] * self.tile_mnk[2]), divby=SMEM_ALIGN // ab)
         ptr = ring[part].iterator + stage_offset + offset // ab
         return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=dtype), layout.outer)
-
-    def _r2s_atom(self, dtype):
-        if self.use_stmatrix:
-            return cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), dtype)
-        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
-
-    @staticmethod
-    def _s2r_atom(dtype):
-        if dtype.width == 16:
-            return cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), dtype)
-        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)

@@ -43,10 +43,19 @@ class ArchPolicy:
     # a GPU of this architecture: they run only under JAX_EFC_UNVERIFIED_KERNELS=1
     unverified_ab_dtypes: tuple[str, ...] = ()
     unverified_acc_dtypes: tuple[str, ...] = ()
+    # GEMMs the heuristic hands to XLA's GEMM (xla_faster_reason): at most this many rows per B
+    # (None: none are), or more rows in 128x128 tiles that fill less than this share of the SMs
+    xla_rows: int | None = None
+    xla_fill: float = 0.0
 
     def kernel_class(self) -> type:
         module, name = self.kernel.split(":")
         return getattr(importlib.import_module(module), name)
+
+    def runs_by_default(self) -> bool:
+        """Whether the kernel runs calls without ``JAX_EFC_UNVERIFIED_KERNELS=1``: some of its
+        input types have run on a GPU of this architecture (or the switch is set)."""
+        return _unverified_allowed() or bool(set(self.ab_dtypes) - set(self.unverified_ab_dtypes))
 
     # ---- limits
     def config_reason(self, config: GemmConfig) -> str | None:
@@ -185,11 +194,33 @@ class ArchPolicy:
         return [self.choose_config(problem, m, n, k, l, sm_count)]
 
     def xla_faster_reason(self, problem: KernelProblem, m: int, n: int, l: int,
-                          sm_count: int) -> str | None:
-        """Why XLA's GEMM outruns the kernel on this GEMM (``None``: it does not)."""
-        return None
+                          sm_count: int | None = None) -> str | None:
+        """Why XLA's GEMM outruns the kernel on an M x N x L GEMM it can run, of any K (``None``: it
+        does not): at most ``xla_rows`` rows share each B, or its 128x128 tiles would fill less than
+        ``xla_fill`` of the SMs. The heuristic hands such calls to the reference."""
+        if self.xla_rows is None:
+            return None
+        sm_count = sm_count or self.default_sm_count
+        rows = m if problem.b_batched else m * l
+        tiles = -(-m // 128) * -(-n // 128) * l
+        if rows <= self.xla_rows:
+            why = f"{rows} rows share each B, so the GEMM is bound by reading B"
+        elif tiles < self.xla_fill * sm_count:
+            why = f"its {tiles} tiles of 128x128 would leave {sm_count - tiles} of {sm_count} SMs idle"
+        else:
+            return None
+        return (f"{why}: XLA's GEMM runs it faster than the kernel. Pin a config (or set "
+                "JAX_EFC_STRICT=1) to run the kernel anyway.")
 
-    def assumed_max_clusters(self, cluster_size: int, sm_count: int) -> int:
-        """Clusters of ``cluster_size`` CTAs assumed resident at once when there is no GPU to
-        ask (one CTA an SM)."""
-        return sm_count // cluster_size
+    def assumed_max_clusters(self, cluster_size: int, sm_count: int | None = None) -> int:
+        """Clusters of ``cluster_size`` CTAs a GPU with ``sm_count`` SMs is assumed to run at once
+        when there is no GPU to ask (the persistent grid must not exceed it, or the surplus
+        clusters run as a second wave: about half speed).
+
+        One CTA fills an SM (the kernels take all of its shared memory) and a cluster stays inside
+        one GPC, so GPCs whose SM count is not a multiple of the cluster size strand SMs. On an
+        H200 (132 SMs) the driver answers 132, 66 and 30 for clusters of 1, 2 and 4 (not 33),
+        hence the 10% margin for clusters of more than 2.
+        """
+        clusters = (sm_count or self.default_sm_count) // cluster_size
+        return clusters if cluster_size <= 2 else clusters * 9 // 10

@@ -11,8 +11,8 @@ from jax_efc.epilogue import EpilogueIR, Role
 from jax_efc.kernels.dtypes import bits
 
 __all__ = ["KernelProblem", "tile_k", "EPI_STAGES", "SMEM_ALIGN", "TIMELINE_EVENTS", "TIMELINE_UNITS",
-           "epilogue_tile", "tile_operand_indices", "reduction_lanes", "reduction_reason",
-           "reduction_smem_floats"]
+           "cta_tile", "epilogue_tile", "epilogue_smem_bytes", "tile_operand_indices", "reduction_lanes",
+           "reduction_reason", "reduction_smem_floats", "round_up"]
 
 # A pipeline stage's k-tile is 128 bytes of a K-major row, exactly one 128-byte swizzle atom:
 # 64 16-bit values (four 16-deep MMA steps), 128 8-bit ones (four 32-deep steps).
@@ -41,7 +41,9 @@ class KernelProblem:
     whether the GEMM has a leading batch L; ``a_batched``/``b_batched``/``operand_batched``
     say which tensors carry it (the others are shared across the batch). ``promote``: the
     mainloop adds each k-tile's WGMMA partial sums into separate fp32 accumulators (8-bit float
-    inputs, whose tensor-core accumulation keeps fewer bits than fp32 over a long K).
+    inputs, whose tensor-core accumulation keeps fewer bits than fp32 over a long K). float32
+    inputs are multiplied as TF32 (the plan sends them here only where the call's precision
+    allows it).
     """
 
     ir: EpilogueIR
@@ -92,9 +94,31 @@ def tile_k(ab_dtype: str) -> int:
     return _K_TILE_BYTES * 8 // bits(ab_dtype)
 
 
+def cta_tile(config: GemmConfig) -> tuple[int, int]:
+    """(rows, columns) of the output tile one CTA computes and stores: the config's tile, or half
+    its rows where a 2-CTA MMA (``use_2cta``) splits them between a pair of CTAs."""
+    return (config.tile_m // 2 if config.use_2cta else config.tile_m), config.tile_n
+
+
 def epilogue_tile(config: GemmConfig) -> tuple[int, int]:
-    """(rows, columns) of one epilogue subtile: ``epi_m`` (0: the tile's height) by ``epi_n``."""
-    return config.epi_m or config.tile_m, config.epi_n
+    """(rows, columns) of one epilogue subtile: ``epi_m`` (0: the CTA tile's height) by ``epi_n``."""
+    return config.epi_m or cta_tile(config)[0], config.epi_n
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def epilogue_smem_bytes(problem: KernelProblem, threads: int) -> int:
+    """Shared memory the epilogue's buffers take when ``threads`` threads run each tile's
+    epilogue: ``EPI_STAGES`` subtiles per stored output and per TILE operand, and each reducing
+    output's fp32 staging subtile and lane buffers, every buffer a whole number of 1 KiB blocks."""
+    epi_m, epi_n = epilogue_tile(problem.config)
+    dtypes = [o.dtype for o in problem.ir.outputs if not o.reduce] + \
+        [problem.ir.operands[i].dtype for i in tile_operand_indices(problem.ir)]
+    total = sum(round_up(epi_m * epi_n * bits(d) // 8 * EPI_STAGES, SMEM_ALIGN) for d in dtypes)
+    return total + sum(round_up(4 * reduction_smem_floats(o.over, (epi_m, epi_n), threads), SMEM_ALIGN)
+                       for o in problem.ir.outputs if o.reduce)
 
 
 def tile_operand_indices(ir: EpilogueIR) -> tuple[int, ...]:

@@ -31,6 +31,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from jax_efc.config import GemmConfig
+from jax_efc.kernels.problem import cta_tile
 
 __all__ = ["StreamK", "TileSchedule", "TileWalk", "Unit", "cluster_tiles", "plan_schedule"]
 
@@ -101,7 +102,7 @@ def plan_schedule(config: GemmConfig, m: int, n: int, k: int, l: int, clusters: 
     k-tiles ``tile_k`` deep (:func:`jax_efc.kernels.problem.tile_k`: the kernel's own)."""
     cm, cn = config.cluster_m, config.cluster_n
     base = TileSchedule(clusters, (cm, cn), config.raster == "m", config.swizzle)
-    mc, nc, _ = cluster_tiles(m, n, l, (config.tile_m, config.tile_n), (cm, cn))
+    mc, nc, _ = cluster_tiles(m, n, l, cta_tile(config), (cm, cn))
     tiles = mc * nc * l
     k_tiles = -(-k // tile_k)
     rounds, last = divmod(tiles, clusters)

@@ -34,8 +34,8 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from jax_efc.kernels.gemm_base import ConsumerEpilogue, FusedGemmBase
-from jax_efc.kernels.problem import EPI_STAGES, SMEM_ALIGN, KernelProblem
+from jax_efc.kernels.gemm_base import ConsumerEpilogue, EpilogueTensors, FusedGemmBase
+from jax_efc.kernels.problem import SMEM_ALIGN, KernelProblem
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, cluster_tiles
 from jax_efc.kernels.sm90_policy import mma_warpgroups, pipeline_stages
 from jax_efc.kernels.sm90_tf32 import tf32_tiled_mma
@@ -59,7 +59,7 @@ __all__ = ["Sm90FusedGemm"]
 _PRODUCER_REGS = 40
 _CONSUMER_REGS = 232
 _WG = 128  # threads per warpgroup
-_EPI_BARRIER_ID = 1  # named barrier 0 is __syncthreads; ping-pong consumer g uses 1 + g
+# (the epilogue named barrier of consumer group g is gemm_base.EPI_BARRIER_ID + g: 1 or 2)
 # ping-pong: consumer g waits on named barrier _MMA_ORDER_ID + g before its mainloop and,
 # once its WGMMAs are issued, arrives on the other consumer's; likewise _EPI_ORDER_ID + g
 # around its epilogue (256 threads each: both warpgroups)
@@ -108,30 +108,27 @@ class Sm90FusedGemm(FusedGemmBase):
         _gather_registers(epi.frag, acc, sub_index)
         if epi.frag_raw is not None:
             _gather_registers(epi.frag_raw, acc, sub_index)
-        return _tile_coords(epi.tCcT, sub_index, m_idx * self.tile_mnk[0], n_idx * self.tile_mnk[1])
+        return self._tile_coords(epi, s, m_idx, n_idx)
 
     def _epi_smem_layout(self, dtype, stages: int) -> cute.ComposedLayout:
         return sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, stages)
 
+    def _store_warp(self, group):
+        """The first warp of the group's (first) consumer warpgroup."""
+        return 4 + 4 * self.n_mma_wg * group
+
     # ---------------------------------------------------------------- host side (traced)
     @cute.jit
     def __call__(self, stream, a: cute.Tensor, b: cute.Tensor, *rest):
-        operands = rest[: self.n_operands]
-        rest = rest[self.n_operands:]
-        n_out = len(self.out_dtypes)
+        args = self._call_arguments(rest)
+        operands, stamps, outputs, partials = args.operands, args.stamps, args.outputs, args.partials
         split = self.schedule.stream_k is not None
-        n_extra = int(split) + int(self.timeline)  # inputs between the operands and the outputs
-        outputs = rest[n_extra: n_extra + n_out]
-        # each reducing output's per-tile partials, after the tile outputs
-        partials = rest[n_extra + n_out: n_extra + n_out + len(self.reductions)]
-        stamps = (rest[int(split)],) if self.timeline else ()
         sk_buffers = ()
         if cutlass.const_expr(split):
             # workspace slot s, thread t, accumulator 4c + v at ((v, t, c, s)): each warp
             # writes and reads 512 contiguous bytes per vector
-            ws = rest[n_extra + n_out + len(self.reductions)]
             tile_elems = self.tile_mnk[0] * self.tile_mnk[1]
-            sk_buffers = (rest[0], cute.make_tensor(ws.iterator, cute.make_layout(
+            sk_buffers = (args.flags, cute.make_tensor(args.workspace.iterator, cute.make_layout(
                 (4, self.n_epi_threads, self.acc_per_thread // 4, self.schedule.slots),
                 stride=(1, 4, 4 * self.n_epi_threads, tile_elems))))
         if cutlass.const_expr(self.ab_dtype is cutlass.Float32):
@@ -145,33 +142,10 @@ class Sm90FusedGemm(FusedGemmBase):
             )
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.ab_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.b_dtype, self.stages)
-        d_smem = tuple(
-            self._epi_smem_layout(dt, EPI_STAGES)
-            for dt in self.out_dtypes
-        )
         # A is shared by the CTAs of a cluster row (same M tile): multicast over cluster_n.
         tma_a, g_a = self._tma_load(a, a_smem, (self.tile_mnk[0], self.tile_mnk[2]), self.cluster_mn[1])
         tma_b, g_b = self._tma_load(b, b_smem, (self.tile_mnk[1], self.tile_mnk[2]), self.cluster_mn[0])
-        c_smem = tuple(
-            self._epi_smem_layout(dt, EPI_STAGES)
-            for dt in self.tile_op_dtypes
-        )
-        tma_c, g_c = [], []
-        for j in cutlass.range_constexpr(len(self.tile_ops)):
-            atom, tensor = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), operands[self.tile_ops[j]],
-                cute.slice_(c_smem[j], (None, None, 0)), self.epi_tile,
-            )
-            tma_c.append(atom)
-            g_c.append(tensor)
-        tma_d, g_d = [], []
-        for i in cutlass.range_constexpr(len(outputs)):
-            atom, tensor = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), outputs[i],
-                cute.slice_(d_smem[i], (None, None, 0)), self.epi_tile,
-            )
-            tma_d.append(atom)
-            g_d.append(tensor)
+        d_smem, tma_d, g_d, c_smem, tma_c, g_c = self._epilogue_tma(operands, outputs)
 
         # cluster tiles along M, N and L; the grid is one cluster per (cluster_m, cluster_n)
         # block of x and y, and the persistent clusters along z
@@ -206,15 +180,8 @@ class Sm90FusedGemm(FusedGemmBase):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
-        n_out = len(self.out_dtypes)
-        n_tc = len(self.tile_ops)
         if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_a)
-            cpasync.prefetch_descriptor(tma_b)
-            for i in cutlass.range_constexpr(n_out):
-                cpasync.prefetch_descriptor(tma_d[i])
-            for j in cutlass.range_constexpr(n_tc):
-                cpasync.prefetch_descriptor(tma_c[j])
+            self._prefetch_descriptors((tma_a, tma_b, *tma_d, *tma_c))
 
         # ---- cluster geometry and multicast masks
         cta_layout = cute.make_layout((*self.cluster_mn, 1))
@@ -231,16 +198,7 @@ class Sm90FusedGemm(FusedGemmBase):
         barriers = smem.allocate_array(cutlass.Int64, 2 * self.stages, byte_alignment=8)
         sA = smem.allocate_tensor(self.ab_dtype, a_smem.outer, SMEM_ALIGN, a_smem.inner)
         sB = smem.allocate_tensor(self.b_dtype, b_smem.outer, SMEM_ALIGN, b_smem.inner)
-        sD = [smem.allocate_tensor(self.out_dtypes[i], d_smem[i].outer, SMEM_ALIGN, d_smem[i].inner)
-              for i in range(n_out)]
-        sC = [smem.allocate_tensor(self.tile_op_dtypes[j], c_smem[j].outer, SMEM_ALIGN, c_smem[j].inner)
-              for j in range(n_tc)]
-        red_smem = [tuple(smem.allocate_tensor(cutlass.Float32, layout, 16) for layout in r.layouts())
-                    for r in self.reductions]
-        c_bar = None
-        if cutlass.const_expr(n_tc > 0):
-            # one "full" mbarrier per operand buffer
-            c_bar = self._full_barriers(smem, EPI_STAGES, warp_idx)
+        tensors = self._epilogue_tensors(smem, warp_idx, operands, mD, d_smem, tma_d, mC, c_smem, tma_c, mP)
         n_sub = self.n_sub
 
         stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + \
@@ -337,8 +295,7 @@ class Sm90FusedGemm(FusedGemmBase):
             thr_mma = tiled_mma.get_slice(ctid)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-            epi = self._consumer_epilogue(tiled_mma, ctid, group, warp_idx, mD, sD, tma_d,
-                                          operands, mC, sC, tma_c, c_bar, sA, sB, red_smem, mP)
+            epi = self._consumer_epilogue(tiled_mma, ctid, group, warp_idx, tensors, sA, sB)
             acc = cute.make_rmem_tensor(cute.shape(epi.tCcT), self.acc_dtype)
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -499,8 +456,8 @@ class Sm90FusedGemm(FusedGemmBase):
         warpgroup.commit_group()
         return tiled_mma
 
-    def _consumer_epilogue(self, tiled_mma: cute.TiledMma, ctid, group, warp_idx, mD, sD,
-                           tma_d, operands, mC, sC, tma_c, c_bar, sA, sB, red_smem, mP) -> ConsumerEpilogue:
+    def _consumer_epilogue(self, tiled_mma: cute.TiledMma, ctid, group, warp_idx, tensors: EpilogueTensors,
+                           sA, sB) -> ConsumerEpilogue:
         """Build consumer ``group``'s epilogue machinery for thread ``ctid`` of the group."""
         # register <-> smem copies share one thread/value partition for all outputs and TILE
         # operands, so the visitor's fragments line up with every buffer
@@ -508,49 +465,27 @@ class Sm90FusedGemm(FusedGemmBase):
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.BFloat16), tiled_mma
         )
         r2s = [cute.make_tiled_copy_S(self._r2s_atom(dt), c_layout_atom) for dt in self.out_dtypes]
-        thr_r2s = [c.get_slice(ctid) for c in r2s]
-        frag_shape = cute.shape(thr_r2s[0].partition_S(sD[0]))[:3]
+        frag_shape = cute.shape(r2s[0].get_slice(ctid).partition_S(tensors.sD[0]))[:3]
         # TILE operands come back from smem by ldmatrix when 16-bit (four 8x8 blocks per
         # instruction instead of one value per load)
         s2r = [cute.make_tiled_copy_S(self._s2r_atom(dt), c_layout_atom) for dt in self.tile_op_dtypes]
-        thr_s2r = [c.get_slice(ctid) for c in s2r]
-        frag_c = [cute.make_rmem_tensor(frag_shape, dt) for dt in self.tile_op_dtypes]
-        return ConsumerEpilogue(
-            operands=operands,
-            mn_extent=(mD[0].shape[0], mD[0].shape[1]),
-            sD=sD,
-            gD=self._local_tiles(mD),
-            tma_d=tma_d,
-            r2s=r2s,
-            tRS_sD=[thr.partition_D(t) for thr, t in zip(thr_r2s, sD)],
-            frag_out=[cute.make_rmem_tensor(frag_shape, dt) for dt in self.out_dtypes],
-            sC=sC,
-            gC=self._local_tiles(mC),
-            tma_c=tma_c,
-            s2r=s2r,
-            tSR_sC=[thr.partition_S(t) for thr, t in zip(thr_s2r, sC)],
-            tSR_rC=[c.retile(f) for c, f in zip(s2r, frag_c)],
-            frag_c=frag_c,
-            c_bar=c_bar,
-            ring=(sA, sB),
-            thr_s2r=thr_s2r,
-            thr_r2s=thr_r2s,
-            frag=cute.make_rmem_tensor(frag_shape, cutlass.Float32),
-            frag_raw=(cute.make_rmem_tensor(frag_shape, self.acc_dtype)
-                      if self.acc_dtype in (cutlass.Int32,) else None),
-            tCcT=tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor(self.tile_mnk[:2])),
-            acc_index=self._subtile_acc_indices(tiled_mma, r2s[0]),
-            barrier=pipeline.NamedBarrier(barrier_id=_EPI_BARRIER_ID + group, num_threads=self.n_epi_threads),
-            store_pipe=pipeline.PipelineTmaStore.create(
-                num_stages=EPI_STAGES,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.n_epi_threads),
-            ),
-            is_store_warp=warp_idx == 4 + 4 * self.n_mma_wg * group,
-            ctid=ctid,
-            red_smem=tuple(red_smem),
-            red_out=tuple(mP),
-            red_frag=tuple(cute.make_rmem_tensor(frag_shape, cutlass.Float32) for _ in self.reductions),
-        )
+        def coords():
+            return (tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor(self.tile_mnk[:2])),
+                    self._subtile_acc_indices(tiled_mma, r2s[0]))
+
+        return self._consumer_epilogue_from(tensors, r2s, s2r, frag_shape, ctid, group, warp_idx, coords=coords,
+                                            ring=(sA, sB))
+
+    def _r2s_atom(self, dtype):
+        if self.use_stmatrix:
+            return cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), dtype)
+        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
+
+    @staticmethod
+    def _s2r_atom(dtype):
+        if dtype.width == 16:
+            return cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), dtype)
+        return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
 
     def _subtile_acc_indices(self, tiled_mma: cute.TiledMma, r2s: cute.TiledCopy) -> list[list[int]]:
         """For each epilogue subtile, the accumulator element behind each value of the
@@ -580,8 +515,3 @@ def _gather_registers(frag: cute.Tensor, acc: cute.Tensor, indices: list[int]) -
     widen = acc.element_type is not frag.element_type  # a 16-bit accumulator, read as fp32
     for v, i in enumerate(indices):
         frag[v] = frag.element_type(acc[i]) if widen else acc[i]
-
-
-def _tile_coords(tCcT: cute.Tensor, indices: list[int], m0, n0) -> list[tuple]:
-    """Global (m, n) of the accumulator elements ``indices``, for the tile at (m0, n0)."""
-    return [(m0 + tCcT[i][0], n0 + tCcT[i][1]) for i in indices]

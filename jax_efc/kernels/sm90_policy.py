@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 from jax_efc.config import GemmConfig
-from jax_efc.kernels.dtypes import bits
+from jax_efc.kernels.dtypes import FP8, INT8, OPERAND_DTYPES, OUT_DTYPES, VALUE_DTYPES, bits
 from jax_efc.kernels.policy import ArchPolicy
-from jax_efc.kernels.problem import (EPI_STAGES, SMEM_ALIGN, KernelProblem, epilogue_tile, reduction_reason,
-                                     reduction_smem_floats, tile_operand_indices)
+from jax_efc.kernels.problem import (SMEM_ALIGN, KernelProblem, epilogue_smem_bytes, epilogue_tile,
+                                     reduction_reason, tile_operand_indices)
 
 __all__ = ["POLICY", "Sm90Policy", "DEFAULT_SM_COUNT", "mma_warpgroups", "pipeline_stages"]
 
@@ -17,16 +17,8 @@ __all__ = ["POLICY", "Sm90Policy", "DEFAULT_SM_COUNT", "mma_warpgroups", "pipeli
 # without a GPU (with one, the device's own count is used)
 DEFAULT_SM_COUNT = 132
 
-_FP8 = ("float8_e4m3fn", "float8_e5m2")
-_INT8 = ("int8", "uint8")
 # float32 inputs multiply as TF32 (kernels/sm90_tf32.py), where JAX's precision rules allow it
-_AB_DTYPES = ("bfloat16", "float16", *_FP8, *_INT8, "float32")
-# 8-bit float outputs round to nearest even and saturate to the finite range (cvt.rn.satfinite);
-# integer ones saturate (from floats rounded toward zero)
-_OUT_DTYPES = ("bfloat16", "float16", "float32", *_FP8, "int32", *_INT8)
-_OPERAND_DTYPES = ("bfloat16", "float16", "float32")
-# dtypes the visitor evaluates in: 16-bit values are computed in fp32 and rounded per op
-_VALUE_DTYPES = ("float32", "bfloat16", "float16", "bool")
+_AB_DTYPES = ("bfloat16", "float16", *FP8, *INT8, "float32")
 _TILE_M = (64, 128, 192, 256)
 _TILE_N = (64, 128, 192, 256)
 # SM90 clusters: up to 8 CTAs are portable (schedulable on every SM90 part), but the
@@ -91,23 +83,13 @@ def mma_warpgroups(config: GemmConfig) -> int:
 
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
 def pipeline_stages(problem: KernelProblem) -> int:
     """A/B shared-memory pipeline depth of ``problem``'s kernel: ``config.stages`` or as many
     as fit next to the epilogue buffers (two per output and per TILE operand; the ping-pong
     consumers take turns with one set)."""
     cfg = problem.config
     ab_bytes = (cfg.tile_m * bits(problem.ab_dtype) + cfg.tile_n * bits(problem.b_dtype)) * problem.tile_k // 8
-    epi_dtypes = [o.dtype for o in problem.ir.outputs if not o.reduce] + \
-        [problem.ir.operands[i].dtype for i in tile_operand_indices(problem.ir)]
-    epi_m, epi_n = epilogue_tile(cfg)
-    epi_bytes = sum(_round_up(epi_m * epi_n * bits(d) // 8 * EPI_STAGES, SMEM_ALIGN) for d in epi_dtypes)
-    # each reducing output: its staging subtile and lane buffers, fp32
-    epi_bytes += sum(_round_up(4 * reduction_smem_floats(o.over, (epi_m, epi_n), _WG * mma_warpgroups(cfg)), SMEM_ALIGN)
-                     for o in problem.ir.outputs if o.reduce)
+    epi_bytes = epilogue_smem_bytes(problem, _WG * mma_warpgroups(cfg))
     # every buffer is a whole number of 1 KiB blocks; the mbarrier arrays (pipeline and
     # TILE-operand barriers, well under 1 KiB) cost at most the padding to the next block each
     fit = (_SMEM_BYTES - epi_bytes - 2 * SMEM_ALIGN) // ab_bytes
@@ -138,18 +120,20 @@ class Sm90Policy(ArchPolicy):
     ab_dtypes = _AB_DTYPES
     # fp16 accumulation (fp16 inputs only) halves the accumulators' registers
     acc_dtypes = ("float32", "float16", "int32")
-    out_dtypes = _OUT_DTYPES
-    operand_dtypes = _OPERAND_DTYPES
-    value_dtypes = _VALUE_DTYPES
+    out_dtypes = OUT_DTYPES
+    operand_dtypes = OPERAND_DTYPES
+    value_dtypes = VALUE_DTYPES
     unverified_ab_dtypes = ("float32",)
+    xla_rows = _XLA_ALWAYS_ROWS
+    xla_fill = _XLA_FILL
 
     def accumulator_reason(self, problem: KernelProblem) -> str | None:
         if problem.acc_dtype == "float16" and problem.ab_dtype != "float16":
             return f"float16 accumulation takes float16 inputs, not {problem.ab_dtype}; use float32."
-        if problem.promote and problem.ab_dtype not in _FP8:
+        if problem.promote and problem.ab_dtype not in FP8:
             return f"partial-sum promotion is for 8-bit float inputs, not {problem.ab_dtype}."
-        if (problem.acc_dtype == "int32") != (problem.ab_dtype in _INT8):
-            return f"{problem.ab_dtype} inputs accumulate in {'int32' if problem.ab_dtype in _INT8 else 'float32'}."
+        if (problem.acc_dtype == "int32") != (problem.ab_dtype in INT8):
+            return f"{problem.ab_dtype} inputs accumulate in {'int32' if problem.ab_dtype in INT8 else 'float32'}."
         return None
 
     def mma_majors(self, problem: KernelProblem) -> tuple[str, str] | None:
@@ -157,6 +141,9 @@ class Sm90Policy(ArchPolicy):
         return None if bits(problem.ab_dtype) == 16 else ("k", "k")
 
     def config_reason(self, config: GemmConfig) -> str | None:
+        if config.use_2cta:
+            return ("use_2cta=True asks for Blackwell's 2-CTA MMA (tcgen05), which SM90 does not have; "
+                    "use use_2cta=False (a cluster along M multicasts B instead).")
         if config.tile_m not in _TILE_M:
             return (f"tile_m={config.tile_m} is not supported on SM90; use one of {_TILE_M} "
                     "(a WGMMA covers 64 rows; a warpgroup issues one to three of them per k-step).")
@@ -211,35 +198,6 @@ class Sm90Policy(ArchPolicy):
                 f"{len(problem.ir.outputs)} outputs and {len(tile_operand_indices(problem.ir))} "
                 "tile operands leaves too little shared memory for 2 A/B pipeline stages; use a "
                 f"smaller tile or smaller subtiles (epi_m={64 * mma_warpgroups(cfg)}, epi_n=16).")
-
-    def xla_faster_reason(self, problem: KernelProblem, m: int, n: int, l: int,
-                          sm_count: int = DEFAULT_SM_COUNT) -> str | None:
-        """Why XLA's GEMM outruns the kernel on an M x N x L GEMM it can run, of any K (``None``: it
-        does not): too few rows share each B, or too few tiles to fill the SMs. The heuristic hands
-        such calls to the reference."""
-        rows = m if problem.b_batched else m * l
-        tiles = _tiles(m, n, l, 128, 128)
-        if rows <= _XLA_ALWAYS_ROWS:
-            why = f"{rows} rows share each B, so the GEMM is bound by reading B"
-        elif tiles < _XLA_FILL * sm_count:
-            why = f"its {tiles} tiles of 128x128 would leave {sm_count - tiles} of {sm_count} SMs idle"
-        else:
-            return None
-        return (f"{why}: XLA's GEMM runs it faster than the kernel. Pin a config (or set "
-                "JAX_EFC_STRICT=1) to run the kernel anyway.")
-
-    def assumed_max_clusters(self, cluster_size: int, sm_count: int = DEFAULT_SM_COUNT) -> int:
-        """Clusters of ``cluster_size`` CTAs a GPU with ``sm_count`` SMs is assumed to run at once
-        when there is no GPU to ask (the persistent grid must not exceed it, or the surplus
-        clusters run as a second wave: about half speed).
-
-        One CTA fills an SM (the kernels take all of its shared memory) and a cluster stays inside
-        one GPC, so GPCs whose SM count is not a multiple of the cluster size strand SMs. On an
-        H200 (132 SMs) the driver answers 132, 66 and 30 for clusters of 1, 2 and 4 (not 33),
-        hence the 10% margin for clusters of 4.
-        """
-        clusters = sm_count // cluster_size
-        return clusters if cluster_size <= 2 else clusters * 9 // 10
 
     def choose_config(self, problem: KernelProblem, m: int, n: int, k: int, l: int,
                       sm_count: int = DEFAULT_SM_COUNT) -> GemmConfig:
