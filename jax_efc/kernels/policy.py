@@ -43,6 +43,9 @@ class ArchPolicy:
     # a GPU of this architecture: they run only under JAX_EFC_UNVERIFIED_KERNELS=1
     unverified_ab_dtypes: tuple[str, ...] = ()
     unverified_acc_dtypes: tuple[str, ...] = ()
+    # whether its epilogue reductions have run on a GPU of this architecture (if not, they too
+    # run only under JAX_EFC_UNVERIFIED_KERNELS=1)
+    verified_reductions: bool = False
     # GEMMs the heuristic hands to XLA's GEMM (xla_faster_reason): at most this many rows per B
     # (None: none are), or more rows in 128x128 tiles that fill less than this share of the SMs
     xla_rows: int | None = None
@@ -128,7 +131,7 @@ class ArchPolicy:
                 return (f"the epilogue computes a {ins.dtype} value (`{ins.op}`); the kernels "
                         f"evaluate only {self.value_dtypes} values.")
         for out in ir.outputs:
-            if out.reduce and not _unverified_allowed():
+            if out.reduce and not self.verified_reductions and not _unverified_allowed():
                 return (f"output {out.name!r} is a {out.reduce} over {'/'.join(out.over).upper()}: the "
                         f"{self.arch} kernel's epilogue reductions compile but have not yet been run on "
                         "a GPU, so the call runs on the XLA reference (which fuses the reduction into "
