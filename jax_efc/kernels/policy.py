@@ -12,7 +12,7 @@ import os
 
 from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR, Role
-from jax_efc.kernels.dtypes import align_elems
+from jax_efc.kernels.dtypes import OPERAND_DTYPES, OUT_DTYPES, VALUE_DTYPES, align_elems
 from jax_efc.kernels.problem import KernelProblem, tile_k
 
 __all__ = ["ArchPolicy", "MAX_ELEMENTS"]
@@ -35,10 +35,10 @@ class ArchPolicy:
     default_sm_count: int
     ab_dtypes: tuple[str, ...]
     acc_dtypes: tuple[str, ...]
-    out_dtypes: tuple[str, ...]
-    operand_dtypes: tuple[str, ...]
-    # dtypes the epilogue visitor evaluates in
-    value_dtypes: tuple[str, ...]
+    # what the shared epilogue driver stores, reads as operands and evaluates in
+    out_dtypes: tuple[str, ...] = OUT_DTYPES
+    operand_dtypes: tuple[str, ...] = OPERAND_DTYPES
+    value_dtypes: tuple[str, ...] = VALUE_DTYPES
     # A/B dtypes whose kernels compile and pass the instruction checks but have not yet run on
     # a GPU of this architecture: they run only under JAX_EFC_UNVERIFIED_KERNELS=1
     unverified_ab_dtypes: tuple[str, ...] = ()

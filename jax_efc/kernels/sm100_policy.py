@@ -14,7 +14,7 @@ import dataclasses
 import os
 
 from jax_efc.config import GemmConfig
-from jax_efc.kernels.dtypes import FP8, INT8, OPERAND_DTYPES, OUT_DTYPES, VALUE_DTYPES, bits
+from jax_efc.kernels.dtypes import FP8, INT8, bits
 from jax_efc.kernels.policy import ArchPolicy
 from jax_efc.kernels.problem import (SMEM_ALIGN, KernelProblem, cta_tile, epilogue_smem_bytes, epilogue_tile,
                                      reduction_reason, tile_operand_indices)
@@ -117,9 +117,6 @@ class Sm100Policy(ArchPolicy):
     default_sm_count = DEFAULT_SM_COUNT
     ab_dtypes = _AB_DTYPES
     acc_dtypes = ("float32", "float16", "int32")
-    out_dtypes = OUT_DTYPES
-    operand_dtypes = OPERAND_DTYPES
-    value_dtypes = VALUE_DTYPES
     # compiled, never run: every input type waits for JAX_EFC_UNVERIFIED_KERNELS=1
     unverified_ab_dtypes = _AB_DTYPES
     xla_rows = _XLA_ALWAYS_ROWS

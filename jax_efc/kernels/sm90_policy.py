@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_efc.config import GemmConfig
-from jax_efc.kernels.dtypes import FP8, INT8, OPERAND_DTYPES, OUT_DTYPES, VALUE_DTYPES, bits
+from jax_efc.kernels.dtypes import FP8, INT8, bits
 from jax_efc.kernels.policy import ArchPolicy
 from jax_efc.kernels.problem import (SMEM_ALIGN, KernelProblem, epilogue_smem_bytes, epilogue_tile,
                                      reduction_reason, tile_operand_indices)
@@ -120,9 +120,6 @@ class Sm90Policy(ArchPolicy):
     ab_dtypes = _AB_DTYPES
     # fp16 accumulation (fp16 inputs only) halves the accumulators' registers
     acc_dtypes = ("float32", "float16", "int32")
-    out_dtypes = OUT_DTYPES
-    operand_dtypes = OPERAND_DTYPES
-    value_dtypes = VALUE_DTYPES
     unverified_ab_dtypes = ("float32",)
     xla_rows = _XLA_ALWAYS_ROWS
     xla_fill = _XLA_FILL
