@@ -324,11 +324,11 @@ def compile_variants(tmp_path_factory, which: str, arch: str = "sm_90a", unverif
     """Compile ``VARIANTS`` ("standard"), ``LOW_PRECISION_VARIANTS`` ("low_precision"),
     ``REDUCTION_VARIANTS`` ("reductions"), or another test module's ("module.NAME"), for
     ``arch`` in a child process; ``unverified``: with JAX_EFC_UNVERIFIED_KERNELS=1 (default:
-    all but the standard variants, whose kernels run without it)."""
+    for the reductions)."""
     pytest.importorskip("cutlass.jax")
     dump = tmp_path_factory.mktemp("ptx")
     out = dump / "results.json"
-    unverified = which != "standard" if unverified is None else unverified
+    unverified = which == "reductions" if unverified is None else unverified
     env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump),
                JAX_PLATFORMS="cpu", JAX_EFC_UNVERIFIED_KERNELS="1" if unverified else "0")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

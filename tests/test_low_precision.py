@@ -193,7 +193,6 @@ def test_float32_runs_as_tf32_where_jax_would_use_tf32(monkeypatch):
     reference, which says why."""
     pytest.importorskip("cutlass")
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
     from jax_efc.plan import plan_call
     from jax_efc.primitive import fused_gemm_eqns
 

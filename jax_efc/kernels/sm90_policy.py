@@ -120,7 +120,6 @@ class Sm90Policy(ArchPolicy):
     ab_dtypes = _AB_DTYPES
     # fp16 accumulation (fp16 inputs only) halves the accumulators' registers
     acc_dtypes = ("float32", "float16", "int32")
-    unverified_ab_dtypes = ("float32",)
     xla_rows = _XLA_ALWAYS_ROWS
     xla_fill = _XLA_FILL
 
