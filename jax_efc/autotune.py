@@ -24,10 +24,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import pickle
-import subprocess
-import sys
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,15 +46,9 @@ def requested(config: Any) -> bool:
 
 def gpu() -> tuple[str, int] | None:
     """(model, SM count) of the first CUDA device, or None."""
-    import jax
-
     from jax_efc import device
 
-    try:
-        dev = jax.devices("cuda")[0]
-    except RuntimeError:
-        return None
-    return dev.device_kind, device.sm_count(0)
+    return device.gpu_model()
 
 
 def record_key(plan: Any, gpu: tuple[str, int]) -> str:
@@ -88,24 +78,20 @@ def _directory() -> str:
 def store(key: str, mnkl: Sequence[int], config: Any, configs: Sequence[Any], times: Sequence[float]) -> None:
     """Write the record ``key`` of an M x N x K x L GEMM (atomically): the config kept, and every
     candidate's time (the heuristic's first)."""
-    body = json.dumps({"mnkl": list(mnkl), "config": dataclasses.asdict(config),
-                       "timed": [[dataclasses.asdict(c), t] for c, t in zip(configs, times)]})
-    folder = _directory()
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        f.write(body)
-    os.replace(tmp, os.path.join(folder, key + ".json"))
+    from jax_efc.config import write_record
+
+    write_record(_directory(), key, {"mnkl": list(mnkl), "config": dataclasses.asdict(config),
+                                     "timed": [[dataclasses.asdict(c), t] for c, t in zip(configs, times)]})
     _memo.pop(key, None)
 
 
 def load(key: str) -> Any:
     """The config the record ``key`` keeps, or None (no record, or one that does not parse)."""
-    from jax_efc.config import GemmConfig
+    from jax_efc.config import GemmConfig, read_record
 
     try:
-        with open(os.path.join(_directory(), key + ".json")) as f:
-            return GemmConfig(**json.load(f)["config"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return GemmConfig(**read_record(_directory(), key)["config"])
+    except (ValueError, KeyError, TypeError):
         return None
 
 
@@ -145,18 +131,11 @@ def _tune_in_a_process(avals: Sequence[Any], params: dict[str, Any], key: str) -
     the heuristic's config then stands)."""
     import logging
 
+    from jax_efc import device
     from jax_efc.log import log_once
 
-    specs = [(tuple(a.shape), str(a.dtype)) for a in avals]
-    with tempfile.TemporaryDirectory(prefix="jax_efc-tune-") as tmp:
-        job = os.path.join(tmp, "job.pickle")
-        with open(job, "wb") as f:
-            pickle.dump((specs, {k: v for k, v in params.items() if k != "local"}), f)
-        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_EFC_AUTOTUNE="0",
-                   JAX_EFC_COMPILE_AHEAD="0")
-        proc = subprocess.run([sys.executable, "-m", "jax_efc.tuning", job], env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        log_once(logging.WARNING, "autotuning failed; the heuristic's config runs: "
-                 + ((proc.stderr.strip().splitlines() or ["no output"])[-1][:300]))
+    ran, last = device.run_on_gpu("jax_efc.tuning", avals, params)
+    if not ran:
+        log_once(logging.WARNING, f"autotuning failed; the heuristic's config runs: {last}")
         return None
     return load(key)

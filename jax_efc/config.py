@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-__all__ = ["GemmConfig", "disabled", "strict", "cache_dir", "private_cache_dir"]
+__all__ = ["GemmConfig", "disabled", "strict", "cache_dir", "private_cache_dir", "write_record", "read_record"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,3 +126,28 @@ def private_cache_dir(*parts: str) -> str:
         if st.st_mode & 0o077:
             os.chmod(path, 0o700)
     return path
+
+
+def write_record(folder: str, name: str, body: dict) -> None:
+    """``body`` as JSON in ``folder/name.json``, written atomically (a reader sees the old record
+    or the new one, never a torn one)."""
+    import json
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(body))
+    os.replace(tmp, os.path.join(folder, name + ".json"))
+
+
+def read_record(folder: str, name: str) -> dict | None:
+    """The JSON object in ``folder/name.json``, or None (none there, or one that does not parse)."""
+    import json
+
+    try:
+        with open(os.path.join(folder, name + ".json")) as f:
+            body = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+

@@ -12,12 +12,13 @@ from collections.abc import Sequence
 
 from jax_efc.log import log_once
 
-__all__ = ["arch", "set_target_arch", "sm_count", "residency", "dsl_reason", "use_private_dsl_cache"]
+__all__ = ["arch", "gpu_arch", "set_target_arch", "gpu_model", "sm_count", "residency", "dsl_reason", "use_private_dsl_cache",
+           "run_on_gpu", "read_job"]
 
 
 def set_target_arch(target: str) -> None:
-    """Build kernels for ``target`` (``"sm_90a"``, ``"sm_100a"``) whatever GPU this process has, or
-    none: what ``jax.export(..., platforms=["cuda"])`` on a CPU machine needs to hold the kernels
+    """Build kernels for ``target`` (``"sm_90a"``; ``"sm_100a"`` for a B200, ``"sm_103a"`` for a
+    B300, ``"sm_100f"`` for either) whatever GPU this process has, or none: what ``jax.export(..., platforms=["cuda"])`` on a CPU machine needs to hold the kernels
     rather than the XLA reference. Call it before the first kernel is built; it sets
     ``CUTE_DSL_ARCH``, which the CuTe DSL reads once, when it is imported.
 
@@ -25,7 +26,7 @@ def set_target_arch(target: str) -> None:
     >>> efc.set_target_arch("sm_75")
     Traceback (most recent call last):
     ...
-    ValueError: set_target_arch: 'sm_75' has no jax_efc kernel; use one of ('sm_90a', 'sm_100a').
+    ValueError: set_target_arch: 'sm_75' has no jax_efc kernel; use one of ('sm_90a', 'sm_100a', 'sm_103a', 'sm_100f').
     """
     from jax_efc.kernels import SUPPORTED_ARCHS
 
@@ -44,9 +45,11 @@ def set_target_arch(target: str) -> None:
 def arch() -> str | None:
     """The architecture kernels are built for: :func:`set_target_arch`'s (``CUTE_DSL_ARCH``)
     if set, else the first CUDA device's (``"sm_90a"``, ``"sm_100a"``), else ``None``."""
-    env = os.environ.get("CUTE_DSL_ARCH")
-    if env:
-        return env
+    return os.environ.get("CUTE_DSL_ARCH") or gpu_arch()
+
+
+def gpu_arch() -> str | None:
+    """The first CUDA device's architecture (``"sm_90a"``, ``"sm_100a"``), or ``None``."""
     try:
         import jax
 
@@ -55,6 +58,18 @@ def arch() -> str | None:
     except Exception:  # no CUDA backend, or a device without a compute capability
         return None
     return f"sm_{major}{minor}a" if major in ("9", "10") else f"sm_{major}{minor}"
+
+
+def gpu_model() -> tuple[str, int] | None:
+    """(model, SM count) of the first CUDA device, or None: what timings and checks made on one
+    GPU are kept for."""
+    try:
+        import jax
+
+        dev = jax.devices("cuda")[0]
+    except Exception:  # no CUDA backend
+        return None
+    return dev.device_kind, sm_count(0)
 
 
 @functools.cache
@@ -175,4 +190,33 @@ def build_versions() -> tuple:
                 with open(os.path.join(root, name), "rb") as f:
                     digest.update(name.encode() + b"\0" + f.read())
     return (jax_efc.__version__, version("nvidia-cutlass-dsl"), jax.__version__, digest.hexdigest())
+
+
+def run_on_gpu(module: str, avals: Sequence, params: dict, **env: str) -> tuple[bool, str]:
+    """Run ``python -m module JOB`` in a fresh interpreter on this process's GPU, JOB holding a
+    fused-GEMM call's input specs and parameters (what autotuning and first-use checks time or
+    check, outside the program being traced or lowered); returns (whether it exited 0, the last
+    line it wrote to stderr)."""
+    import pickle
+    import subprocess
+    import tempfile
+
+    specs = [(tuple(a.shape), str(a.dtype)) for a in avals]
+    with tempfile.TemporaryDirectory(prefix="jax_efc-job-") as tmp:
+        job = os.path.join(tmp, "job.pickle")
+        with open(job, "wb") as f:
+            pickle.dump((specs, {k: v for k, v in params.items() if k != "local"}), f)
+        # the parent holds most of the GPU's memory (JAX preallocates); the child takes what it uses
+        full_env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_EFC_AUTOTUNE="0",
+                        JAX_EFC_COMPILE_AHEAD="0", **env)
+        proc = subprocess.run([sys.executable, "-m", module, job], env=full_env, capture_output=True, text=True)
+    return proc.returncode == 0, (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]
+
+
+def read_job(path: str) -> tuple[list, dict]:
+    """The (input specs, parameters) :func:`run_on_gpu` wrote."""
+    import pickle
+
+    with open(path, "rb") as f:
+        return pickle.load(f)
 

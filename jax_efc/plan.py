@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_efc import autotune
+from jax_efc import autotune, self_check
 from jax_efc import config as _config
 from jax_efc import device
 from jax_efc.arguments import fast_accumulation, is_8bit_float, kernel_precision_reason, mixes_8bit
@@ -120,6 +120,9 @@ def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config
         b_batched=len(b[0]) == 3, operand_batched=tuple(len(x[0]) == 3 for x in operands), arch=arch,
         config=config if config is not None else GemmConfig(), promote=promote,
     )
+    reason = pol.dtype_reason(problem)
+    if reason:
+        return _reference(reason, arch=arch)
     transposes, note = (False, False), None
     need = pol.mma_majors(problem)
     if need is not None and (problem.a_major, problem.b_major) != need:
@@ -171,7 +174,9 @@ def plan_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence
     heuristic's config would run): a pinned config is a request, not a hint to drop silently.
     Only the heuristic hands calls to XLA's GEMM: never with a pinned config or under
     ``JAX_EFC_STRICT=1``. ``config="autotune"`` (see :mod:`jax_efc.autotune`) starts from the
-    heuristic's plan and runs the tuned config where a record or a tuning run has one."""
+    heuristic's plan and runs the tuned config where a record or a tuning run has one. A kernel
+    whose architecture or features have not yet run on a GPU of their kind checks itself first
+    (:mod:`jax_efc.self_check`)."""
     reason = empty_reason(avals_in)
     if reason:
         return _reference(reason, level=0)
@@ -208,5 +213,5 @@ def plan_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence
         if tuned is not None and tuned != plan.config:
             tuned_plan = plan_kernel(params["ir"], a, b, operands, config=tuned, **kw)
             if tuned_plan.backend == "kernel":
-                return tuned_plan
-    return plan
+                plan = tuned_plan
+    return self_check.screen(plan, avals_in, params, devices)

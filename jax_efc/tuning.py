@@ -9,7 +9,6 @@ record keeps the heuristic's config unless another was faster by more than
 
 from __future__ import annotations
 
-import pickle
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -62,6 +61,6 @@ def tune_call(specs: Sequence[tuple], params: dict[str, Any]) -> tuple[Any, list
 
 
 if __name__ == "__main__":
-    with open(sys.argv[1], "rb") as f:
-        job_specs, job_params = pickle.load(f)
-    tune_call(job_specs, job_params)
+    from jax_efc import device
+
+    tune_call(*device.read_job(sys.argv[1]))

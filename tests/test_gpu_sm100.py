@@ -2,7 +2,7 @@
 capability 10.x (marked ``gpu``; skipped everywhere else, which so far is everywhere: no
 Blackwell GPU has run these).
 
-Every call runs under ``JAX_EFC_UNVERIFIED_KERNELS=1`` (the sm_100a kernel's opt-in) and
+Every call runs under ``JAX_EFC_UNVERIFIED_KERNELS=1`` (unchecked: these tests are the check) and
 ``JAX_EFC_STRICT=1`` (a fallback to XLA is an error), and ``efc.backends`` must name the
 kernel. Shapes leave partial tiles along M and N; before each call the allocator is primed with
 NaN blocks of the outputs' sizes, so an element the kernel never wrote shows up as non-finite.
@@ -50,7 +50,8 @@ def kernel_only(monkeypatch):
 def _run(fn, *args, outputs):
     """``fn(*args)`` jitted on the kernel: compiled first, then called on an allocator primed with
     NaN blocks of each of ``outputs`` ((shape, dtype) pairs)."""
-    assert all(b.startswith("kernel (sm_100a)") for b in efc.backends(fn, *args)), efc.backends(fn, *args)
+    assert all(b.startswith(("kernel (sm_100a)", "kernel (sm_103a)")) for b in efc.backends(fn, *args)), \
+        efc.backends(fn, *args)
     f = jax.jit(fn)
     jax.block_until_ready(f(*args))
     poison = [jnp.full(shape, jnp.nan, dtype) for shape, dtype in outputs]

@@ -510,7 +510,7 @@ def _aval(shape, dtype):
     [
         (dict(k=1001), "K=1001"),
         (dict(n=1001), "N=1001"),
-        (dict(dtype="float32"), "float32"),
+        (dict(dtype="float64"), "A/B dtype float64 is not supported"),
         (dict(config=(32, 128, 1, 1)), "tile_m=32"),
         (dict(config=(256, 128, 1, 1, {"pingpong": True})), "tile_m=256 needs pingpong=False"),
         (dict(config=(256, 256, 1, 1)), "cooperative 256x256 tile"),
@@ -581,9 +581,9 @@ def test_8bit_kernels_read_a_and_b_k_major_and_promote_unless_fast():
     assert not plan(bf16, True, a=bf16).problem.promote
 
 
-def test_unverified_kernels_run_only_when_asked(monkeypatch):
-    """A policy may hold back kernels that compile but have not run on a GPU of its
-    architecture until JAX_EFC_UNVERIFIED_KERNELS=1."""
+def test_a_policy_says_what_has_not_run_on_its_gpus():
+    """A policy names what of a kernel compiles but has not run on a GPU of its architecture (an
+    input or accumulator type, epilogue reductions): what the plan has checked on first use."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -599,12 +599,12 @@ def test_unverified_kernels_run_only_when_asked(monkeypatch):
 
     problem = KernelProblem(identity_ir(jnp.bfloat16), "float8_e4m3fn", "float32", "k", "k", False, False, False,
                             (), "sm_90a", GemmConfig())
-    monkeypatch.delenv("JAX_EFC_UNVERIFIED_KERNELS", raising=False)
-    assert "has not yet been run on a GPU; set JAX_EFC_UNVERIFIED_KERNELS=1" in Held().unsupported_reason(problem)
+    assert Held().unverified_reason(problem) == "the sm_90a kernel with float8_e4m3fn inputs"
     f16 = dataclasses.replace(problem, ab_dtype="float16", b_dtype="float16", acc_dtype="float16", b_major="n")
-    assert "float16 accumulation compiles but has not yet been run" in Held().unsupported_reason(f16)
-    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
+    assert Held().unverified_reason(f16) == "the sm_90a kernel with float16 accumulation"
     assert Held().unsupported_reason(problem) is None and Held().unsupported_reason(f16) is None
+    bf16 = dataclasses.replace(problem, ab_dtype="bfloat16", b_dtype="bfloat16", b_major="n")
+    assert Sm90Policy().unverified_reason(bf16) is None
 
 
 def test_too_few_stages_names_the_subtiles_that_fit():

@@ -154,6 +154,31 @@ def test_variants_assemble_without_spills(compiled, assembled):
             json.dump(table, f, indent=1, sort_keys=True)
 
 
+# the same kernel built for the B300 (sm_103a) and for the 10.x family (sm_100f, one build for
+# both): a 2-CTA bf16 tile and a 1-CTA fp8 one each
+OTHER_TARGET_VARIANTS = {
+    "bf16_2cta_256x256_c2x1_bias_gelu": ("bfloat16", False, False, None, (256, 256, 2, 1, {"use_2cta": True}),
+                                         "bias_gelu"),
+    "fp8e4m3_nk_128x128_alpha_beta": ("float8_e4m3fn", False, True, None, (128, 128, 1, 1), "alpha_beta"),
+}
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("arch", ["sm_103a", "sm_100f"])
+def test_the_kernel_builds_for_the_b300_and_the_family_target(arch, tmp_path_factory):
+    """The registry's other Blackwell targets plan the same kernel (the plan names them), its PTX
+    targets them with the same tcgen05 MMAs, and ptxas assembles it for them without spills."""
+    built = compile_variants(tmp_path_factory, "test_kernel_compile_sm100.OTHER_TARGET_VARIANTS", arch=arch,
+                             unverified=True)
+    for name, result in built.items():
+        assert "error" not in result, result.get("error")
+        assert result["custom_call"] and f".target {arch}" in result["ptx"], name
+        kind = _KIND[OTHER_TARGET_VARIANTS[name][0]]
+        assert re.search(rf"tcgen05\.mma\.cta_group::\d\.kind::{kind}", result["ptx"]), name
+    for name, report in assemble_all(built, tmp_path_factory.mktemp(f"sass_{arch}"), arch=arch).items():
+        assert "0 bytes spill stores, 0 bytes spill loads" in report, (name, report)
+
+
 @pytest.mark.matrix
 def test_accumulator_types(compiled):
     """fp16 accumulators come out of TMEM two to a 32-bit lane column (``.pack::16b``) and are
@@ -215,8 +240,6 @@ def _plan(change: dict, monkeypatch):
     (dict(dtype="float32", precision="HIGHEST"), "float32 inputs at precision=HIGHEST"),
     (dict(dtype="bfloat16", acc="float16"), "float16 accumulation takes float16 inputs, not bfloat16"),
     (dict(dtype="int8"), "int8 inputs accumulate in int32"),
-    (dict(unverified=False), "the sm_100a kernel with bfloat16 inputs compiles but has not yet been run on a GPU; "
-                             "set JAX_EFC_UNVERIFIED_KERNELS=1"),
     (dict(switch="0"), "JAX_EFC_SM100=0 turns the sm_100a kernel off"),
     (dict(epilogue="alpha_beta", config=(128, 256, 1, 1, {"epi_n": 64, "stages": 2}), dtype="float32"),
      "leaves too little shared memory for 2 A/B pipeline stages"),
@@ -226,6 +249,29 @@ def test_refusals_name_the_value(change, needle, monkeypatch):
     pytest.importorskip("cutlass.jax")
     plan = _plan(change, monkeypatch)
     assert plan.backend == "reference" and needle in plan.reason, plan.reason
+
+
+def test_every_sm100_kernel_is_unverified_and_checks_itself_first(monkeypatch):
+    """No Blackwell GPU has run the kernel: its policy says so for every input type, and a call
+    planned without such a GPU (an export) runs the reference, saying there is none to check
+    it on; JAX_EFC_UNVERIFIED_KERNELS=1 runs it unchecked."""
+    pytest.importorskip("cutlass.jax")
+    import jax
+    import jax.numpy as jnp
+
+    import jax_efc as efc
+    from jax_efc.kernels import policy
+
+    plan = _plan(dict(unverified=False), monkeypatch)
+    assert plan.backend == "kernel"
+    assert policy("sm_100a").unverified_reason(plan.problem) == "the sm_100a kernel with bfloat16 inputs"
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    spec = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    (why,) = efc.backends(lambda a, b: efc.gemm(a, b), spec, spec)
+    assert why.startswith("reference: not yet run on a GPU of its kind: the sm_100a kernel with bfloat16 inputs; "
+                          "there is no sm_100a GPU here to check it on first use"), why
+    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
+    assert efc.backends(lambda a, b: efc.gemm(a, b), spec, spec) == ["kernel (sm_100a)"]
 
 
 def test_2cta_needs_an_even_cluster_m():
@@ -334,7 +380,7 @@ def test_backends_and_export_for_sm100():
     assert run("env", CUTE_DSL_ARCH="sm_100a", JAX_EFC_UNVERIFIED_KERNELS="1") == ["['kernel (sm_100a)']", "1"]
     assert run("set", JAX_EFC_UNVERIFIED_KERNELS="1") == ["['kernel (sm_100a)']", "1"]
     held, count = run("env", CUTE_DSL_ARCH="sm_100a", JAX_EFC_UNVERIFIED_KERNELS="0")
-    assert "has not yet been run on a GPU" in held and count == "0"
+    assert "not yet run on a GPU of its kind" in held and "no sm_100a GPU here" in held and count == "0"
 
 # ---------------------------------------------------------------- the subtile walk's coverage
 # (tile_m, tile_n, cluster_m, cluster_n, GemmConfig fields, output dtype, accumulator, (M, N, L))

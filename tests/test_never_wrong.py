@@ -364,3 +364,14 @@ def test_no_stream_k_without_known_residency():
     assert schedule(None).stream_k is not None
     assert schedule(()).stream_k is None
     assert math.isfinite(schedule(()).clusters)
+
+
+def test_float64_inputs_planned_for_a_gpu_fall_back_with_the_reason(monkeypatch):
+    """float64 GEMMs planned for the kernel's architecture: the reference, saying the kernel takes
+    no float64 (the plan used to read the dtype's width before asking, and crashed)."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    with jax.enable_x64(True):
+        spec = jax.ShapeDtypeStruct((256, 256), jnp.float64)
+        (why,) = efc.backends(lambda a, b: efc.gemm(a, b), spec, spec)
+    assert why.startswith("reference: A/B dtype float64 is not supported"), why

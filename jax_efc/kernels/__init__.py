@@ -21,10 +21,12 @@ __all__ = ["ArchPolicy", "KernelProblem", "SUPPORTED_ARCHS", "policy", "no_kerne
            "EPI_STAGES", "SMEM_ALIGN", "TIMELINE_EVENTS", "TIMELINE_UNITS", "epilogue_tile",
            "tile_operand_indices"]
 
-# architecture (as CUTE_DSL_ARCH names it) -> the module whose POLICY describes its kernel
+# architecture (as CUTE_DSL_ARCH names it) -> "module:POLICY" describing its kernel
 _ARCHITECTURES = {
-    "sm_90a": "jax_efc.kernels.sm90_policy",
-    "sm_100a": "jax_efc.kernels.sm100_policy",
+    "sm_90a": "jax_efc.kernels.sm90_policy:POLICY",
+    "sm_100a": "jax_efc.kernels.sm100_policy:POLICY",
+    "sm_103a": "jax_efc.kernels.sm100_policy:POLICY_SM103",
+    "sm_100f": "jax_efc.kernels.sm100_policy:POLICY_FAMILY",
 }
 SUPPORTED_ARCHS = tuple(_ARCHITECTURES)
 
@@ -32,8 +34,11 @@ SUPPORTED_ARCHS = tuple(_ARCHITECTURES)
 @functools.cache
 def policy(arch: str) -> ArchPolicy | None:
     """The policy of ``arch``'s kernel, or ``None`` where jax_efc has no kernel for it."""
-    module = _ARCHITECTURES.get(arch)
-    return None if module is None else importlib.import_module(module).POLICY
+    where = _ARCHITECTURES.get(arch)
+    if where is None:
+        return None
+    module, name = where.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def no_kernel_reason(arch: str | None) -> str | None:

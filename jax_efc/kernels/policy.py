@@ -15,13 +15,15 @@ from jax_efc.epilogue import EpilogueIR, Role
 from jax_efc.kernels.dtypes import OPERAND_DTYPES, OUT_DTYPES, VALUE_DTYPES, align_elems
 from jax_efc.kernels.problem import KernelProblem, tile_k
 
-__all__ = ["ArchPolicy", "MAX_ELEMENTS"]
+__all__ = ["ArchPolicy", "MAX_ELEMENTS", "unverified_allowed"]
 
 # the most elements one tensor may hold: the kernels' offsets are 32-bit signed integers
 MAX_ELEMENTS = 2**31 - 1
 
 
-def _unverified_allowed() -> bool:
+def unverified_allowed() -> bool:
+    """``JAX_EFC_UNVERIFIED_KERNELS=1``: run kernels that have not run on a GPU of their
+    architecture without checking them first."""
     return os.environ.get("JAX_EFC_UNVERIFIED_KERNELS", "0") not in ("", "0")
 
 
@@ -39,12 +41,12 @@ class ArchPolicy:
     out_dtypes: tuple[str, ...] = OUT_DTYPES
     operand_dtypes: tuple[str, ...] = OPERAND_DTYPES
     value_dtypes: tuple[str, ...] = VALUE_DTYPES
-    # A/B dtypes whose kernels compile and pass the instruction checks but have not yet run on
-    # a GPU of this architecture: they run only under JAX_EFC_UNVERIFIED_KERNELS=1
+    # A/B and accumulator dtypes whose kernels compile and pass the instruction checks but have
+    # not yet run on a GPU of this architecture, and whether its epilogue reductions have: what
+    # has not, each kernel checks on first use (jax_efc.self_check), or runs under
+    # JAX_EFC_UNVERIFIED_KERNELS=1
     unverified_ab_dtypes: tuple[str, ...] = ()
     unverified_acc_dtypes: tuple[str, ...] = ()
-    # whether its epilogue reductions have run on a GPU of this architecture (if not, they too
-    # run only under JAX_EFC_UNVERIFIED_KERNELS=1)
     verified_reductions: bool = False
     # GEMMs the heuristic hands to XLA's GEMM (xla_faster_reason): at most this many rows per B
     # (None: none are), or more rows in 128x128 tiles that fill less than this share of the SMs
@@ -56,9 +58,22 @@ class ArchPolicy:
         return getattr(importlib.import_module(module), name)
 
     def runs_by_default(self) -> bool:
-        """Whether the kernel runs calls without ``JAX_EFC_UNVERIFIED_KERNELS=1``: some of its
-        input types have run on a GPU of this architecture (or the switch is set)."""
-        return _unverified_allowed() or bool(set(self.ab_dtypes) - set(self.unverified_ab_dtypes))
+        """Whether the kernel runs calls without a first-use check or
+        ``JAX_EFC_UNVERIFIED_KERNELS=1``: some of its input types have run on a GPU of this
+        architecture (or the switch is set)."""
+        return unverified_allowed() or bool(set(self.ab_dtypes) - set(self.unverified_ab_dtypes))
+
+    def unverified_reason(self, problem: KernelProblem) -> str | None:
+        """What of ``problem``'s kernel has not yet run on a GPU of this architecture (its input
+        or accumulator type, or its epilogue reductions), as a phrase; ``None``: all has."""
+        for dtype in (problem.ab_dtype, problem.b_dtype):
+            if dtype in self.unverified_ab_dtypes:
+                return f"the {self.arch} kernel with {dtype} inputs"
+        if problem.acc_dtype in self.unverified_acc_dtypes:
+            return f"the {self.arch} kernel with {problem.acc_dtype} accumulation"
+        if not self.verified_reductions and any(o.reduce for o in problem.ir.outputs):
+            return f"the {self.arch} kernel's epilogue reductions"
+        return None
 
     # ---- limits
     def config_reason(self, config: GemmConfig) -> str | None:
@@ -78,6 +93,18 @@ class ArchPolicy:
         fp32 workspace, written in the accumulator's register order."""
         return problem.acc_dtype == "float32"
 
+    def dtype_reason(self, problem: KernelProblem) -> str | None:
+        """Why the kernel takes no A, B or accumulator of ``problem``'s dtypes: asked first, before
+        anything that reads them (their widths, their majors)."""
+        for dtype in {problem.ab_dtype, problem.b_dtype}:
+            if dtype not in self.ab_dtypes:
+                return f"A/B dtype {dtype} is not supported; use {' or '.join(self.ab_dtypes)}."
+        if problem.b_dtype != problem.ab_dtype and tile_k(problem.b_dtype) != problem.tile_k:
+            return f"A is {problem.ab_dtype} but B is {problem.b_dtype}; only dtypes of one width mix."
+        if problem.acc_dtype not in self.acc_dtypes:
+            return f"accumulator dtype {problem.acc_dtype} is not supported; use {' or '.join(self.acc_dtypes)}."
+        return None
+
     def mma_majors(self, problem: KernelProblem) -> tuple[str, str] | None:
         """The (A, B) majors the MMA reads ``problem``'s inputs in, or ``None`` for any: the plan
         transposes an input stored otherwise once, before the kernel."""
@@ -89,19 +116,9 @@ class ArchPolicy:
         given), else one sentence naming the offending value and what to do."""
         if problem.arch != self.arch:
             return f"the {self.arch} policy was asked about a kernel for {problem.arch}."
-        for dtype in {problem.ab_dtype, problem.b_dtype}:
-            if dtype not in self.ab_dtypes:
-                return f"A/B dtype {dtype} is not supported; use {' or '.join(self.ab_dtypes)}."
-        if problem.b_dtype != problem.ab_dtype and tile_k(problem.b_dtype) != problem.tile_k:
-            return f"A is {problem.ab_dtype} but B is {problem.b_dtype}; only dtypes of one width mix."
-        if problem.acc_dtype not in self.acc_dtypes:
-            return f"accumulator dtype {problem.acc_dtype} is not supported; use {' or '.join(self.acc_dtypes)}."
-        unverified = [f"{d} inputs" for d in (problem.ab_dtype, problem.b_dtype) if d in self.unverified_ab_dtypes]
-        if problem.acc_dtype in self.unverified_acc_dtypes:
-            unverified.append(f"{problem.acc_dtype} accumulation")
-        if unverified and not _unverified_allowed():
-            return (f"the {self.arch} kernel with {unverified[0]} compiles but has not yet been run "
-                    "on a GPU; set JAX_EFC_UNVERIFIED_KERNELS=1 to run it (and please report what it gives).")
+        reason = self.dtype_reason(problem)
+        if reason:
+            return reason
         reason = self.accumulator_reason(problem)
         if reason:
             return reason
@@ -131,11 +148,6 @@ class ArchPolicy:
                 return (f"the epilogue computes a {ins.dtype} value (`{ins.op}`); the kernels "
                         f"evaluate only {self.value_dtypes} values.")
         for out in ir.outputs:
-            if out.reduce and not self.verified_reductions and not _unverified_allowed():
-                return (f"output {out.name!r} is a {out.reduce} over {'/'.join(out.over).upper()}: the "
-                        f"{self.arch} kernel's epilogue reductions compile but have not yet been run on "
-                        "a GPU, so the call runs on the XLA reference (which fuses the reduction into "
-                        "the epilogue's pass); set JAX_EFC_UNVERIFIED_KERNELS=1 to run the kernel.")
             value = ir.inputs[out.value].dtype if out.value < len(ir.inputs) else \
                 ir.instrs[out.value - len(ir.inputs)].dtype
             if out.reduce and value not in ("float32", "float16", "bfloat16"):

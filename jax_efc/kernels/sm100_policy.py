@@ -2,8 +2,8 @@
 cutlass import (see :mod:`jax_efc.kernels.policy`).
 
 No Blackwell GPU has run this kernel: it compiles, and its instructions, registers and spills
-are checked (``tests/test_kernel_compile_sm100.py``), so every dtype is held back until
-``JAX_EFC_UNVERIFIED_KERNELS=1``; ``JAX_EFC_SM100=0`` turns the kernel off altogether. The
+are checked (``tests/test_kernel_compile_sm100.py``), so every kernel is checked on first use
+(``jax_efc.self_check``); ``JAX_EFC_SM100=0`` turns the kernel off altogether. The
 heuristic's constants follow from the hardware's sizes (shared and tensor memory, SMs), not
 from timings on a B200; ``docs/performance.md`` has the speed model behind them.
 """
@@ -117,7 +117,7 @@ class Sm100Policy(ArchPolicy):
     default_sm_count = DEFAULT_SM_COUNT
     ab_dtypes = _AB_DTYPES
     acc_dtypes = ("float32", "float16", "int32")
-    # compiled, never run: every input type waits for JAX_EFC_UNVERIFIED_KERNELS=1
+    # compiled, never run: every kernel is checked on first use
     unverified_ab_dtypes = _AB_DTYPES
     xla_rows = _XLA_ALWAYS_ROWS
     xla_fill = _XLA_FILL
@@ -258,3 +258,14 @@ class Sm100Policy(ArchPolicy):
 
 
 POLICY = Sm100Policy()
+
+
+def _for(arch: str) -> Sm100Policy:
+    """The same kernel and limits built for ``arch``: the B300's sm_103a (the same tensor-core
+    instructions, shared and tensor memory as the B200's), or the 10.x family target sm_100f (one
+    build for both, for an export that must run on either)."""
+    return type(f"Sm100Policy_{arch}", (Sm100Policy,), {"arch": arch})()
+
+
+POLICY_SM103 = _for("sm_103a")
+POLICY_FAMILY = _for("sm_100f")
