@@ -18,6 +18,7 @@ from jax_efc.kernels.dtypes import FP8, INT8, bits
 from jax_efc.kernels.policy import ArchPolicy
 from jax_efc.kernels.problem import (SMEM_ALIGN, KernelProblem, cta_tile, epilogue_smem_bytes, epilogue_tile,
                                      reduction_reason, tile_operand_indices)
+from jax_efc.kernels.sm90_policy import Sm90Policy
 
 __all__ = ["POLICY", "Sm100Policy", "DEFAULT_SM_COUNT", "EPI_THREADS", "ACC_STAGES", "pipeline_stages",
            "tmem_columns"]
@@ -67,11 +68,6 @@ _MIN_STAGES = 4
 _TUNED_TILES = ((256, 256, True, 2, 1), (256, 128, True, 2, 1), (128, 256, False, 2, 1),
                 (128, 128, False, 2, 1), (256, 256, True, 4, 1), (128, 256, False, 1, 1))
 _AUTOTUNE_CANDIDATES = 6
-# GEMMs XLA's GEMM runs faster: Hopper's measured limits (sm90_policy.py), not yet measured on
-# Blackwell, where the same causes hold (a B-bound GEMM streams B through the SMs its tiles
-# occupy; too few tiles leave SMs idle)
-_XLA_ALWAYS_ROWS = 64
-_XLA_FILL = 0.75
 
 
 def tmem_columns(problem: KernelProblem) -> int:
@@ -119,8 +115,11 @@ class Sm100Policy(ArchPolicy):
     acc_dtypes = ("float32", "float16", "int32")
     # compiled, never run: every kernel is checked on first use
     unverified_ab_dtypes = _AB_DTYPES
-    xla_rows = _XLA_ALWAYS_ROWS
-    xla_fill = _XLA_FILL
+    # GEMMs XLA's GEMM runs faster: Hopper's measured limits, not yet measured on Blackwell, where
+    # the same causes hold (a B-bound GEMM streams B through the SMs its tiles occupy; too few
+    # tiles leave SMs idle)
+    xla_rows = Sm90Policy.xla_rows
+    xla_fill = Sm90Policy.xla_fill
 
     def runs_by_default(self) -> bool:
         return not _switched_off() and super().runs_by_default()
