@@ -213,3 +213,22 @@ def test_float32_runs_as_tf32_as_accurate_as_xlas_default_dot(rng, transpose_b):
     assert _rel(got, _gelu_tanh(acc + _f64(bias))) <= 2 * xla
     with pytest.raises(efc.FallbackError, match="precision=HIGHEST"):
         jax.jit(lambda a, b: efc.gemm(a, b, transpose_b=transpose_b, precision="highest"))(a, b)
+
+
+@pytest.mark.parametrize("out", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("precision", [None, FAST], ids=["promoted", "fast"])
+def test_full_range_e4m3_scaled_bias_within_the_outputs_rounding(rng, out, precision):
+    """e4m3 inputs spread over the whole finite range (as a quantisation by amax makes them), a
+    per-tensor scale and a bias, at 2048 x 2048 x 4096 (128x128 cooperative tiles): within the
+    output's own rounding of the float64 oracle, tighter than the other tests' bars."""
+    m, n, k = 2048, 2048, 4096
+    a = (jnp.asarray(rng.standard_normal((m, k)), jnp.float32) * (448 / 5)).astype(jnp.float8_e4m3fn)
+    b = (jnp.asarray(rng.standard_normal((n, k)), jnp.float32) * (448 / 5)).astype(jnp.float8_e4m3fn)
+    bias = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+    s = jnp.float32(1 / (448 / 5) ** 2 / math.sqrt(k))
+    fn = jax.jit(lambda a, b, bias, s: efc.gemm(a, b, lambda acc, bias, *, s: acc * s + bias, bias, s=s,
+                                                transpose_b=True, out_dtypes=out, precision=precision))
+    assert efc.backends(fn, a, b, bias, s) == ["kernel (sm_90a)"]
+    want = _f64(a) @ _f64(b).T * float(s) + _f64(bias)
+    bar = 4e-3 if out == jnp.bfloat16 else (5e-4 if precision is None else 5e-3)
+    assert _rel(fn(a, b, bias, s), want) < bar
