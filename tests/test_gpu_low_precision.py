@@ -230,5 +230,7 @@ def test_full_range_e4m3_scaled_bias_within_the_outputs_rounding(rng, out, preci
                                                 transpose_b=True, out_dtypes=out, precision=precision))
     assert efc.backends(fn, a, b, bias, s) == ["kernel (sm_90a)"]
     want = _f64(a) @ _f64(b).T * float(s) + _f64(bias)
-    bar = 4e-3 if out == jnp.bfloat16 else (5e-4 if precision is None else 5e-3)
+    # bf16's rounding alone is 1.7e-3 here; fast accumulation adds about 3e-3 at this K
+    bar = {(True, True): 3e-3, (True, False): 6e-3, (False, True): 5e-4, (False, False): 5e-3}[
+        out == jnp.bfloat16, precision is None]
     assert _rel(fn(a, b, bias, s), want) < bar
