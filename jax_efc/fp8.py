@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from . import activations, arguments
 from .ops import gemm
 
-__all__ = ["fp8_dense", "Fp8Meta", "E4M3", "E5M2"]
+__all__ = ["fp8_dense", "fp8_mlp", "Fp8Meta", "E4M3", "E5M2"]
 
 E4M3 = jnp.float8_e4m3fn  # activations and weights: 3 mantissa bits, largest finite 448
 E5M2 = jnp.float8_e5m2  # gradients: 2 mantissa bits, largest finite 57344
@@ -79,13 +79,21 @@ def _current_scale(amax: Any, dtype: Any) -> Any:
     return jnp.where(amax == 0, 1.0, amax / _fp8_max(dtype)).reshape(1)
 
 
-def _delayed(x: Any, dtype: Any, scale: Any, history: Any) -> tuple[Any, Any]:
-    """Flax's delayed-scaling step: the scale from the history's largest amax (the previous one
-    where that is zero or not finite), and the history with ``x``'s amax pushed in front."""
+def _delayed_scale(dtype: Any, scale: Any, history: Any) -> Any:
+    """Flax's delayed scale: from the history's largest amax (the previous scale where that is
+    zero or not finite)."""
     amax = jnp.max(history, axis=0)
-    new_scale = jnp.where((amax > 0) & jnp.isfinite(amax), amax / _fp8_max(dtype), scale)
-    new_history = jnp.roll(history, -1, axis=0).at[0].set(_amax(x))
-    return new_scale, new_history
+    return jnp.where((amax > 0) & jnp.isfinite(amax), amax / _fp8_max(dtype), scale)
+
+
+def _pushed(history: Any, amax: Any) -> Any:
+    """The amax history with this step's ``amax`` entered, as Flax's FP8 ops enter it."""
+    return jnp.roll(history, -1, axis=0).at[0].set(amax)
+
+
+def _delayed(x: Any, dtype: Any, scale: Any, history: Any) -> tuple[Any, Any]:
+    """Flax's delayed-scaling step for ``x``: its scale, and the history with its amax entered."""
+    return _delayed_scale(dtype, scale, history), _pushed(history, _amax(x))
 
 
 # 8-bit values a TMA row must hold a multiple of (16 bytes): the weight gradient contracts over
@@ -201,29 +209,182 @@ def fp8_dense(
     >>> round(float(efc.fp8_dense(x, w, activation="relu")[0, 0]), 4)
     8.0
     """
-    x, kernel = arguments.array("x", x), arguments.array("kernel", kernel)
-    for name, v in (("x", x), ("kernel", kernel)):
-        if v.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-            raise TypeError(f"{name} is {v.dtype}; fp8_dense quantises bfloat16, float16 or float32 inputs.")
-    if kernel.ndim != 2:
-        raise ValueError(f"kernel must be 2-D (K, N), got shape {kernel.shape}.")
-    if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
-        raise ValueError(f"x has shape {x.shape} but kernel is {kernel.shape}: x's last dimension must equal "
-                         f"kernel's first (K={kernel.shape[0]}).")
+    x = _checked_input("fp8_dense", "x", x)
+    kernel, bias = _checked_layer("fp8_dense", "", x.shape[-1], f"x has shape {x.shape}", kernel, bias)
     lead, (k, n) = x.shape[:-1], kernel.shape
-    if bias is not None:
-        bias = jnp.asarray(bias)
-        if bias.shape != (n,):
-            raise ValueError(f"bias has shape {bias.shape}; expected ({n},).")
-    if meta is not None:
-        if not isinstance(meta, Fp8Meta):
-            raise TypeError(f"meta must be a jax_efc.Fp8Meta or None, got {type(meta).__name__}.")
-        for field, value in zip(meta._fields, meta):
-            want = (1,) if field.endswith("scale") else meta.input_amax_history.shape
-            if jnp.shape(value) != want or len(want) != 1:
-                raise ValueError(f"meta.{field} has shape {jnp.shape(value)}; expected {want} (Fp8Meta.init "
-                                 "makes a valid one).")
-        meta = Fp8Meta(*(jnp.asarray(v, jnp.float32) for v in meta))
+    meta = _checked_meta("meta", meta)
     static = _Static(activations.resolve(activation), meta is not None, x.dtype, kernel.dtype)
     rows = x.reshape(math.prod(lead), k)
     return _fp8_dense(static, rows, kernel, bias, meta).reshape(*lead, n)
+
+
+def _checked_input(op: str, name: str, x: Any) -> Any:
+    x = arguments.array(name, x)
+    if x.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise TypeError(f"{name} is {x.dtype}; {op} quantises bfloat16, float16 or float32 inputs.")
+    if x.ndim < 1:
+        raise ValueError(f"{name} must have at least one dimension (..., K).")
+    return x
+
+
+def _checked_layer(op: str, prefix: str, k: int, k_from: str, kernel: Any, bias: Any) -> tuple[Any, Any]:
+    """``kernel`` (K, N) and ``bias`` (N,) or None, checked, K = ``k`` (``k_from`` says whose
+    dimension that is); the arguments named with ``prefix`` (``"up_"``: ``up_kernel``, ``up_bias``)."""
+    kernel = _checked_input(op, f"{prefix}kernel", kernel)
+    if kernel.ndim != 2:
+        raise ValueError(f"{prefix}kernel must be 2-D (K, N), got shape {kernel.shape}.")
+    if kernel.shape[0] != k:
+        raise ValueError(f"{k_from} but {prefix}kernel is {kernel.shape}: its first dimension must be {k}.")
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != (kernel.shape[1],):
+            raise ValueError(f"{prefix}bias has shape {bias.shape}; expected ({kernel.shape[1]},).")
+    return kernel, bias
+
+
+def _checked_meta(name: str, meta: Any) -> Fp8Meta | None:
+    if meta is None:
+        return None
+    if not isinstance(meta, Fp8Meta):
+        raise TypeError(f"{name} must be a jax_efc.Fp8Meta or None, got {type(meta).__name__}.")
+    for field, value in zip(meta._fields, meta):
+        want = (1,) if field.endswith("scale") else meta.input_amax_history.shape
+        if jnp.shape(value) != want or len(want) != 1:
+            raise ValueError(f"{name}.{field} has shape {jnp.shape(value)}; expected {want} (Fp8Meta.init "
+                             "makes a valid one).")
+    return Fp8Meta(*(jnp.asarray(v, jnp.float32) for v in meta))
+
+
+# The MLP ----------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=64)
+def _up_epilogue(activation: Callable[[Any], Any], has_bias: bool) -> Callable[..., Any]:
+    """The up projection's epilogue: the hidden value quantised with the down projection's input
+    scale (stored as e4m3, saturating), its amax (the down projection's input amax this step),
+    and the pre-activation (the backward's residual)."""
+
+    def epilogue(acc, *ops, s, inv_scale):
+        z = acc * s + ops[0] if has_bias else acc * s
+        h = activation(z)
+        return h * inv_scale, jnp.max(jnp.abs(h)), z
+
+    epilogue.__efc_builtin__ = activations.is_builtin(activation)
+    return epilogue
+
+
+@functools.lru_cache(maxsize=64)
+def _hidden_grad_epilogue(activation: Callable[[Any], Any], has_bias: bool) -> Callable[..., Any]:
+    """The down projection's data-gradient epilogue: the up projection's output gradient (the
+    hidden gradient times the activation's derivative at ``z``) quantised with its delayed scale
+    (stored as e5m2, saturating), its amax and, with an up bias, its column sums (that bias's
+    gradient)."""
+
+    def epilogue(acc, z, *, s, inv_scale):
+        _, pullback = jax.vjp(activation, z)
+        (g,) = pullback(acc * s)
+        out = (g * inv_scale, jnp.max(jnp.abs(g)))
+        return (*out, jnp.sum(g, axis=0)) if has_bias else out
+
+    epilogue.__efc_builtin__ = activations.is_builtin(activation)
+    return epilogue
+
+
+@dataclasses.dataclass(frozen=True)
+class _MlpStatic:
+    activation: Callable[[Any], Any]
+    x_dtype: Any
+    up_dtype: Any
+    down_dtype: Any
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_mlp(static: _MlpStatic, x, up, down, metas):
+    return _fp8_mlp_fwd(static, x, up, down, metas)[0]
+
+
+def _fp8_mlp_fwd(static: _MlpStatic, x, up, down, metas):
+    (up_k, up_b), (down_k, down_b), (mu, md) = up, down, metas
+    sx, hx = _delayed(x, E4M3, mu.input_scale, mu.input_amax_history)
+    swu, hwu = _delayed(up_k, E4M3, mu.kernel_scale, mu.kernel_amax_history)
+    swd, hwd = _delayed(down_k, E4M3, md.kernel_scale, md.kernel_amax_history)
+    # the hidden value's scale is the down projection's input scale, known from its history
+    # before the up GEMM; this step's amax comes out of that GEMM and enters the history after
+    sh = _delayed_scale(E4M3, md.input_scale, md.input_amax_history)
+    xq, wuq, wdq = _quantize(x, E4M3, sx), _quantize(up_k, E4M3, swu), _quantize(down_k, E4M3, swd)
+    hq, amax_h, z = gemm(xq, wuq.T, _up_epilogue(static.activation, up_b is not None), *[b for b in (up_b,) if b is not None],
+                         transpose_b=True, s=(sx * swu)[0], inv_scale=1 / sh[0], out_dtypes=(E4M3, jnp.float32, static.x_dtype))
+    hh = _pushed(md.input_amax_history, amax_h)
+    y = gemm(hq, wdq.T, _forward_epilogue(activations.identity, down_b is not None, False),
+             *[b for b in (down_b,) if b is not None], transpose_b=True, s=(sh * swd)[0], out_dtypes=static.x_dtype)
+    updates = ((sx, hx, swu, hwu), (sh, hh, swd, hwd))
+    return y, (_transposed(xq), _transposed(hq), wuq, wdq, z, (sx, swu, sh, swd), updates, metas, up_b, down_b)
+
+
+def _fp8_mlp_bwd(static: _MlpStatic, residuals, g):
+    xq_t, hq_t, wuq, wdq, z, (sx, swu, sh, swd), updates, (mu, md), up_b, down_b = residuals
+    sgy, hgy = _delayed(g, E5M2, md.output_grad_scale, md.output_grad_amax_history)
+    gyq = _quantize(g, E5M2, sgy)
+    # the up projection's output gradient leaves the down projection's data-gradient GEMM
+    # quantised with its delayed scale, with its amax and the up bias's gradient
+    sg = _delayed_scale(E5M2, mu.output_grad_scale, mu.output_grad_amax_history)
+    gq, amax_g, *d_up_b = gemm(gyq, wdq, _hidden_grad_epilogue(static.activation, up_b is not None), z,
+                               transpose_b=True, s=(sgy * swd)[0], inv_scale=1 / sg[0],
+                               out_dtypes=(E5M2, jnp.float32, jnp.float32)[:2 + (up_b is not None)])
+    hg = _pushed(mu.output_grad_amax_history, amax_g)
+    d_down = (gemm(hq_t, _transposed(gyq), _dequantize, transpose_b=True, s=(sh * sgy)[0], out_dtypes=static.down_dtype),
+              None if down_b is None else jnp.sum(g, axis=0, dtype=jnp.float32).astype(down_b.dtype))
+    d_up = (gemm(xq_t, _transposed(gq), _dequantize, transpose_b=True, s=(sx * sg)[0], out_dtypes=static.up_dtype),
+            None if up_b is None else d_up_b[0].astype(up_b.dtype))
+    dx = gemm(gq, wuq, _dequantize, transpose_b=True, s=(sg * swu)[0], out_dtypes=static.x_dtype)
+    (u, d) = updates
+    metas = (Fp8Meta(*u, sg, hg), Fp8Meta(*d, sgy, hgy))  # their gradients are their updates
+    return dx, d_up, d_down, metas
+
+
+_fp8_mlp.defvjp(_fp8_mlp_fwd, _fp8_mlp_bwd)
+
+
+def fp8_mlp(
+    x: Any,
+    up_kernel: Any,
+    up_bias: Any,
+    down_kernel: Any,
+    down_bias: Any,
+    *,
+    activation: str | Callable[[Any], Any] = "gelu_tanh",
+    up_meta: Fp8Meta | None = None,
+    down_meta: Fp8Meta | None = None,
+) -> Any:
+    """``activation(x @ up_kernel + up_bias) @ down_kernel + down_bias`` with FP8 GEMMs, as two
+    :func:`fp8_dense` layers compute it (biases may be None).
+
+    With both layers' metas (delayed scaling), the scales the hidden tensors need are known before
+    the GEMMs that make them, so those GEMMs quantise them: the up projection's epilogue writes
+    the hidden value already in e4m3 with the down projection's input scale, and its amax; in the
+    backward the down projection's data-gradient epilogue computes the activation's derivative
+    and writes the up projection's output gradient in e5m2, its amax and the up bias's gradient.
+    The hidden tensors are never written in 16 bits, nor read again for an amax. Without metas
+    (current scaling, whose scales need this step's amaxes first) it is the two layers composed.
+    The metas' gradients are their updates (Flax's overwrite-with-gradient convention).
+
+    >>> import jax.numpy as jnp, jax_efc as efc
+    >>> x, up, down = jnp.ones((4, 32)), jnp.full((32, 64), 0.25), jnp.full((64, 16), 0.125)
+    >>> meta = efc.Fp8Meta.init(4)
+    >>> round(float(efc.fp8_mlp(x, up, None, down, None, activation="relu", up_meta=meta, down_meta=meta)[0, 0]), 2)
+    64.0
+    """
+    x = _checked_input("fp8_mlp", "x", x)
+    up = _checked_layer("fp8_mlp", "up_", x.shape[-1], f"x has shape {x.shape}", up_kernel, up_bias)
+    down = _checked_layer("fp8_mlp", "down_", up[0].shape[1], f"up_kernel has shape {up[0].shape}", down_kernel,
+                          down_bias)
+    metas = (_checked_meta("up_meta", up_meta), _checked_meta("down_meta", down_meta))
+    if (metas[0] is None) != (metas[1] is None):
+        raise ValueError("give both up_meta and down_meta (delayed scaling) or neither (current scaling).")
+    if metas[0] is None:
+        hidden = fp8_dense(x, *up, activation=activation)
+        return fp8_dense(hidden, *down)
+    static = _MlpStatic(activations.resolve(activation), x.dtype, up[0].dtype, down[0].dtype)
+    lead, k = x.shape[:-1], x.shape[-1]
+    y = _fp8_mlp(static, x.reshape(math.prod(lead), k), up, down, metas)
+    return y.reshape(*lead, y.shape[-1])
+

@@ -158,13 +158,16 @@ def test_current_scaling_against_the_quantised_oracle(rng, activation, dtype):
 # the MLPs, linen and nnx, against fp8_dense composed by hand ---------------------------------
 
 def _composed_mlp(x, p, metas, *, activation, gated):
-    """The MLP as plain ``fp8_dense`` calls: ``act(x@Wg+bg) * (x@Wu+bu)`` or ``act(x@Wu+bu)``, then
-    the down projection; ``metas`` by layer name, None for current scaling."""
+    """The MLP as jax_efc's own FP8 ops: ``fp8_mlp``, or gated ``act(x@Wg+bg) * (x@Wu+bu)`` as
+    ``fp8_dense`` calls, then the down projection; ``metas`` by layer name, None for current
+    scaling."""
     def layer(name, h, act=None):
         return efc.fp8_dense(h, p[name]["kernel"], p[name]["bias"], activation=act, meta=metas[name])
 
-    h = layer("gate", x, activation) * layer("up", x) if gated else layer("up", x, activation)
-    return layer("down", h)
+    if not gated:
+        return efc.fp8_mlp(x, p["up"]["kernel"], p["up"]["bias"], p["down"]["kernel"], p["down"]["bias"],
+                           activation=activation, up_meta=metas["up"], down_meta=metas["down"])
+    return layer("down", layer("gate", x, activation) * layer("up", x))
 
 
 def _linen_mlp(x, gated, fp8, activation, metas):
@@ -206,7 +209,7 @@ def _nnx_mlp(x, gated, fp8, activation, metas):
 @pytest.mark.parametrize("make", [_linen_mlp, _nnx_mlp], ids=["linen", "nnx"])
 @pytest.mark.parametrize("fp8", ["current", "delayed"])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_mlp_is_fp8_dense_composed(rng, make, fp8, gated):
+def test_mlp_runs_jax_efcs_fp8_ops(rng, make, fp8, gated):
     x = _normal(rng, (4, 6, 16), 2.0)
     activation = "silu" if gated else "gelu_tanh"
     metas = {name: _random_meta(rng, 8) for name in ("up", "gate", "down")}

@@ -146,7 +146,8 @@ def test_delayed_scaling_follows_flax_step_by_step(rng):
 @pytest.mark.parametrize("call, error, match", [
     (lambda x, w: efc.fp8_dense(x.astype(jnp.int8), w), TypeError, "x is int8; fp8_dense quantises"),
     (lambda x, w: efc.fp8_dense(x, w[None]), ValueError, "kernel must be 2-D"),
-    (lambda x, w: efc.fp8_dense(x, w.T), ValueError, "x's last dimension must equal kernel's first"),
+    (lambda x, w: efc.fp8_dense(x, w.T), ValueError, r"x has shape \(4, 32\) but kernel is \(16, 32\): its first "
+                                                     "dimension must be 32"),
     (lambda x, w: efc.fp8_dense(x, w, jnp.ones(3)), ValueError, r"bias has shape \(3,\); expected \(16,\)"),
     (lambda x, w: efc.fp8_dense(x, w, meta=(1, 2)), TypeError, "meta must be a jax_efc.Fp8Meta"),
     (lambda x, w: efc.fp8_dense(x, w, meta=efc.Fp8Meta.init(8)._replace(kernel_scale=jnp.ones(2))),
@@ -183,3 +184,89 @@ def test_its_three_gemms_are_fp8_kernels_on_hopper():
     assert out["kernels"] == 3, out
     # a plan that transposes an operand first says so after the backend
     assert out["backends"] == ["kernel (sm_90a)"] * 3, out
+
+
+def _metas(rng, length=4):
+    """Two layers' delayed-scaling state mid-training: histories of plausible amaxes."""
+    def one(x_amax, w_amax, g_amax):
+        return efc.Fp8Meta(*(jnp.asarray(v, jnp.float32) for v in (
+            [0.01], rng.uniform(0.5, 1, length) * x_amax, [0.001], rng.uniform(0.5, 1, length) * w_amax,
+            [1e-4], rng.uniform(0.5, 1, length) * g_amax)))
+    return one(12.0, 0.4, 0.05), one(5.0, 0.3, 2.0)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_fused_fp8_mlp_is_two_fp8_dense_layers(rng, bias):
+    """With delayed scaling, fp8_mlp quantises the hidden value in the up GEMM's epilogue and the
+    up layer's output gradient in the down layer's data-gradient epilogue: the same output,
+    gradients and meta updates as the two fp8_dense layers composed, up to where the composition
+    rounds the hidden tensors to bf16 before quantising them."""
+    x = jnp.asarray(rng.standard_normal((200, 64)) * 3, jnp.bfloat16)
+    up, down = (jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.bfloat16) for s in ((64, 128), (128, 48)))
+    bu, bd = (jnp.asarray(rng.standard_normal(n), jnp.bfloat16) if bias else None for n in (128, 48))
+    g = jnp.asarray(rng.standard_normal((200, 48)), jnp.bfloat16)
+    mu, md = _metas(rng)
+
+    def fused(x, up, bu, down, bd, mu, md):
+        return efc.fp8_mlp(x, up, bu, down, bd, activation="gelu_tanh", up_meta=mu, down_meta=md)
+
+    def composed(x, up, bu, down, bd, mu, md):
+        return efc.fp8_dense(efc.fp8_dense(x, up, bu, activation="gelu_tanh", meta=mu), down, bd, meta=md)
+
+    outs = []
+    for fn in (fused, composed):
+        y, pullback = jax.vjp(fn, x, up, bu, down, bd, mu, md)
+        outs.append((y, pullback(g)))
+    (y1, g1), (y2, g2) = outs
+    rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))  # noqa: E731
+    assert y1.dtype == y2.dtype == jnp.bfloat16 and rel(y1, y2) < 2e-2
+    for i, (a, b) in enumerate(zip(g1[:5], g2[:5])):
+        if b is None:
+            assert a is None, i
+        else:
+            assert a.dtype == b.dtype and a.shape == b.shape and rel(a, b) < 5e-2, (i, rel(a, b))
+    for new1, new2 in zip(g1[5:], g2[5:]):  # the metas' updates: scales equal, amaxes close
+        for field, a, b in zip(efc.Fp8Meta._fields, new1, new2):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-2, err_msg=field)
+    assert float(g1[6].input_amax_history[0]) != float(md.input_amax_history[0])  # the hidden amax entered
+
+
+def test_fp8_mlp_without_metas_composes_two_fp8_dense_layers(rng):
+    x = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+    up, down = jnp.asarray(rng.standard_normal((32, 48)), jnp.float32), jnp.asarray(rng.standard_normal((48, 16)), jnp.float32)
+    got = efc.fp8_mlp(x, up, None, down, None, activation="relu")
+    want = efc.fp8_dense(efc.fp8_dense(x, up, activation="relu"), down)
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+    meta = efc.Fp8Meta.init(4)
+    with pytest.raises(ValueError, match="give both up_meta and down_meta"):
+        efc.fp8_mlp(x, up, None, down, None, up_meta=meta)
+    with pytest.raises(ValueError, match=r"up_kernel has shape \(32, 48\) but down_kernel is \(16, 48\)"):
+        efc.fp8_mlp(x, up, None, down.T, None)
+    with pytest.raises(ValueError, match=r"up_bias has shape \(3,\); expected \(48,\)"):
+        efc.fp8_mlp(x, up, jnp.ones(3), down, None)
+
+
+_MLP_SCRIPT = """
+import json
+import jax, jax.numpy as jnp
+import jax_efc as efc
+
+S = jax.ShapeDtypeStruct
+m, k, h, d = 2008, 1024, 2048, 1024  # M not a multiple of 16: the weight gradients pad
+meta = efc.Fp8Meta.init(16)
+def loss(x, u, bu, w, bw, mu, md):
+    y = efc.fp8_mlp(x, u, bu, w, bw, activation="gelu_tanh", up_meta=mu, down_meta=md)
+    return jnp.square(y.astype(jnp.float32)).sum()  # (a plain sum's gradient would not need y)
+specs = (S((m, k), jnp.bfloat16), S((k, h), jnp.bfloat16), S((h,), jnp.bfloat16), S((h, d), jnp.bfloat16),
+         S((d,), jnp.bfloat16), meta, meta)
+step = jax.grad(loss, range(7))
+text = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=efc.export_checks())(*specs).mlir_module()
+print(json.dumps({"kernels": text.count("CuteDSLRT"), "backends": efc.backends(step, *specs)}))
+"""
+
+
+def test_the_fused_fp8_mlps_six_gemms_are_fp8_kernels_on_hopper():
+    """Its forward's two GEMMs and its backward's four each a Hopper FP8 kernel (the two with
+    epilogue reductions run unchecked here: JAX_EFC_UNVERIFIED_KERNELS=1)."""
+    out = json.loads(run_for_sm90(_MLP_SCRIPT, JAX_EFC_UNVERIFIED_KERNELS="1").strip().splitlines()[-1])
+    assert out["kernels"] == 6 and out["backends"] == ["kernel (sm_90a)"] * 6, out

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ..activations import resolve
-from ..fp8 import Fp8Meta, fp8_dense
+from ..fp8 import Fp8Meta, fp8_dense, fp8_mlp
 from ..mlp import fused_mlp
 from ..ops import fused_dense, gemm
 
@@ -91,18 +91,19 @@ def mlp(
     fp8: str | None = None,
     metas: tuple[Fp8Meta | None, Fp8Meta | None, Fp8Meta | None] = (None, None, None),
 ) -> Any:
-    """``jax_efc.fused_mlp`` (``gate_kernel`` None: not gated); with ``fp8`` set, each projection
-    an ``fp8_dense`` with its own meta from ``metas`` (up, gate, down; None: current scaling),
-    the gated form's product ``act(x @ Wg + bg) * (x @ Wu + bu)`` computed by XLA between them."""
+    """``jax_efc.fused_mlp`` (``gate_kernel`` None: not gated); with ``fp8`` set, with the metas
+    of ``metas`` (up, gate, down; None: current scaling), ``jax_efc.fp8_mlp``, or gated, each
+    projection an ``fp8_dense`` and the product ``act(x @ Wg + bg) * (x @ Wu + bu)`` computed by
+    XLA between them."""
     if fp8 is None:
         return fused_mlp(inputs, up_kernel, up_bias, down_kernel, down_bias, activation=activation,
                          gate_kernel=gate_kernel, gate_bias=gate_bias, precision=precision)
     up_meta, gate_meta, down_meta = metas
     if gate_kernel is None:
-        hidden = fp8_dense(inputs, up_kernel, up_bias, activation=activation, meta=up_meta)
-    else:
-        hidden = (fp8_dense(inputs, gate_kernel, gate_bias, activation=activation, meta=gate_meta)
-                  * fp8_dense(inputs, up_kernel, up_bias, meta=up_meta))
+        return fp8_mlp(inputs, up_kernel, up_bias, down_kernel, down_bias, activation=activation, up_meta=up_meta,
+                       down_meta=down_meta)
+    hidden = (fp8_dense(inputs, gate_kernel, gate_bias, activation=activation, meta=gate_meta)
+              * fp8_dense(inputs, up_kernel, up_bias, meta=up_meta))
     return fp8_dense(hidden, down_kernel, down_bias, meta=down_meta)
 
 

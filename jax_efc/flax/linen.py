@@ -158,9 +158,10 @@ class FusedMLP(nn.Module):
     ``hidden_axis`` names the hidden axis for sharding (with ``embed_axis`` for the model
     axis); None adds no metadata.
 
-    ``fp8`` and ``amax_history_length`` are ``FusedDense``'s: each projection is then a
-    ``jax_efc.fp8_dense`` with its own state (under ``up``, ``gate``, ``down``), and XLA computes
-    the gated form's product between the FP8 GEMMs (it is not fused into the first GEMM).
+    ``fp8`` and ``amax_history_length`` are ``FusedDense``'s: each projection keeps its own state
+    (under ``up``, ``gate``, ``down``) and the MLP runs ``jax_efc.fp8_mlp``; the gated form runs
+    each projection as a ``jax_efc.fp8_dense`` and XLA computes the product between the FP8 GEMMs
+    (it is not fused into the first GEMM).
     """
 
     hidden_features: int

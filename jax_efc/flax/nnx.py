@@ -130,8 +130,8 @@ class FusedMLP(nnx.Module):
     the same values). ``out_features`` defaults to ``in_features``. ``embed_axis`` and
     ``hidden_axis`` name the model and hidden axes for sharding (the kernels' and biases'
     ``out_sharding``); None adds no metadata. ``fp8`` and ``amax_history_length`` are
-    ``FusedLinear``'s, for each layer (each its own state); XLA computes the gated form's
-    product between the FP8 GEMMs.
+    ``FusedLinear``'s, for each layer (each its own state): ``jax_efc.fp8_mlp``, or gated,
+    ``fp8_dense`` layers with XLA computing the product between the FP8 GEMMs.
     """
 
     def __init__(
