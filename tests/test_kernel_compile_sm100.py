@@ -59,6 +59,9 @@ SM100_VARIANTS = {
                                        "alpha_beta", (2048, 1024, 512)),
     # 8-bit integers, int32 accumulation: the bare accumulator stored exactly, and a float epilogue
     "int8_nk_128x128": ("int8", False, True, None, (128, 128, 1, 1, {"acc": "int32"}), "identity"),
+    # int8 x uint8: the UMMA's descriptor takes each operand's signedness (kernels/sm100_int8.py)
+    "int8xuint8_nk_128x256_c2x1_multi": ("int8+uint8", False, True, None, (128, 256, 2, 1, {"acc": "int32"}),
+                                         "int_multi"),
     "uint8_kn_2cta_256x128_c2x1_multi": ("uint8", False, False, None,
                                          (256, 128, 2, 1, {"use_2cta": True, "acc": "int32"}), "int_multi"),
     # TF32 (float32 inputs, where the precision asks for it)
@@ -236,7 +239,6 @@ def _plan(change: dict, monkeypatch):
     (dict(config=(128, 128, 1, 32)), "cluster_n=32 must be a power of two up to 16"),
     (dict(config=(128, 128, 1, 2, {"pingpong": True})), "pingpong=True is Hopper's schedule"),
     (dict(config=(128, 128, 1, 1, {"epi_m": 64})), "each epilogue subtile spans the CTA tile's 128 rows"),
-    (dict(dtype="int8+uint8", acc="int32"), "one 8-bit integer type for both"),
     (dict(dtype="float32", precision="HIGHEST"), "float32 inputs at precision=HIGHEST"),
     (dict(dtype="bfloat16", acc="float16"), "float16 accumulation takes float16 inputs, not bfloat16"),
     (dict(dtype="int8"), "int8 inputs accumulate in int32"),

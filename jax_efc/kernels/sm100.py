@@ -39,6 +39,7 @@ from cutlass.tensor_utils import LayoutEnum
 from jax_efc.kernels.gemm_base import ConsumerEpilogue, EpilogueTensors, FusedGemmBase
 from jax_efc.kernels.problem import EPI_STAGES, SMEM_ALIGN, KernelProblem
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, cluster_tiles
+from jax_efc.kernels.sm100_int8 import mixed_int8_tiled_mma
 from jax_efc.kernels.sm100_policy import ACC_STAGES, EPI_THREADS, pipeline_stages, tmem_columns
 
 __all__ = ["Sm100FusedGemm"]
@@ -125,6 +126,10 @@ class Sm100FusedGemm(FusedGemmBase):
     # ---------------------------------------------------------------- host side (traced)
     def _tiled_mma(self) -> cute.TiledMma:
         cta_group = tcgen05.CtaGroup.TWO if self.use_2cta else tcgen05.CtaGroup.ONE
+        if self.acc_dtype is cutlass.Int32 and self.mma_a_dtype is not self.mma_b_dtype:
+            # int8 x uint8: the DSL's helper takes one integer type for both
+            return mixed_int8_tiled_mma(self.mma_a_dtype, self.mma_b_dtype, self.a_major, self.b_major, cta_group,
+                                        self.mma_tiler[:2])
         return sm100_utils.make_trivial_tiled_mma(self.mma_a_dtype, self.mma_b_dtype, self.a_major, self.b_major,
                                                   self.acc_dtype, cta_group, self.mma_tiler[:2])
 

@@ -136,9 +136,6 @@ class Sm100Policy(ArchPolicy):
             return f"float16 accumulation takes float16 inputs, not {a}; use float32."
         if (problem.acc_dtype == "int32") != (a in INT8):
             return f"{a} inputs accumulate in {'int32' if a in INT8 else 'float32'}."
-        if a in INT8 and b != a:
-            return (f"A is {a} but B is {b}: the DSL's tcgen05 integer MMA takes one 8-bit integer type "
-                    "for both; cast one of them.")
         # (8-bit float partial sums need no promotion: tcgen05 kind::f8f6f4 accumulates them in
         # fp32 tensor memory, and CUTLASS's SM100 FP8 GEMMs add none; `promote` changes nothing)
         return None
