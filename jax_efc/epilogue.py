@@ -106,6 +106,7 @@ class Output:
     dtype: str  # storage dtype of the output
     reduce: str | None = None  # "sum", "max" or "min" of ``value`` over the axes ``over``
     over: tuple[str, ...] = ()  # a subset of ("m", "n"): per batch, never over L
+    inplace: int | None = None  # the operand (its index among the operands) it is written over
 
 
 def output_shape(out: Output, tile_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -359,7 +360,7 @@ def split_at_reductions(ir: EpilogueIR) -> Split:
     for o in ir.outputs:
         direct.append(len(outputs) if in_gemm(o.value) else None)
         if in_gemm(o.value):
-            outputs.append(output(o.name, o.value, o.dtype))
+            outputs.append(dataclasses.replace(output(o.name, o.value, o.dtype), inplace=o.inplace))
     given, stack, seen = set(), [o.value for o, d in zip(ir.outputs, direct) if d is None], set()
     while stack:
         v = stack.pop()

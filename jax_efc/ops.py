@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -56,6 +56,7 @@ def gemm(
     precision: Any = None,
     recompute_acc: bool = False,
     config: GemmConfig | str | None = None,
+    inplace: int | Mapping[Any, int] | None = None,
     **scalars: Any,
 ) -> Any:
     """``epilogue(op(a) @ op(b), *operands, **scalars)`` as one fused op.
@@ -72,7 +73,9 @@ def gemm(
     float32, or float64 for float64 inputs.
 
     ``recompute_acc=True`` recomputes ``op(a) @ op(b)`` in the backward pass instead of saving
-    it as a residual. ``config`` pins the kernel's ``GemmConfig``; ``"autotune"`` times the
+    it as a residual. ``inplace`` writes outputs over tile operands of their shape and dtype: an
+    operand's index for the one output, or ``{output: operand index}`` (by dict key or tuple
+    position); donated to ``jax.jit``, the operand's buffer is the output's, with no copy. ``config`` pins the kernel's ``GemmConfig``; ``"autotune"`` times the
     heuristic's candidates on the GPU at first use (each GEMM of the backward too) and keeps the
     fastest on disk (``jax_efc.autotune``).
 
@@ -100,7 +103,13 @@ def gemm(
 
     ir, structure, arrays = prepare_epilogue(epilogue, acc_shape, operands, scalars, out_dtypes,
                                              arguments.default_out_dtype(a.dtype, acc_dtype), acc_dtype, epi_dtype)
+    if inplace is not None:
+        ir = _in_place(ir, inplace, [x.shape for x in arrays], acc_shape)
     split = split_at_reductions(ir)
+    for o, direct in zip(ir.outputs, split.direct):
+        if o.inplace is not None and (direct is None or split.gemm.outputs[direct].reduce):
+            raise ValueError(f"inplace: output {o.name!r} is a reduction, or computed after one by XLA: only a "
+                             "tile the GEMM stores can be written in place.")
     static = _Static(split.gemm, transpose_a, transpose_b, acc_dtype, precision, config, recompute_acc,
                      _backward_reads_acc(split.gemm, acc_shape))
     a, b, gemm_arrays, unfold = _fold_batch(a, b, arrays, static, batch)
@@ -164,6 +173,33 @@ def prepare_epilogue(epilogue: Callable[..., Any] | None, acc_shape: tuple[int, 
         for x, r, bt in zip(arrays, roles, batched)
     ]
     return ir, structure, arrays
+
+
+def _in_place(ir: EpilogueIR, inplace: Any, shapes: list[tuple[int, ...]], acc_shape: tuple[int, ...]) -> EpilogueIR:
+    """``ir`` with its outputs marked as written over the tile operands ``inplace`` names,
+    checked: one output to an operand, a tile of the output's shape and dtype."""
+    by_name = {o.name: o for o in ir.outputs}
+    if isinstance(inplace, Mapping):
+        pairs = [(str(k), v) for k, v in inplace.items()]
+    elif len(ir.outputs) == 1:
+        pairs = [(ir.outputs[0].name, inplace)]
+    else:
+        raise TypeError(f"inplace: the epilogue returns {len(ir.outputs)} outputs; give {{output: operand index}}.")
+    chosen: dict[str, int] = {}
+    for name, j in pairs:
+        if name not in by_name:
+            raise ValueError(f"inplace: no output {name!r}; the epilogue returns {sorted(by_name)}.")
+        if not isinstance(j, (int, np.integer)) or isinstance(j, bool) or not 0 <= j < len(ir.operands):
+            raise ValueError(f"inplace[{name!r}] = {j!r}: an operand's index, 0 to {len(ir.operands) - 1}.")
+        out, op = by_name[name], ir.operands[j]
+        if tuple(shapes[j]) != tuple(acc_shape) or out.dtype != op.dtype:
+            raise ValueError(f"inplace: output {name!r} ({out.dtype}{tuple(acc_shape)}) cannot be written over "
+                             f"operand {j} ({op.dtype}{tuple(shapes[j])}); it must be a tile operand of the "
+                             "output's shape and dtype.")
+        if int(j) in chosen.values():
+            raise ValueError(f"inplace: two outputs are written over operand {j}.")
+        chosen[name] = int(j)
+    return ir.with_outputs([dataclasses.replace(o, inplace=chosen.get(o.name)) for o in ir.outputs])
 
 
 def _identity(acc: Any) -> Any:
@@ -410,12 +446,15 @@ def fused_dense(
     precision: Any = None,
     recompute_acc: bool = False,
     config: GemmConfig | str | None = None,
+    inplace: bool = False,
 ) -> Any:
     """``activation(x @ kernel + bias) + residual`` in one kernel.
 
     ``x`` is (..., K), ``kernel`` (K, N), ``bias`` (N,), ``residual`` (..., N). ``activation``
     is a name from ``jax_efc.activations.ACTIVATIONS`` (``"gelu"`` is the exact erf form,
-    ``"gelu_tanh"`` the approximation) or a callable of elementwise JAX ops.
+    ``"gelu_tanh"`` the approximation) or a callable of elementwise JAX ops. ``inplace=True``
+    writes the result over ``residual`` (of the result's dtype): donated to ``jax.jit``, a
+    residual stream is updated in its own buffer.
 
     >>> import jax.numpy as jnp, jax_efc as efc
     >>> x, w, b = jnp.ones((8, 16, 32)), jnp.full((32, 64), 0.1), jnp.zeros(64)
@@ -447,7 +486,9 @@ def fused_dense(
         if residual.shape != (*lead, n):
             raise ValueError(f"residual has shape {residual.shape}; expected {(*lead, n)}.")
         ops.append(residual.reshape(rows, n))
+    if arguments.flag("inplace", inplace) and residual is None:
+        raise ValueError("inplace=True writes the result over residual; give a residual.")
     epilogue = _dense_epilogue(activations.resolve(activation), bias is not None, residual is not None)
     y = gemm(x.reshape(rows, k), kernel, epilogue, *ops, out_dtypes=out_dtype, precision=precision,
-             recompute_acc=recompute_acc, config=config)
+             recompute_acc=recompute_acc, config=config, inplace=len(ops) - 1 if inplace else None)
     return y.reshape(*lead, n)

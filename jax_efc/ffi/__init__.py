@@ -186,13 +186,15 @@ def _assemble(plan: Plan, a, b, operands, timeline: bool) -> _Call:
     out_shapes += [jax.ShapeDtypeStruct((batch, tiles["m"] if "m" in o.over else m, tiles["n"] if "n" in o.over else n),
                                         jnp.float32) for o in problem.ir.outputs if o.reduce]
     out_specs = [keep] * len(out_shapes)
-    aliases = {}
+    # outputs written over a tile operand: each CTA reads a subtile of the operand before it
+    # stores the output's subtile there, and no CTA touches another's tile
+    aliases = {2 + j: i for i, j in problem.aliased}
     slots = kernel.schedule.slots
     if slots:
         # stream-K: one flag per CTA, zeroed for every call (the kernel raises them, so they
         # are an input aliased to an output), and a workspace of one fp32 tile per CTA that
         # needs no initial value
-        aliases = {len(inputs): len(out_shapes)}
+        aliases[len(inputs)] = len(out_shapes)
         inputs.append(jnp.zeros((slots,), jnp.int32))
         in_specs.append(TensorSpec())
         out_shapes += [jax.ShapeDtypeStruct((slots,), jnp.int32),

@@ -146,6 +146,7 @@ class FusedGemmBase:
         self.visitor = EpilogueVisitor(problem.ir, problem.operand_batched)
         self.n_operands = len(problem.ir.operands)
         self.out_dtypes = self.visitor.out_dtypes
+        self.aliased = problem.aliased  # outputs stored into their operand's tensor
         self.n_epi_groups = epi_groups
         self.n_epi_threads = epi_threads
         # fp32 accumulators per epilogue thread (a stream-K partial is written in this order)
@@ -256,16 +257,20 @@ class FusedGemmBase:
     # ---------------------------------------------------------------- shared set-up
     def _call_arguments(self, rest: tuple) -> CallArguments:
         """Split a launch's tensors after A and B: the operands, stream-K's flags, a timeline's
-        stamps, the outputs, the reductions' partials and stream-K's workspace."""
+        stamps, the outputs, the reductions' partials and stream-K's workspace. An output
+        written over its operand (``KernelProblem.aliased``) is not passed apart: it is the
+        operand's tensor."""
         operands = rest[: self.n_operands]
         rest = rest[self.n_operands:]
-        n_out = len(self.out_dtypes)
+        aliased = dict(self.aliased)
+        n_out = len(self.out_dtypes) - len(aliased)
         split = self.schedule.stream_k is not None
         n_extra = int(split) + int(self.timeline)  # inputs between the operands and the outputs
         end = n_extra + n_out + len(self.reductions)
+        passed = iter(rest[n_extra: n_extra + n_out])
+        outputs = tuple(operands[aliased[i]] if i in aliased else next(passed) for i in range(len(self.out_dtypes)))
         return CallArguments(operands, rest[0] if split else None, (rest[int(split)],) if self.timeline else (),
-                             rest[n_extra: n_extra + n_out], rest[n_extra + n_out: end],
-                             rest[end] if split else None)
+                             outputs, rest[n_extra + n_out: end], rest[end] if split else None)
 
     def _epilogue_tma(self, operands: tuple, outputs: tuple) -> tuple:
         """The epilogue's TMA: per output a store and per TILE operand a load of one subtile,

@@ -48,6 +48,7 @@ class ArchPolicy:
     unverified_ab_dtypes: tuple[str, ...] = ()
     unverified_acc_dtypes: tuple[str, ...] = ()
     verified_reductions: bool = False
+    verified_inplace: bool = False  # outputs stored over their operand (KernelProblem.aliased)
     # GEMMs the heuristic hands to XLA's GEMM (xla_faster_reason): at most this many rows per B
     # (None: none are), or more rows in 128x128 tiles that fill less than this share of the SMs
     xla_rows: int | None = None
@@ -73,6 +74,8 @@ class ArchPolicy:
             return f"the {self.arch} kernel with {problem.acc_dtype} accumulation"
         if not self.verified_reductions and any(o.reduce for o in problem.ir.outputs):
             return f"the {self.arch} kernel's epilogue reductions"
+        if not self.verified_inplace and problem.aliased:
+            return f"the {self.arch} kernel's outputs written over their operands"
         return None
 
     # ---- limits

@@ -65,6 +65,16 @@ class KernelProblem:
             object.__setattr__(self, "b_dtype", self.ab_dtype)
 
     @property
+    def aliased(self) -> tuple[tuple[int, int], ...]:
+        """(tile output index, operand index) of each output written over its operand (the
+        custom call aliases the two, and the kernel stores into the operand's tensor): those the
+        epilogue marks ``inplace`` whose operand has the output's shape (a batch as the outputs
+        do)."""
+        stored = [o for o in self.ir.outputs if not o.reduce]
+        return tuple((i, o.inplace) for i, o in enumerate(stored)
+                     if o.inplace is not None and self.operand_batched[o.inplace] == self.batched)
+
+    @property
     def tile_k(self) -> int:
         return tile_k(self.ab_dtype)
 
