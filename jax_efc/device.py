@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from jax_efc.log import log_once
 
-__all__ = ["arch", "gpu_arch", "set_target_arch", "gpu_model", "sm_count", "residency", "dsl_reason", "use_private_dsl_cache",
+__all__ = ["arch", "gpu_arch", "set_target_arch", "gpu_model", "driver_version", "sm_count", "residency", "dsl_reason", "use_private_dsl_cache",
            "run_on_gpu", "read_job"]
 
 
@@ -58,6 +58,17 @@ def gpu_arch() -> str | None:
     except Exception:  # no CUDA backend, or a device without a compute capability
         return None
     return f"sm_{major}{minor}a" if major in ("9", "10") else f"sm_{major}{minor}"
+
+
+def driver_version() -> str:
+    """The CUDA runtime and driver the first CUDA device runs under, as its JAX client reports
+    them ("" without one): a first-use check's verdict is kept for it."""
+    try:
+        import jax
+
+        return str(jax.devices("cuda")[0].client.platform_version)
+    except Exception:  # no CUDA backend
+        return ""
 
 
 def gpu_model() -> tuple[str, int] | None:

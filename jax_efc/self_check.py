@@ -40,10 +40,11 @@ def _folder() -> str:
 
 def _key(plan: Any, gpu: tuple[str, int]) -> str:
     """The record of ``plan``'s kernel on ``gpu``: everything its code depends on (the problem
-    with its config) and what built it."""
+    with its config), what built it and the driver it runs under."""
     from jax_efc import device
 
-    text = repr(("jax_efc self-check v1", gpu, plan.problem.compile_key, device.build_versions()))
+    text = repr(("jax_efc self-check v1", gpu, plan.problem.compile_key, device.build_versions(),
+                 device.driver_version()))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
