@@ -214,4 +214,5 @@ def plan_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence
             tuned_plan = plan_kernel(params["ir"], a, b, operands, config=tuned, **kw)
             if tuned_plan.backend == "kernel":
                 plan = tuned_plan
-    return self_check.screen(plan, avals_in, params, devices)
+    reason = self_check.refusal(plan, avals_in, params, devices)
+    return plan if reason is None else _reference(reason, arch=arch)

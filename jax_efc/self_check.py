@@ -3,7 +3,7 @@
 What a policy marks unverified (``ArchPolicy.unverified_reason``: an architecture no GPU of which
 has run the test suite, an input or accumulator type, epilogue reductions) is checked the first
 time a process plans it on a GPU of that architecture. A checking process (``python -m
-jax_efc.self_check``, a fresh interpreter on the same GPU, as autotuning's) builds the same
+jax_efc.checking``, a fresh interpreter on the same GPU, as autotuning's) builds the same
 kernel configuration (epilogue, dtypes, majors, tile, cluster) for small problems whose tiles
 cross every edge: a partial last tile along M, N and K, tile counts that the cluster shape does
 not divide, the ring of k-tiles wrapping, the batch where the call has one, and both schedules
@@ -18,21 +18,17 @@ and the reference runs; ``JAX_EFC_UNVERIFIED_KERNELS=1`` runs such kernels unche
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import logging
-import sys
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
-__all__ = ["screen", "check_shapes", "compare", "check_call"]
+__all__ = ["refusal", "folder"]
 
 _memo: dict[str, tuple[bool, str]] = {}
 
 
-def _folder() -> str:
+def folder() -> str:
+    """Where the verdicts are kept."""
     from jax_efc.config import private_cache_dir
 
     return private_cache_dir("self_check")
@@ -48,30 +44,27 @@ def _key(plan: Any, gpu: tuple[str, int]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def screen(plan: Any, avals: Sequence[Any], params: dict[str, Any], devices: Any) -> Any:
-    """``plan``, or the reference's plan with the reason, for a kernel whose architecture or
-    features have not run on a GPU of their kind: checked on this GPU first (or found checked in
-    an earlier process), or, without a GPU to check on, not run."""
+def refusal(plan: Any, avals: Sequence[Any], params: dict[str, Any], devices: Any) -> str | None:
+    """Why the kernel of ``plan`` (a kernel's plan) does not run, where its architecture or
+    features have not run on a GPU of their kind: it failed its check on this GPU (taken now, or
+    found taken in an earlier process), or there is no GPU here to check it on. ``None``: it runs
+    (checked, verified, or ``JAX_EFC_UNVERIFIED_KERNELS=1``)."""
     from jax_efc import device
     from jax_efc.kernels import policy
     from jax_efc.kernels.policy import unverified_allowed
-    from jax_efc.plan import Plan
 
-    if plan.backend != "kernel" or unverified_allowed():
-        return plan
-    what = policy(plan.arch).unverified_reason(plan.problem)
+    what = None if unverified_allowed() else policy(plan.arch).unverified_reason(plan.problem)
     if what is None:
-        return plan
+        return None
     gpu = device.gpu_model()
     if gpu is None or devices == () or device.gpu_arch() != plan.arch:
-        return Plan("reference", f"not yet run on a GPU of its kind: {what}; there is no {plan.arch} GPU here "
-                    "to check it on first use, so XLA runs the call (JAX_EFC_UNVERIFIED_KERNELS=1 runs it "
-                    "unchecked).", logging.WARNING, plan.arch)
+        return (f"not yet run on a GPU of its kind: {what}; there is no {plan.arch} GPU here to check it on "
+                "first use, so XLA runs the call (JAX_EFC_UNVERIFIED_KERNELS=1 runs it unchecked).")
     passed, detail = _verdict(plan, avals, params, gpu)
     if passed:
-        return plan
-    return Plan("reference", f"failed its first-use check on this {gpu[0]}: {what} ({detail}); XLA runs the "
-                "call. Please report it, with the output of `jax-efc info`.", logging.WARNING, plan.arch)
+        return None
+    return (f"failed its first-use check on this {gpu[0]}: {what} ({detail}); XLA runs the call. Please "
+            "report it, with the output of `jax-efc info`.")
 
 
 def _verdict(plan: Any, avals: Sequence[Any], params: dict[str, Any], gpu: tuple[str, int]) -> tuple[bool, str]:
@@ -83,136 +76,11 @@ def _verdict(plan: Any, avals: Sequence[Any], params: dict[str, Any], gpu: tuple
 
     key = _key(plan, gpu)
     if key not in _memo:
-        record = read_record(_folder(), key)
+        record = read_record(folder(), key)
         if record is None or not isinstance(record.get("passed"), bool):
             # the job pins the config the plan chose (the heuristic's, a pinned or a tuned one)
-            ran, last = device.run_on_gpu("jax_efc.self_check", avals, dict(params, config=plan.problem.config),
+            ran, last = device.run_on_gpu("jax_efc.checking", avals, dict(params, config=plan.problem.config),
                                           JAX_EFC_UNVERIFIED_KERNELS="1", JAX_EFC_SELF_CHECK_KEY=key)
-            record = read_record(_folder(), key) if ran else {"passed": False, "detail": f"the check stopped: {last}"}
+            record = read_record(folder(), key) if ran else {"passed": False, "detail": f"the check stopped: {last}"}
         _memo[key] = (bool(record.get("passed")), str(record.get("detail", "")))
     return _memo[key]
-
-
-# ---------------------------------------------------------------------------- the check itself
-
-def check_shapes(config: Any, tile_k: int, batched: bool) -> tuple[int, int, int, int]:
-    """(M, N, K, L) of the problems a kernel of ``config`` is checked on: along M and N one tile
-    more than twice the cluster (a count the cluster does not divide) with the last one partial,
-    K of eleven and a half k-tiles (the ring wraps, the last k-tile is partial), two batches where
-    the call has a batch. Each a multiple of 16 (every input's TMA alignment)."""
-    def edge(tile: int, cluster: int) -> int:
-        return 2 * cluster * tile + tile // 2 + 16
-
-    return (edge(config.tile_m, config.cluster_m), edge(config.tile_n, config.cluster_n),
-            11 * tile_k + tile_k // 2, 2 if batched else 1)
-
-
-def _tolerance(out_dtype: str, ab_dtype: str, fast: bool) -> float:
-    """How far from XLA's reference (computed on the CPU, fp32 accumulation) an output may lie,
-    as a share of the reference's largest magnitude: twice the output's rounding step, plus what
-    the MMA's own arithmetic differs by (TF32 and 8-bit products, fp16 or fast accumulation).
-    Misplaced, missing or doubled values lie much farther off."""
-    step = {"float32": 2.0 ** -20, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float8_e4m3fn": 2.0 ** -3,
-            "float8_e5m2": 2.0 ** -2}.get(out_dtype, 0.0)
-    mma = 1e-2 if fast or ab_dtype == "float32" else 2e-3
-    return 2 * step + mma
-
-
-def compare(got: Sequence[Any], want: Sequence[Any], names: Sequence[str], tolerances: Sequence[float]) -> str | None:
-    """Why the kernel's outputs ``got`` are not the reference's ``want`` (``None``: they are):
-    NaN in different places, or a value farther off than its tolerance (integers: by more than
-    one, a rounding step)."""
-    for name, g, w, tol in zip(names, got, want, tolerances):
-        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-        if g.shape != w.shape:
-            return f"output {name!r} has shape {g.shape}, not {w.shape}"
-        if not np.array_equal(np.isnan(g), np.isnan(w)):
-            return f"output {name!r} has NaN where the reference has none, or the other way round"
-        finite = ~np.isnan(w)
-        err = np.abs(g[finite] - w[finite]).max(initial=0.0)
-        bound = max(1.0, tol * np.abs(w[finite]).max(initial=0.0))
-        if err > bound:
-            return f"output {name!r} is off by {err:.3g} where the reference's largest is {np.abs(w[finite]).max():.3g}"
-    return None
-
-
-def _random(spec: Any, key: Any) -> Any:
-    """Random inputs of ``spec``: normal floats, small integers of the dtype's sign."""
-    import jax
-    import jax.numpy as jnp
-
-    dtype = jnp.dtype(spec.dtype)
-    if jnp.issubdtype(dtype, jnp.integer):
-        low = 0 if jnp.issubdtype(dtype, jnp.unsignedinteger) else -8
-        return jax.random.randint(key, spec.shape, low, 9, jnp.int32).astype(dtype)
-    return jax.random.normal(key, spec.shape, jnp.float32).astype(dtype)
-
-
-def check_call(specs: Sequence[tuple], params: dict[str, Any]) -> tuple[bool, str]:
-    """Check the kernel of the call with input ``specs`` ((shape, dtype) each, canonical shapes)
-    and ``params`` (its ``config`` the one the call's plan runs) on this GPU, on the problem of
-    :func:`check_shapes` in both schedules; returns (passed, what failed)."""
-    import jax
-
-    from jax_efc import arguments, device, ffi
-    from jax_efc.epilogue import canonical_shape
-    from jax_efc.kernels.problem import tile_k
-    from jax_efc.plan import plan_kernel
-    from jax_efc.reference import fused_gemm_reference
-
-    a, b, *operands = (jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs)
-    kw = dict(transpose_a=params["transpose_a"], transpose_b=params["transpose_b"], acc_dtype=params["acc_dtype"],
-              arch=device.arch(), precision=params["precision"])
-    ir = params["ir"]
-    ab_dtype = np.dtype(a.dtype).name
-    m, n, k, l = check_shapes(params["config"], tile_k(ab_dtype), 3 in (len(a.shape), len(b.shape)))
-    fast = arguments.fast_accumulation(params["precision"])
-    tolerances = [_tolerance(o.dtype, ab_dtype, fast) for o in ir.outputs]
-    names = [o.name for o in ir.outputs]
-
-    def shaped(x: Any, dims: tuple) -> Any:
-        return jax.ShapeDtypeStruct(((l,) if len(x.shape) == 3 else ()) + dims, x.dtype)
-
-    check_a = shaped(a, (k, m) if params["transpose_a"] else (m, k))
-    check_b = shaped(b, (n, k) if params["transpose_b"] else (k, n))
-    check_ops = [jax.ShapeDtypeStruct(canonical_shape(role.role, l if len(x.shape) == 3 else None, m, n), x.dtype)
-                 for role, x in zip(ir.operands, operands)]
-    keys = jax.random.split(jax.random.key(0), 2 + len(check_ops))
-    inputs = [_random(s, kk) for s, kk in zip([check_a, check_b, *check_ops], keys)]
-    # the reference on the CPU: XLA's dot with fp32 (int32) accumulation, not the GPU's (float32
-    # inputs in full fp32, which the CPU's dot computes whatever the precision says)
-    cpu = jax.devices("cpu")[0]
-    precision = None if ab_dtype == "float32" else params["precision"]
-    reference = jax.jit(lambda *x: fused_gemm_reference(*x, ir=ir, transpose_a=params["transpose_a"],
-                                                         transpose_b=params["transpose_b"],
-                                                         acc_dtype=params["acc_dtype"], precision=precision))
-    want = reference(*(jax.device_put(x, cpu) for x in inputs))
-    for stream_k in (True, False):
-        config = dataclasses.replace(params["config"], stream_k=stream_k)
-        check = plan_kernel(ir, check_a, check_b, check_ops, config=config, **kw)
-        if check.backend != "kernel":
-            return False, f"the check's {m}x{n}x{k} problem cannot run the kernel: {check.reason}"
-        if stream_k and check.schedule.stream_k is None:
-            continue  # this kernel never splits k-iterations: the whole-tile run covers it
-        got = jax.jit(lambda *x, plan=check: ffi.fused_gemm(*x, plan=plan))(*inputs)
-        why = compare(got, want, names, tolerances)
-        if why:
-            schedule = "stream-K" if stream_k else "whole tiles"
-            return False, f"{why} on a {m}x{n}x{k} (batch {l}) problem in {schedule}"
-    return True, ""
-
-
-def main(argv: Sequence[str]) -> None:
-    """The checking process: check the job's call and keep the verdict under the key the parent
-    passed (``JAX_EFC_SELF_CHECK_KEY``)."""
-    import os
-
-    from jax_efc import device
-    from jax_efc.config import write_record
-
-    passed, detail = check_call(*device.read_job(argv[0]))
-    write_record(_folder(), os.environ["JAX_EFC_SELF_CHECK_KEY"], {"passed": passed, "detail": detail})
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

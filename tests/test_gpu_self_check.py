@@ -31,7 +31,7 @@ def test_reductions_are_checked_on_first_use_then_run_the_kernel(rng, tmp_path, 
     f = jax.jit(lambda a, b: efc.gemm(a, b, epilogue, out_dtypes=(jnp.bfloat16, jnp.float32, jnp.float32)))
     y, rows, cols = f(a, b)
     assert efc.backends(lambda a, b: efc.gemm(a, b, epilogue), a, b)[0].startswith("kernel")
-    records = [read_record(self_check._folder(), p.stem) for p in (tmp_path / "self_check").glob("*.json")]
+    records = [read_record(self_check.folder(), p.stem) for p in (tmp_path / "self_check").glob("*.json")]
     assert records == [{"passed": True, "detail": ""}]
     acc = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
     assert np.abs(np.asarray(rows) - acc.max(1)).max() <= 2e-2 * np.abs(acc).max()

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_efc import device, self_check
+from jax_efc import checking, device, self_check
 from jax_efc.config import GemmConfig, read_record
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
                                     GemmConfig(128, 256, 2, 2), GemmConfig(64, 128)])
 @pytest.mark.parametrize("tile_k", [32, 64, 128])
 def test_the_check_problems_cross_every_edge(config, tile_k):
-    m, n, k, l = self_check.check_shapes(config, tile_k, batched=True)
+    m, n, k, l = checking.check_shapes(config, tile_k, batched=True)
     assert l == 2
     for size, tile, cluster in ((m, config.tile_m, config.cluster_m), (n, config.tile_n, config.cluster_n)):
         tiles = -(-size // tile)
@@ -31,25 +31,25 @@ def test_the_check_problems_cross_every_edge(config, tile_k):
         assert size % 16 == 0
     assert k % tile_k and k // tile_k > 8, "a partial k-tile, and more k-tiles than the ring has stages"
     assert k % 16 == 0
-    assert self_check.check_shapes(config, tile_k, batched=False)[3] == 1
+    assert checking.check_shapes(config, tile_k, batched=False)[3] == 1
 
 
 def test_the_comparison_catches_misplaced_values_and_nan():
     rng = np.random.default_rng(0)
     want = rng.standard_normal((64, 48))
-    tol = self_check._tolerance("bfloat16", "bfloat16", fast=False)
+    tol = checking._tolerance("bfloat16", "bfloat16", fast=False)
     near = want * (1 + 2.0 ** -9 * rng.uniform(-1, 1, want.shape))
-    assert self_check.compare([near], [want], ["y"], [tol]) is None
+    assert checking.compare([near], [want], ["y"], [tol]) is None
     moved = want.copy()
     moved[5] = want[6]  # one row where another belongs
-    assert "output 'y' is off by" in self_check.compare([moved], [want], ["y"], [tol])
+    assert "output 'y' is off by" in checking.compare([moved], [want], ["y"], [tol])
     holed = want.copy()
     holed[3, 3] = np.nan
-    assert "NaN" in self_check.compare([holed], [want], ["y"], [tol])
-    assert "shape" in self_check.compare([want[:8]], [want], ["y"], [tol])
+    assert "NaN" in checking.compare([holed], [want], ["y"], [tol])
+    assert "shape" in checking.compare([want[:8]], [want], ["y"], [tol])
     ints = np.arange(12.0).reshape(3, 4)
-    assert self_check.compare([ints + 1], [ints], ["i"], [self_check._tolerance("int32", "int8", False)]) is None
-    assert self_check.compare([ints + 2], [ints], ["i"], [self_check._tolerance("int32", "int8", False)])
+    assert checking.compare([ints + 1], [ints], ["i"], [checking._tolerance("int32", "int8", False)]) is None
+    assert checking.compare([ints + 2], [ints], ["i"], [checking._tolerance("int32", "int8", False)])
 
 
 def _plan(epilogue=None):
@@ -83,7 +83,7 @@ def gpu(monkeypatch, tmp_path):
             return False, "RuntimeError: CUDA_ERROR_ILLEGAL_ADDRESS"
         from jax_efc.config import write_record
 
-        write_record(self_check._folder(), env["JAX_EFC_SELF_CHECK_KEY"], {"passed": gpu.verdict[0],
+        write_record(self_check.folder(), env["JAX_EFC_SELF_CHECK_KEY"], {"passed": gpu.verdict[0],
                                                                            "detail": gpu.verdict[1]})
         return True, ""
 
@@ -97,9 +97,9 @@ def gpu(monkeypatch, tmp_path):
 def test_a_kernel_that_passes_its_check_runs_and_the_verdict_is_kept(gpu):
     assert _plan().backend == "kernel"
     ((module, config, env),) = gpu.runs
-    assert module == "jax_efc.self_check" and env["JAX_EFC_UNVERIFIED_KERNELS"] == "1"
+    assert module == "jax_efc.checking" and env["JAX_EFC_UNVERIFIED_KERNELS"] == "1"
     assert isinstance(config, GemmConfig)  # the config the plan chose, pinned for the check
-    assert read_record(self_check._folder(), env["JAX_EFC_SELF_CHECK_KEY"]) == {"passed": True, "detail": ""}
+    assert read_record(self_check.folder(), env["JAX_EFC_SELF_CHECK_KEY"]) == {"passed": True, "detail": ""}
     self_check._memo.clear()  # a later process: the record on disk, no second check
     assert _plan().backend == "kernel" and len(gpu.runs) == 1
 
@@ -117,7 +117,7 @@ def test_a_checking_process_that_stops_fails_the_kernel_for_this_process_only(gp
     gpu.verdict = None
     plan = _plan()
     assert plan.backend == "reference" and "the check stopped: RuntimeError: CUDA_ERROR_ILLEGAL_ADDRESS" in plan.reason
-    assert read_record(self_check._folder(), gpu.runs[0][2]["JAX_EFC_SELF_CHECK_KEY"]) is None  # nothing kept
+    assert read_record(self_check.folder(), gpu.runs[0][2]["JAX_EFC_SELF_CHECK_KEY"]) is None  # nothing kept
     self_check._memo.clear()  # a later process checks again
     gpu.verdict = (True, "")
     assert _plan().backend == "kernel" and len(gpu.runs) == 2
