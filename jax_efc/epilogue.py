@@ -107,13 +107,16 @@ class Output:
     reduce: str | None = None  # "sum", "max" or "min" of ``value`` over the axes ``over``
     over: tuple[str, ...] = ()  # a subset of ("m", "n"): per batch, never over L
     inplace: int | None = None  # the operand (its index among the operands) it is written over
+    transposed: bool = False  # stored as its transpose, (N, M) or (L, N, M): M contiguous
 
 
 def output_shape(out: Output, tile_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The canonical shape of ``out`` for a tile of ``tile_shape`` ((M, N) or (L, M, N)):
-    the tile's, with size 1 along the axes it reduces."""
+    the tile's, with size 1 along the axes it reduces, or its last two swapped where ``out``
+    is stored transposed."""
     names = AXES[-len(tile_shape):]
-    return tuple(1 if a in out.over else d for a, d in zip(names, tile_shape))
+    shape = tuple(1 if a in out.over else d for a, d in zip(names, tile_shape))
+    return (*shape[:-2], shape[-1], shape[-2]) if out.transposed else shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +139,11 @@ class EpilogueIR:
 
     def with_outputs(self, outputs: Sequence[Output]) -> EpilogueIR:
         return dataclasses.replace(self, outputs=tuple(outputs))
+
+    def untransposed(self) -> EpilogueIR:
+        """The program with every output in the tile's own layout, (M, N): what the
+        epilogue's VJP differentiates, its cotangents transposed back first."""
+        return self.with_outputs([dataclasses.replace(o, transposed=False) for o in self.outputs])
 
     def live(self) -> set[int]:
         """The values some output depends on."""
@@ -254,7 +262,8 @@ def _reduced(x: Any, kind: str, axes: Sequence[str], shape: tuple[int, ...], dty
 def evaluate(ir: EpilogueIR, acc: Any, operands: Sequence[Any], *, given: Mapping[int, Any] | None = None,
              shape: tuple[int, ...] | None = None) -> list[Any]:
     """Run the program with ``jax.numpy`` on arrays in their canonical shapes; returns the
-    outputs in their storage dtypes. This is the reference the kernels are checked against.
+    outputs in their storage dtypes and layouts (a transposed output as its transpose). This is
+    the reference the kernels are checked against.
 
     Only the values the outputs need are computed; ``given`` supplies some of them (the rest
     of a program :func:`split_at_reductions` split, with ``acc`` None), and ``shape`` is the
@@ -299,7 +308,8 @@ def evaluate(ir: EpilogueIR, acc: Any, operands: Sequence[Any], *, given: Mappin
             v = jnp.broadcast_to(v, jnp.broadcast_shapes(jnp.shape(v), (1,) * len(shape)))
         else:
             v = jnp.broadcast_to(v, shape)
-        outs.append(store_as(v, o.dtype))
+        v = store_as(v, o.dtype)
+        outs.append(jnp.swapaxes(v, -1, -2) if o.transposed else v)
     return outs
 
 
@@ -360,7 +370,8 @@ def split_at_reductions(ir: EpilogueIR) -> Split:
     for o in ir.outputs:
         direct.append(len(outputs) if in_gemm(o.value) else None)
         if in_gemm(o.value):
-            outputs.append(dataclasses.replace(output(o.name, o.value, o.dtype), inplace=o.inplace))
+            outputs.append(dataclasses.replace(output(o.name, o.value, o.dtype), inplace=o.inplace,
+                                               transposed=o.transposed))
     given, stack, seen = set(), [o.value for o, d in zip(ir.outputs, direct) if d is None], set()
     while stack:
         v = stack.pop()
@@ -383,9 +394,10 @@ def split_at_reductions(ir: EpilogueIR) -> Split:
 
 def restructure(structure: Any, ir: EpilogueIR, outs: list[Any]) -> Any:
     """``ir``'s outputs ``outs`` (canonical shapes) in the structure and shapes the epilogue
-    returned them in (an array, a tuple, a dict), as ``trace_epilogue`` recorded it."""
+    returned them in (an array, a tuple, a dict), as ``trace_epilogue`` recorded it; a
+    transposed output (always a whole tile) as it is."""
     kind, keys, leaves = structure
-    outs = [_as_leaf(o, *leaf) for o, leaf in zip(outs, leaves)]
+    outs = [x if o.transposed else _as_leaf(x, *leaf) for x, o, leaf in zip(outs, ir.outputs, leaves)]
     if kind == "dict":
         by_name = dict(zip([o.name for o in ir.outputs], outs))
         return {k: by_name[str(k)] for k in keys}

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import jax
@@ -57,6 +57,7 @@ def gemm(
     recompute_acc: bool = False,
     config: GemmConfig | str | None = None,
     inplace: int | Mapping[Any, int] | None = None,
+    transposed_outputs: bool | str | int | Collection[str | int] | None = None,
     **scalars: Any,
 ) -> Any:
     """``epilogue(op(a) @ op(b), *operands, **scalars)`` as one fused op.
@@ -75,7 +76,10 @@ def gemm(
     ``recompute_acc=True`` recomputes ``op(a) @ op(b)`` in the backward pass instead of saving
     it as a residual. ``inplace`` writes outputs over tile operands of their shape and dtype: an
     operand's index for the one output, or ``{output: operand index}`` (by dict key or tuple
-    position); donated to ``jax.jit``, the operand's buffer is the output's, with no copy. ``config`` pins the kernel's ``GemmConfig``; ``"autotune"`` times the
+    position); donated to ``jax.jit``, the operand's buffer is the output's, with no copy.
+    ``transposed_outputs`` returns outputs as their transposes, (N, M) or (L, N, M), stored so by
+    the kernel (no transpose pass): an output's name (dict key or tuple index), a collection of
+    them, or ``True`` for the one output. ``config`` pins the kernel's ``GemmConfig``; ``"autotune"`` times the
     heuristic's candidates on the GPU at first use (each GEMM of the backward too) and keeps the
     fastest on disk (``jax_efc.autotune``).
 
@@ -105,11 +109,16 @@ def gemm(
                                              arguments.default_out_dtype(a.dtype, acc_dtype), acc_dtype, epi_dtype)
     if inplace is not None:
         ir = _in_place(ir, inplace, [x.shape for x in arrays], acc_shape)
+    if transposed_outputs is not None:
+        ir = _transposed(ir, transposed_outputs)
     split = split_at_reductions(ir)
     for o, direct in zip(ir.outputs, split.direct):
-        if o.inplace is not None and (direct is None or split.gemm.outputs[direct].reduce):
-            raise ValueError(f"inplace: output {o.name!r} is a reduction, or computed after one by XLA: only a "
-                             "tile the GEMM stores can be written in place.")
+        stored = direct is not None and not split.gemm.outputs[direct].reduce
+        for what, asked, done in (("inplace", o.inplace is not None, "written in place"),
+                                  ("transposed_outputs", o.transposed, "transposed")):
+            if asked and not stored:
+                raise ValueError(f"{what}: output {o.name!r} is a reduction, or computed after one by XLA: only "
+                                 f"a tile the GEMM stores can be {done}.")
     static = _Static(split.gemm, transpose_a, transpose_b, acc_dtype, precision, config, recompute_acc,
                      _backward_reads_acc(split.gemm, acc_shape))
     a, b, gemm_arrays, unfold = _fold_batch(a, b, arrays, static, batch)
@@ -202,6 +211,34 @@ def _in_place(ir: EpilogueIR, inplace: Any, shapes: list[tuple[int, ...]], acc_s
     return ir.with_outputs([dataclasses.replace(o, inplace=chosen.get(o.name)) for o in ir.outputs])
 
 
+def _transposed(ir: EpilogueIR, transposed: Any) -> EpilogueIR:
+    """``ir`` with the outputs ``transposed`` names (``True``: the one output) stored transposed,
+    checked: outputs that exist, none also written in place (its operand is (M, N))."""
+    names = [o.name for o in ir.outputs]
+    if transposed is False:
+        return ir
+    if transposed is True:
+        if len(names) != 1:
+            raise TypeError(f"transposed_outputs=True: the epilogue returns {len(names)} outputs; name the ones "
+                            "to transpose (dict keys or tuple indices).")
+        chosen = set(names)
+    else:
+        items = list(transposed) if isinstance(transposed, (list, tuple, set, frozenset)) else [transposed]
+        for k in items:
+            if isinstance(k, bool) or not isinstance(k, (str, int, np.integer)):
+                raise TypeError(f"transposed_outputs: {k!r} is not an output's name; give True, an output's name "
+                                "(dict key or tuple index) or a collection of them.")
+        chosen = {str(k) for k in items}
+        missing = sorted(chosen - set(names))
+        if missing:
+            raise ValueError(f"transposed_outputs: no output {missing[0]!r}; the epilogue returns {sorted(names)}.")
+    for o in ir.outputs:
+        if o.name in chosen and o.inplace is not None:
+            raise ValueError(f"transposed_outputs: output {o.name!r} is also written in place (inplace=), over an "
+                             "(M, N) operand; an output can be transposed or written in place, not both.")
+    return ir.with_outputs([dataclasses.replace(o, transposed=o.name in chosen) for o in ir.outputs])
+
+
 def _identity(acc: Any) -> Any:
     return acc
 
@@ -253,7 +290,8 @@ def _fold_batch(a: Any, b: Any, ops: list[Any], static: _Static, batch: int | No
     if a.ndim == 3 and b.ndim == 2:
         per_row = all((x.ndim == 3) == (r.role in (Role.TILE, Role.COL))
                       for x, r in zip(ops, static.ir.operands))
-        per_batch = all("m" not in o.over for o in static.ir.outputs)  # no sum over a batch's rows
+        # no sum over a batch's rows, and no output whose rows would be a batch's columns
+        per_batch = all("m" not in o.over and not o.transposed for o in static.ir.outputs)
         if not static.transpose_a and per_row and per_batch:
             _, m, k = a.shape
             ops = [x.reshape(batch * m, x.shape[-1]) if x.ndim == 3 else x for x in ops]
@@ -309,7 +347,9 @@ def _fused_bwd(static: _Static, residuals, cts):
     if acc is None and static.save_acc:
         (acc,) = static.bind(a, b, (), ir=identity_ir(epi, epi))
     tile = (*a.shape[:-2], *problem_shape(a.shape, b.shape, static.transpose_a, static.transpose_b)[1:3])
-    d_acc, d_ops = _epilogue_vjp(static.ir, acc, ops, list(cts), tile)
+    # a transposed output's cotangent, (N, M), back in the tile's layout
+    cts = [jnp.swapaxes(c, -1, -2) if o.transposed else c for o, c in zip(static.ir.outputs, cts)]
+    d_acc, d_ops = _epilogue_vjp(static.ir.untransposed(), acc, ops, cts, tile)
     if jnp.issubdtype(a.dtype, jnp.integer):  # integer inputs have no gradient
         da, db = (np.zeros(x.shape, jax.dtypes.float0) for x in (a, b))
     else:

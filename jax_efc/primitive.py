@@ -110,6 +110,9 @@ def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, pre
                          or not o.over):
             raise ValueError(f"output {o.name!r} reduces by {o.reduce!r} over {o.over}; a fused GEMM "
                              "reduces by sum, max or min over some of ('m', 'n').")
+        if o.reduce and o.transposed:
+            raise ValueError(f"output {o.name!r} is a reduction and marked transposed; only tile outputs "
+                             "are stored transposed.")
     tile = (m, n) if batch is None else (batch, m, n)
     compile_ahead.speculate([a, b, *operands], dict(ir=ir, transpose_a=transpose_a, transpose_b=transpose_b,
                                                      acc_dtype=acc_dtype, precision=precision, config=config,
@@ -118,13 +121,14 @@ def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, pre
         return [jax.core.ShapedArray(output_shape(o, tile), jnp.dtype(o.dtype)) for o in ir.outputs]
     # ``a`` carries the mesh and (under shard_map) the manual axes every input varies over
     return [a.update(shape=output_shape(o, tile), dtype=jnp.dtype(o.dtype), weak_type=False,
-                     sharding=_out_sharding(a, b, transpose_a, transpose_b, o.over))
+                     sharding=_out_sharding(a, b, transpose_a, transpose_b, o.over, o.transposed))
             for o in ir.outputs]
 
 
-def _out_sharding(a, b, transpose_a, transpose_b, over):
-    """An output's sharding in the type system: rows as ``a``'s, columns as ``b``'s, and
-    replicated along the axes ``over`` it reduces."""
+def _out_sharding(a, b, transpose_a, transpose_b, over, transposed=False):
+    """An output's sharding in the type system: rows as ``a``'s, columns as ``b``'s (the other
+    way round where it is stored transposed), and replicated along the axes ``over`` it
+    reduces."""
     sa, sb = getattr(a, "sharding", None), getattr(b, "sharding", None)
     if sa is None or not hasattr(sa, "mesh") or sb is None:
         return None
@@ -134,7 +138,8 @@ def _out_sharding(a, b, transpose_a, transpose_b, over):
     n = pb[-2] if transpose_b else pb[-1]
     n = None if n is not None and n == m else n
     lead = pa[:1] if a.ndim == 3 else ()
-    return NamedSharding(sa.mesh, P(*lead, None if "m" in over else m, None if "n" in over else n))
+    rows, cols = None if "m" in over else m, None if "n" in over else n
+    return NamedSharding(sa.mesh, P(*lead, *((cols, rows) if transposed else (rows, cols))))
 
 
 def _varying(x: Any) -> frozenset:
@@ -337,6 +342,8 @@ def _transpose_rule(cts, a, b, *operands, ir, transpose_a, transpose_b, acc_dtyp
     (ct,) = cts
     if type(ct) is ad.Zero:
         return [None, None]
+    if ir.outputs[0].transposed:
+        ct = jnp.swapaxes(ct, -1, -2)
     da, db = gemm_cotangents(ct, a, b, ad.is_undefined_primal(a),
                              ad.is_undefined_primal(b), epi_dtype=ir.epi_dtype, transpose_a=transpose_a,
                              transpose_b=transpose_b, acc_dtype=acc_dtype, precision=precision,
@@ -365,7 +372,8 @@ def _batching_rule(args, dims, *, ir, transpose_a, transpose_b, **params):
     fold_m = (
         two_d and da is not None and db is None and not transpose_a
         and all((d is not None) == ms for d, ms in zip(dops, m_side))
-        and all("m" not in o.over for o in ir.outputs)  # a sum over M stays per batch
+        # a sum over M stays per batch, and a transposed output's batches are not its rows
+        and all("m" not in o.over and not o.transposed for o in ir.outputs)
     )
     if fold_m:
         rows = size * a.shape[1]

@@ -1,7 +1,8 @@
 """How the fused GEMM is partitioned across devices: like a dot, never by replicating.
 
 The primitive lowers through ``jax.experimental.custom_partitioning`` with a Shardy rule
-(``[l] m k, [l] k n, <operands> -> [l] m n``) and a partition function:
+(``[l] m k, [l] k n, <operands> -> [l] m n``, ``[l] n m`` for an output stored transposed)
+and a partition function:
 
 - batch L / M sharded (data parallel): each device runs its rows, no communication;
 - N sharded (column-parallel): each device runs its columns with its slice of the weight and
@@ -82,9 +83,9 @@ class _Plan:
                 Role.COL: (self.m, None), Role.SCALAR: (None, None)}[role]
         return P(*((self.l,) if ndim == 3 else ()), *core)
 
-    def out(self, ndim: int, over: tuple[str, ...] = ()) -> P:
-        return P(*((self.l,) if ndim == 3 else ()), None if "m" in over else self.m,
-                 None if "n" in over else self.n)
+    def out(self, ndim: int, over: tuple[str, ...] = (), transposed: bool = False) -> P:
+        rows, cols = None if "m" in over else self.m, None if "n" in over else self.n
+        return P(*((self.l,) if ndim == 3 else ()), *((cols, rows) if transposed else (rows, cols)))
 
     def across(self, over: tuple[str, ...]) -> tuple[str, ...]:
         """The mesh axes a reduction over ``over`` spans."""
@@ -133,7 +134,7 @@ def _shardings(params, mesh, arg_shapes):
         tuple(NamedSharding(mesh, plan.operand(spec.role, len(x.shape)))
               for spec, x in zip(ir.operands, ops)),
     )
-    out = [NamedSharding(mesh, plan.out(len(a.shape), o.over)) for o in ir.outputs]
+    out = [NamedSharding(mesh, plan.out(len(a.shape), o.over, o.transposed)) for o in ir.outputs]
     return plan, args, out
 
 
@@ -212,7 +213,7 @@ def _rule(key, mesh, value_types, result_types):
         core = {Role.TILE: "m n", Role.ROW: f"r{i} n", Role.COL: f"m c{i}",
                 Role.SCALAR: f"s{i} t{i}"}[spec.role]
         ops.append(("l " if len(t.shape) == 3 else "") + core)
-    outs = [lead + " ".join(f"r{j}{d}" if d in o.over else d for d in "mn")
+    outs = [lead + " ".join(f"r{j}{d}" if d in o.over else d for d in ("nm" if o.transposed else "mn"))
             for j, o in enumerate(params["ir"].outputs)]
     return f"{', '.join([a, b, *ops])} -> {', '.join(outs)}", {"reduction_factors": ("k",)}
 

@@ -214,12 +214,15 @@ def _precision(cfg):
 
 
 def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
-    """(ir, operand avals) for one of the test epilogues."""
+    """(ir, operand avals) for one of the test epilogues; ``"NAME/D,Y"`` stores its outputs D
+    and Y transposed."""
     import jax
     import jax.numpy as jnp
 
     from jax_efc.epilogue import split_at_reductions
     from jax_efc.tracing import trace_epilogue
+
+    name, _, transposed = name.partition("/")
 
     acc_shape = (m, n) if batch is None else (batch, m, n)
     out_dtype = jnp.int32 if jnp.issubdtype(dtype, jnp.integer) else dtype  # as efc.gemm defaults
@@ -273,6 +276,8 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
         outs = {"D": out_dtype, "Y": jnp.float32, "Z": jnp.float16}
     static = {"alpha": 2.0} if name == "multi" else {"scale": 0.25} if name == "scaled_amax" else {}
     ir, *_ = trace_epilogue(fn, acc_shape, shapes, dtypes, static, {}, outs, out_dtype)
+    if transposed:
+        ir = ir.with_outputs([dataclasses.replace(o, transposed=o.name in transposed.split(",")) for o in ir.outputs])
     split = split_at_reductions(ir)
     assert None not in split.direct  # every reduction is one the GEMM computes
     return split.gemm, [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
@@ -398,15 +403,16 @@ def check_variant(result: dict, variant: tuple, stream_k: bool | None = None) ->
     wait = ptx.find("griddepcontrol.wait;")
     assert 0 <= wait < ptx.find("cp.async.bulk.tensor") and "griddepcontrol.launch_dependents;" in ptx
     assert all(wait < i for i in (ptx.find(op) for op in ("ld.global", "st.global", "prefetch.global")) if i >= 0)
+    epilogue = variant[5].partition("/")[0]
     # each tile's slice of a ROW/COL vector is prefetched into L1 ahead of its epilogue
-    assert ("prefetch.global.L1" in ptx) == (variant[5] in ("bias_gelu", "bias_silu", "multi", "int_multi",
-                                                           "bias_gelu_colsum", "amax", "all_reductions"))
-    if variant[5] in ("alpha_beta", "f32_tile", "multi"):
+    assert ("prefetch.global.L1" in ptx) == (epilogue in ("bias_gelu", "bias_silu", "multi", "int_multi",
+                                                         "bias_gelu_colsum", "amax", "all_reductions"))
+    if epilogue in ("alpha_beta", "f32_tile", "multi"):
         # TILE operands are TMA-loaded into smem and read from there (16-bit ones by
         # ldmatrix), not gathered from global memory ("multi" still gathers its row/column
         # vectors)
-        assert ("ld.shared" if variant[5] == "f32_tile" else "ldmatrix") in ptx
-        assert "ld.global" not in ptx.replace("ld.global.v4.b32", "") or variant[5] == "multi"
+        assert ("ld.shared" if epilogue == "f32_tile" else "ldmatrix") in ptx
+        assert "ld.global" not in ptx.replace("ld.global.v4.b32", "") or epilogue == "multi"
     # stream-K pieces hand fp32 partials over through global memory, 16 bytes per access,
     # behind a release fence and an acquire load of the flag; whole-tile schedules have none
     assert result["stream_k"] == (len(variant) > 6 if stream_k is None else stream_k)
@@ -418,7 +424,7 @@ def check_variant(result: dict, variant: tuple, stream_k: bool | None = None) ->
     # smem size; stream-K kernels, cooperative ones and tiles of 192 accumulators a thread run
     # theirs dense
     ties = len(re.findall(r"\blop3\.b32(?:\s+%\w+,){4}\s*0xF8;", ptx))
-    paced = (len(cfg) > 4 and cfg[4].get("pingpong", False) and variant[5] != "identity"
+    paced = (len(cfg) > 4 and cfg[4].get("pingpong", False) and epilogue != "identity"
              and not result["stream_k"] and cfg[0] * cfg[1] <= 128 * 128)
     assert (ties > 0) == paced and ("%dynamic_smem_size" in ptx) == paced
     if cfg[2] * cfg[3] > 1:

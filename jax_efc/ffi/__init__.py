@@ -179,13 +179,14 @@ def _assemble(plan: Plan, a, b, operands, timeline: bool) -> _Call:
     inputs = [_as3d(a), _as3d(b), *(_as3d(x) for x in operands)]
     in_specs = [swap if transpose_a else keep, keep if transpose_b else swap, *([keep] * len(operands))]
     stored = [o for o in problem.ir.outputs if not o.reduce]
-    out_shapes = [jax.ShapeDtypeStruct((batch, m, n), o.dtype) for o in stored]
+    # a transposed output is (L, N, M): its swapped view is the kernel's (M, N, L), M contiguous
+    out_shapes = [jax.ShapeDtypeStruct((batch, n, m) if o.transposed else (batch, m, n), o.dtype) for o in stored]
     # each reducing output's fp32 partials, one per tile along the axes it reduces
     tile_m, tile_n = cta_tile(problem.config)
     tiles = {"m": -(-m // tile_m), "n": -(-n // tile_n)}
     out_shapes += [jax.ShapeDtypeStruct((batch, tiles["m"] if "m" in o.over else m, tiles["n"] if "n" in o.over else n),
                                         jnp.float32) for o in problem.ir.outputs if o.reduce]
-    out_specs = [keep] * len(out_shapes)
+    out_specs = [swap if o.transposed else keep for o in stored] + [keep] * (len(out_shapes) - len(stored))
     # outputs written over a tile operand: each CTA reads a subtile of the operand before it
     # stores the output's subtile there, and no CTA touches another's tile
     aliases = {2 + j: i for i, j in problem.aliased}
@@ -230,7 +231,7 @@ def _finished(problem, results: list) -> list:
     in XLA, then converted to their dtype as the reference converts them)."""
     import jax.numpy as jnp
 
-    from jax_efc.epilogue import output_shape, store_as
+    from jax_efc.epilogue import store_as
 
     tiles, partials = iter(results), iter(results[sum(not o.reduce for o in problem.ir.outputs):])
     outs = []
@@ -242,13 +243,14 @@ def _finished(problem, results: list) -> list:
                          o.dtype)
         else:
             x = next(tiles)
-        outs.append(x if problem.batched else x.reshape(output_shape(o, x.shape[1:])))
+        outs.append(x if problem.batched else x.reshape(x.shape[1:]))
     return outs
 
 
 def fused_gemm(a, b, *operands, plan: Plan, timeline: bool = False) -> list:
     """The outputs of the epilogue ``plan`` was made for, one array per output in shape
-    (M, N), or (L, M, N) when a or b is batched, from ``a``, ``b`` and ``operands`` in the
+    (M, N), or (L, M, N) when a or b is batched (transposed ones (N, M) / (L, N, M)), from
+    ``a``, ``b`` and ``operands`` in the
     primitive's canonical shapes (those :func:`jax_efc.plan.plan_kernel` was given).
 
     Emits one ``cutlass_call`` custom call; call it under ``jit`` (or inside a lowering).

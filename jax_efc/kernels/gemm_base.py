@@ -146,6 +146,8 @@ class FusedGemmBase:
         self.visitor = EpilogueVisitor(problem.ir, problem.operand_batched)
         self.n_operands = len(problem.ir.operands)
         self.out_dtypes = self.visitor.out_dtypes
+        # outputs stored transposed: their smem subtiles and global tensors are M-major
+        self.out_m_major = tuple(o.transposed for o in self.visitor.stored)
         self.aliased = problem.aliased  # outputs stored into their operand's tensor
         self.n_epi_groups = epi_groups
         self.n_epi_threads = epi_threads
@@ -180,8 +182,9 @@ class FusedGemmBase:
         return each value's global (m, n): registers on Hopper, tensor memory on Blackwell."""
         raise NotImplementedError
 
-    def _epi_smem_layout(self, dtype, stages: int) -> cute.ComposedLayout:
-        """The smem layout of ``stages`` epilogue subtiles of ``dtype`` (row-major, swizzled)."""
+    def _epi_smem_layout(self, dtype, stages: int, m_major: bool = False) -> cute.ComposedLayout:
+        """The smem layout of ``stages`` epilogue subtiles of ``dtype`` (row-major, or M-major for
+        an output stored transposed; swizzled)."""
         raise NotImplementedError
 
     def _store_warp(self, group):
@@ -276,7 +279,7 @@ class FusedGemmBase:
         """The epilogue's TMA: per output a store and per TILE operand a load of one subtile,
         and their smem layouts (``EPI_STAGES`` subtiles each). Returns (d_smem, tma_d, g_d,
         c_smem, tma_c, g_c)."""
-        d_smem = tuple(self._epi_smem_layout(dt, EPI_STAGES) for dt in self.out_dtypes)
+        d_smem = tuple(self._epi_smem_layout(dt, EPI_STAGES, t) for dt, t in zip(self.out_dtypes, self.out_m_major))
         c_smem = tuple(self._epi_smem_layout(dt, EPI_STAGES) for dt in self.tile_op_dtypes)
         tma_c, g_c = [], []
         for j in range(len(self.tile_ops)):  # plain Python: helpers are not preprocessed
@@ -515,7 +518,7 @@ class FusedGemmBase:
             out_smem = epi.tRS_sD
             if cutlass.const_expr(out_in_ring):
                 out_views = [self._ring_view(epi.ring, self.out_dtypes[i], self.ring_out_slots[i][s],
-                                             ring_states[self.ring_out_slots[i][s][0]].index)
+                                             ring_states[self.ring_out_slots[i][s][0]].index, self.out_m_major[i])
                              for i in range(n_out)]
                 out_smem = [epi.thr_r2s[i].partition_D(out_views[i]) for i in range(n_out)]
             for i in cutlass.range_constexpr(n_out):
@@ -602,11 +605,12 @@ class FusedGemmBase:
         cute.arch.mbarrier_init_fence()
         return bars
 
-    def _ring_view(self, ring: tuple, dtype, slot: tuple, stage_index) -> cute.Tensor:
+    def _ring_view(self, ring: tuple, dtype, slot: tuple, stage_index, m_major: bool = False) -> cute.Tensor:
         """A single-stage epilogue smem tensor of ``dtype`` at ``slot`` (stage, part, byte
-        offset) of the (sA, sB) ``ring``, its stage at ring index ``stage_index``."""
+        offset) of the (sA, sB) ``ring``, its stage at ring index ``stage_index`` (M-major for an
+        output stored transposed)."""
         _, part, offset = slot
-        layout = self._epi_smem_layout(dtype, 1)
+        layout = self._epi_smem_layout(dtype, 1, m_major)
         ab = (self.ab_dtype, self.b_dtype)[part].width // 8
         # a stage spans whole SMEM_ALIGN blocks: say so, or the pointer loses its alignment
         stage_offset = cute.assume(stage_index * (self.tile_mnk[part] * self.tile_mnk[2]), divby=SMEM_ALIGN // ab)

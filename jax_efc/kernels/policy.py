@@ -49,6 +49,7 @@ class ArchPolicy:
     unverified_acc_dtypes: tuple[str, ...] = ()
     verified_reductions: bool = False
     verified_inplace: bool = False  # outputs stored over their operand (KernelProblem.aliased)
+    verified_transposed_outputs: bool = False  # outputs stored transposed, M contiguous (Output.transposed)
     # GEMMs the heuristic hands to XLA's GEMM (xla_faster_reason): at most this many rows per B
     # (None: none are), or more rows in 128x128 tiles that fill less than this share of the SMs
     xla_rows: int | None = None
@@ -66,7 +67,8 @@ class ArchPolicy:
 
     def unverified_reason(self, problem: KernelProblem) -> str | None:
         """What of ``problem``'s kernel has not yet run on a GPU of this architecture (its input
-        or accumulator type, or its epilogue reductions), as a phrase; ``None``: all has."""
+        or accumulator type, its epilogue reductions, in-place or transposed outputs), as a
+        phrase; ``None``: all has."""
         for dtype in (problem.ab_dtype, problem.b_dtype):
             if dtype in self.unverified_ab_dtypes:
                 return f"the {self.arch} kernel with {dtype} inputs"
@@ -76,6 +78,8 @@ class ArchPolicy:
             return f"the {self.arch} kernel's epilogue reductions"
         if not self.verified_inplace and problem.aliased:
             return f"the {self.arch} kernel's outputs written over their operands"
+        if not self.verified_transposed_outputs and any(o.transposed for o in problem.ir.outputs):
+            return f"the {self.arch} kernel's outputs stored transposed"
         return None
 
     # ---- limits
@@ -193,7 +197,11 @@ class ArchPolicy:
                         f"of {a}.")
         for out in problem.ir.outputs:
             a = align_elems(out.dtype)
-            if n % a:
+            if out.transposed and m % a:
+                return (f"output {out.name!r} ({out.dtype}) is stored transposed, M contiguous, and has M={m}, "
+                        f"not a multiple of {a} elements (16 bytes), which the TMA store requires; pad M to a "
+                        f"multiple of {a}, or store it untransposed.")
+            if not out.transposed and n % a:
                 return (f"output {out.name!r} ({out.dtype}) has N={n}, not a multiple of {a} "
                         f"elements (16 bytes), which the TMA store requires; pad N to a multiple "
                         f"of {a}.")

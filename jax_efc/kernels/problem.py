@@ -69,10 +69,11 @@ class KernelProblem:
         """(tile output index, operand index) of each output written over its operand (the
         custom call aliases the two, and the kernel stores into the operand's tensor): those the
         epilogue marks ``inplace`` whose operand has the output's shape (a batch as the outputs
-        do)."""
+        do, and not stored transposed)."""
         stored = [o for o in self.ir.outputs if not o.reduce]
         return tuple((i, o.inplace) for i, o in enumerate(stored)
-                     if o.inplace is not None and self.operand_batched[o.inplace] == self.batched)
+                     if o.inplace is not None and self.operand_batched[o.inplace] == self.batched
+                     and not o.transposed)
 
     @property
     def tile_k(self) -> int:

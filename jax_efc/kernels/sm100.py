@@ -87,6 +87,9 @@ class Sm100FusedGemm(FusedGemmBase):
         self.a_major = OperandMajorMode.K if problem.a_major == "k" else OperandMajorMode.MN
         self.b_major = OperandMajorMode.K if problem.b_major == "k" else OperandMajorMode.MN
         self.tmem_columns = tmem_columns(problem)
+        # an output stored transposed takes one value per thread and store into its M-major
+        # subtile, and so (one register partition for all) does every other
+        self.use_stmatrix = self.use_stmatrix and not any(self.out_m_major)
         # TF32: the MMA and the TMA copies read float32 inputs as tf32
         self.mma_a_dtype = cutlass.TFloat32 if self.ab_dtype is cutlass.Float32 else self.ab_dtype
         self.mma_b_dtype = cutlass.TFloat32 if self.b_dtype is cutlass.Float32 else self.b_dtype
@@ -116,8 +119,9 @@ class Sm100FusedGemm(FusedGemmBase):
                 acc.pipe.consumer_release(acc.state)
         return self._tile_coords(epi, s, m_idx, n_idx)
 
-    def _epi_smem_layout(self, dtype, stages: int) -> cute.ComposedLayout:
-        return sm100_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, stages)
+    def _epi_smem_layout(self, dtype, stages: int, m_major: bool = False) -> cute.ComposedLayout:
+        major = LayoutEnum.COL_MAJOR if m_major else LayoutEnum.ROW_MAJOR
+        return sm100_utils.make_smem_layout_epi(dtype, major, self.epi_tile, stages)
 
     def _store_warp(self, group):
         """The first epilogue warp (one group)."""

@@ -110,8 +110,9 @@ class Sm90FusedGemm(FusedGemmBase):
             _gather_registers(epi.frag_raw, acc, sub_index)
         return self._tile_coords(epi, s, m_idx, n_idx)
 
-    def _epi_smem_layout(self, dtype, stages: int) -> cute.ComposedLayout:
-        return sm90_utils.make_smem_layout_epi(dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, stages)
+    def _epi_smem_layout(self, dtype, stages: int, m_major: bool = False) -> cute.ComposedLayout:
+        major = LayoutEnum.COL_MAJOR if m_major else LayoutEnum.ROW_MAJOR
+        return sm90_utils.make_smem_layout_epi(dtype, major, self.epi_tile, stages)
 
     def _store_warp(self, group):
         """The first warp of the group's (first) consumer warpgroup."""
@@ -464,7 +465,8 @@ class Sm90FusedGemm(FusedGemmBase):
         c_layout_atom = cute.make_tiled_copy_C_atom(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), cutlass.BFloat16), tiled_mma
         )
-        r2s = [cute.make_tiled_copy_S(self._r2s_atom(dt), c_layout_atom) for dt in self.out_dtypes]
+        r2s = [cute.make_tiled_copy_S(self._r2s_atom(dt, t), c_layout_atom)
+               for dt, t in zip(self.out_dtypes, self.out_m_major)]
         frag_shape = cute.shape(r2s[0].get_slice(ctid).partition_S(tensors.sD[0]))[:3]
         # TILE operands come back from smem by ldmatrix when 16-bit (four 8x8 blocks per
         # instruction instead of one value per load)
@@ -476,9 +478,12 @@ class Sm90FusedGemm(FusedGemmBase):
         return self._consumer_epilogue_from(tensors, r2s, s2r, frag_shape, ctid, group, warp_idx, coords=coords,
                                             ring=(sA, sB))
 
-    def _r2s_atom(self, dtype):
+    def _r2s_atom(self, dtype, m_major: bool):
+        """stmatrix where every output is 16-bit (its transposing form into an M-major subtile:
+        the same registers, the same thread/value partition as the plain form's); else one
+        value per thread and store."""
         if self.use_stmatrix:
-            return cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), dtype)
+            return cute.make_copy_atom(warp.StMatrix8x8x16bOp(m_major, 4), dtype)
         return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
 
     @staticmethod

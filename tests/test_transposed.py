@@ -1,0 +1,253 @@
+"""Outputs stored transposed (``transposed_outputs``): (N, M) / (L, N, M) results against NumPy,
+under vmap, autodiff and sharding; errors naming what cannot be transposed; the first-use check
+such kernels take; and, on a GPU, the kernel against a float64 oracle."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_efc as efc
+from conftest import rel_err, run_for_sm90
+
+
+def _normal(rng, *shapes, dtype=jnp.float32):
+    return [jnp.asarray(rng.standard_normal(s), dtype) for s in shapes]
+
+
+def _alpha_beta(acc, c, bias):
+    return {"D": jax.nn.gelu(acc * 2.0 + c + bias), "Y": acc}
+
+
+def _plain_alpha_beta(a, b, c, bias):
+    acc = a @ b
+    return {"D": jax.nn.gelu(acc * 2.0 + c + bias), "Y": acc}
+
+
+def test_one_output_transposed(rng):
+    a, b, bias = _normal(rng, (96, 40), (40, 72), (72,))
+    y = efc.gemm(a, b, lambda acc, bias: jax.nn.relu(acc + bias), bias, transposed_outputs=True)
+    want = np.maximum(np.asarray(a, np.float64) @ np.asarray(b, np.float64) + np.asarray(bias), 0).T
+    assert y.shape == (72, 96)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+    plain = efc.gemm(a, b.T, transpose_b=True, transposed_outputs=True)  # B stored (N, K)
+    np.testing.assert_allclose(np.asarray(plain), (np.asarray(a, np.float64) @ np.asarray(b, np.float64)).T,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["D", ["D"], ("D",), {"D"}])
+def test_a_dict_with_one_output_transposed(rng, which):
+    a, b, c, bias = _normal(rng, (64, 32), (32, 48), (64, 48), (48,))
+    out = efc.gemm(a, b, _alpha_beta, c, bias, transposed_outputs=which)
+    want = _plain_alpha_beta(*(np.asarray(x, np.float64) for x in (a, b, c, bias)))
+    assert out["D"].shape == (48, 64) and out["Y"].shape == (64, 48)
+    np.testing.assert_allclose(np.asarray(out["D"]), np.asarray(want["D"]).T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out["Y"]), np.asarray(want["Y"]), rtol=1e-5, atol=1e-5)
+
+
+def test_tuple_outputs_by_index(rng):
+    a, b = _normal(rng, (40, 24), (24, 56))
+    y0, y1 = efc.gemm(a, b, lambda acc: (acc, acc * 3.0), transposed_outputs=1, out_dtypes=jnp.float32)
+    acc = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    assert y0.shape == (40, 56) and y1.shape == (56, 40)
+    np.testing.assert_allclose(np.asarray(y1), 3 * acc.T, rtol=1e-5, atol=1e-5)
+    both = efc.gemm(a, b, lambda acc: (acc, acc * 3.0), transposed_outputs=(0, 1))
+    assert [x.shape for x in both] == [(56, 40), (56, 40)]
+
+
+@pytest.mark.parametrize("b_batched", [True, False])
+def test_batched(rng, b_batched):
+    """(L, N, M) per batch; a batched ``a`` against a shared ``b`` (which otherwise folds L into M)
+    too."""
+    a, c = _normal(rng, (3, 40, 32), (3, 40, 48))
+    (b,) = _normal(rng, (3, 32, 48) if b_batched else (32, 48))
+    y = jax.jit(lambda a, b, c: efc.gemm(a, b, lambda acc, c: acc - c, c, transposed_outputs=True))(a, b, c)
+    acc = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    assert y.shape == (3, 48, 40)
+    np.testing.assert_allclose(np.asarray(y), np.swapaxes(acc - np.asarray(c), -1, -2), rtol=1e-5, atol=1e-5)
+
+
+def test_vmap(rng):
+    a, b, c = _normal(rng, (4, 40, 32), (4, 32, 48), (40, 48))
+
+    def f(a, b):
+        return efc.gemm(a, b, lambda acc, c: {"D": acc * c, "Y": acc}, c, transposed_outputs="D")
+
+    want = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    mapped_a = jax.vmap(f, in_axes=(0, None))(a, b[0])  # only the M side: L would fold into M
+    mapped_both = jax.vmap(f)(a, b)
+    for out, acc in ((mapped_a, np.asarray(a, np.float64) @ np.asarray(b[0], np.float64)), (mapped_both, want)):
+        assert out["D"].shape == (4, 48, 40) and out["Y"].shape == (4, 40, 48)
+        np.testing.assert_allclose(np.asarray(out["D"]), np.swapaxes(acc * np.asarray(c), -1, -2),
+                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(out["Y"]), acc, rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_through_a_transposed_output(rng):
+    """The cotangent of a transposed output is transposed back before the epilogue's VJP: every
+    input's gradient matches plain JAX's, second order too."""
+    a, b, c, bias, w = _normal(rng, (64, 32), (32, 48), (64, 48), (48,), (48, 64))
+
+    def loss(fn, a, b, c, bias):
+        out = fn(a, b, c, bias)
+        return jnp.sum(jnp.tanh(out["D"]) * w) + jnp.sum(out["Y"] ** 2) * 0.1
+
+    def fused(a, b, c, bias):
+        return efc.gemm(a, b, _alpha_beta, c, bias, transposed_outputs="D")
+
+    def plain(a, b, c, bias):
+        out = _plain_alpha_beta(a, b, c, bias)
+        return {"D": out["D"].T, "Y": out["Y"]}
+
+    args = (a, b, c, bias)
+    got = jax.jit(jax.grad(lambda *x: loss(fused, *x), argnums=(0, 1, 2, 3)))(*args)
+    want = jax.grad(lambda *x: loss(plain, *x), argnums=(0, 1, 2, 3))(*args)
+    for g, r in zip(got, want):
+        assert rel_err(g, r) < 1e-5
+    # reverse over reverse: the primitive's JVP rule and the plain GEMMs' transposes
+    second = jax.grad(lambda a: jnp.sum(jax.grad(lambda *x: loss(fused, *x), argnums=1)(a, b, c, bias) ** 2))
+    second_plain = jax.grad(lambda a: jnp.sum(jax.grad(lambda *x: loss(plain, *x), argnums=1)(a, b, c, bias) ** 2))
+    assert rel_err(second(a), second_plain(a)) < 1e-5
+    # a plain GEMM transposed (affine: the backward needs no accumulator)
+    g = jax.grad(lambda a: jnp.sum(efc.gemm(a, b, transposed_outputs=True) * w))(a)
+    assert rel_err(g, jax.grad(lambda a: jnp.sum((a @ b).T * w))(a)) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+@pytest.mark.parametrize("x_spec, w_spec", [(P("data", None), P(None, None)), (P(None, None), P(None, "model")),
+                                            (P("data", None), P(None, "model")), (P(None, "model"), P("model", None))],
+                         ids=["data-parallel", "tp-column", "dp+tp-column", "tp-row"])
+def test_sharded(rng, mesh, x_spec, w_spec):
+    """A transposed output's sharding is the transpose of an untransposed one's: (columns, rows)."""
+    x, w, bias = _normal(rng, (64, 32), (32, 48), (48,))
+    sharded = [jax.device_put(t, NamedSharding(mesh, s)) for t, s in zip((x, w, bias), (x_spec, w_spec, P()))]
+
+    def f(x, w, bias):
+        return efc.gemm(x, w, lambda acc, bias: {"D": jax.nn.gelu(acc + bias), "Y": acc}, bias,
+                        transposed_outputs="D")
+
+    out = jax.jit(f)(*sharded)
+    want = {"D": jax.nn.gelu(x @ w + bias).T, "Y": x @ w}
+    assert rel_err(out["D"], want["D"]) < 1e-5 and rel_err(out["Y"], want["Y"]) < 1e-5
+    rows, cols = x_spec[0], w_spec[1]
+    assert out["Y"].sharding.is_equivalent_to(NamedSharding(mesh, P(rows, cols)), 2)
+    assert out["D"].sharding.is_equivalent_to(NamedSharding(mesh, P(cols, rows)), 2)
+    g = jax.jit(jax.grad(lambda *t: jnp.sum(f(*t)["D"] ** 2), argnums=(0, 1, 2)))(*sharded)
+    r = jax.grad(lambda x, w, b: jnp.sum(jax.nn.gelu(x @ w + b) ** 2), argnums=(0, 1, 2))(x, w, bias)
+    for u, v in zip(g, r):
+        assert rel_err(u, v) < 1e-5
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(transposed_outputs=True), TypeError, r"transposed_outputs=True: the epilogue returns 2 outputs"),
+    (dict(transposed_outputs="Q"), ValueError, r"transposed_outputs: no output 'Q'; the epilogue returns \['D', 'Y'\]"),
+    (dict(transposed_outputs=["D", 1.5]), TypeError, r"transposed_outputs: 1.5 is not an output's name"),
+    (dict(transposed_outputs={"D": True}), TypeError, r"transposed_outputs: \{'D': True\} is not an output's name"),
+    (dict(transposed_outputs="D", inplace={"D": 0}), ValueError,
+     r"transposed_outputs: output 'D' is also written in place \(inplace=\)"),
+])
+def test_what_cannot_be_transposed_is_named(kw, error, match):
+    a, b, c, bias = jnp.ones((64, 32)), jnp.ones((32, 48)), jnp.ones((64, 48)), jnp.ones(48)
+    with pytest.raises(error, match=match):
+        efc.gemm(a, b, _alpha_beta, c, bias, **kw)
+
+
+def test_reductions_and_what_follows_them_are_not_transposed():
+    a, b = jnp.ones((64, 32)), jnp.ones((32, 48))
+    with pytest.raises(ValueError, match="transposed_outputs: output '1' is a reduction, or computed after one"):
+        efc.gemm(a, b, lambda acc: (acc, jnp.sum(acc, axis=0)), transposed_outputs=1)
+    with pytest.raises(ValueError, match="transposed_outputs: output '0' is a reduction, or computed after one"):
+        efc.gemm(a, b, lambda acc: jax.nn.softmax(acc, axis=-1), transposed_outputs=True)
+    # the tile beside a reduction may be transposed
+    y, s = efc.gemm(a, b, lambda acc: (acc, jnp.sum(acc, axis=0)), transposed_outputs=0)
+    assert y.shape == (48, 64) and s.shape == (48,)
+
+
+def test_transposed_outputs_are_checked_on_first_use_until_they_have_run():
+    """No GPU has run a kernel that stores an output transposed: the policies say so, and a
+    first-use check runs before one (jax_efc.self_check)."""
+    pytest.importorskip("cutlass")
+    from jax_efc.config import GemmConfig
+    from jax_efc.kernels import policy
+    from jax_efc.kernels.problem import KernelProblem
+    from jax_efc.tracing import trace_epilogue
+
+    ir, *_ = trace_epilogue(lambda acc: acc, (256, 256), [], [], {}, {}, None, jnp.bfloat16)
+    ir = ir.with_outputs([dataclasses.replace(ir.outputs[0], transposed=True)])
+    problem = KernelProblem(ir, "bfloat16", "float32", "k", "n", False, False, False, (), "sm_90a", GemmConfig())
+    assert policy("sm_90a").unverified_reason(problem) == "the sm_90a kernel's outputs stored transposed"
+    assert policy("sm_100a").unverified_reason(dataclasses.replace(problem, arch="sm_100a")) is not None
+    untransposed = KernelProblem(ir.untransposed(), "bfloat16", "float32", "k", "n", False, False, False, (),
+                                 "sm_90a", GemmConfig())
+    assert policy("sm_90a").unverified_reason(untransposed) is None
+    assert problem.compile_key != untransposed.compile_key
+
+
+_EXPORT = """
+import json, re
+import jax, jax.numpy as jnp
+import jax_efc as efc
+efc.set_target_arch("sm_90a")
+S = jax.ShapeDtypeStruct
+a, b, bias = S((2048, 1024), jnp.bfloat16), S((1024, 4096), jnp.bfloat16), S((4096,), jnp.bfloat16)
+f = jax.jit(lambda a, b, bias: efc.gemm(a, b, lambda acc, bias: jax.nn.gelu(acc + bias), bias, transposed_outputs=True))
+exported = jax.export.export(f, platforms=["cuda"], disabled_checks=efc.export_checks())(a, b, bias)
+print(json.dumps({"backends": efc.backends(f, a, b, bias), "shape": list(exported.out_avals[0].shape),
+                  "kernel": "CuteDSLRT" in exported.mlir_module()}))
+"""
+
+
+@pytest.mark.parametrize("unverified", ["0", "1"])
+def test_an_export_from_a_cpu_holds_the_kernel_only_unchecked(unverified):
+    """Exported for sm_90a from a machine without a GPU (nothing to check the kernel on): the
+    reference, saying why, unless JAX_EFC_UNVERIFIED_KERNELS=1; either way (N, M)."""
+    pytest.importorskip("cutlass.jax")
+    out = json.loads(run_for_sm90(_EXPORT, JAX_EFC_UNVERIFIED_KERNELS=unverified).strip().splitlines()[-1])
+    assert out["shape"] == [4096, 2048]
+    assert out["kernel"] == (unverified == "1"), out
+    if unverified == "0":
+        assert "the sm_90a kernel's outputs stored transposed" in out["backends"][0], out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, efc.GemmConfig(128, 128, 1, 2, pingpong=True, epi_m=64),
+                                    efc.GemmConfig(128, 256, 2, 1), efc.GemmConfig(128, 128, 2, 1, stream_k=True)],
+                         ids=["heuristic", "pingpong", "coop", "stream-k"])
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float8_e4m3fn", "float32"])
+@pytest.mark.parametrize("m, n, k, l", [(4096, 4096, 1024, None), (1000, 3000, 520, None), (520, 776, 264, 3)])
+def test_the_kernel_stores_transposed_outputs(rng, monkeypatch, config, out_dtype, m, n, k, l):
+    """On the GPU, unchecked (JAX_EFC_UNVERIFIED_KERNELS=1) and strict: alpha-beta with D
+    transposed and Y not, partial tiles along M and N, against a float64 oracle; outputs poisoned
+    first would show any element the kernel leaves unwritten."""
+    monkeypatch.setenv("JAX_EFC_STRICT", "1")
+    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
+    lead = () if l is None else (l,)
+    a = jnp.asarray(rng.standard_normal((*lead, m, k)) / np.sqrt(k), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+    c = jnp.asarray(rng.standard_normal((*lead, m, n)), jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+
+    def f(a, b, c, bias):
+        return efc.gemm(a, b, _alpha_beta, c, bias, transposed_outputs="D", config=config,
+                        out_dtypes={"D": out_dtype, "Y": jnp.bfloat16})
+
+    assert efc.backends(f, a, b, c, bias)[0].startswith("kernel")
+    out = jax.jit(f)(a, b, c, bias)
+    want = _plain_alpha_beta(*(np.asarray(x, np.float64) for x in (a, b, c, bias)))
+    want_d = np.swapaxes(np.asarray(want["D"]), -1, -2)
+    assert out["D"].shape == want_d.shape and out["Y"].shape == (*lead, m, n)
+    got_d = np.asarray(out["D"].astype(jnp.float32), np.float64)
+    assert np.isfinite(got_d).all()
+    tol = {"bfloat16": 1e-2, "float8_e4m3fn": 6e-2, "float32": 1e-2}[out_dtype]
+    assert rel_err(got_d, want_d) < tol
+    assert rel_err(np.asarray(out["Y"], np.float64), want["Y"]) < 1e-2
