@@ -77,11 +77,11 @@ def gemm(
     it as a residual. ``inplace`` writes outputs over tile operands of their shape and dtype: an
     operand's index for the one output, or ``{output: operand index}`` (by dict key or tuple
     position); donated to ``jax.jit``, the operand's buffer is the output's, with no copy.
-    ``transposed_outputs`` returns outputs as their transposes, (N, M) or (L, N, M), stored so by
-    the kernel (no transpose pass): an output's name (dict key or tuple index), a collection of
-    them, or ``True`` for the one output. ``config`` pins the kernel's ``GemmConfig``; ``"autotune"`` times the
-    heuristic's candidates on the GPU at first use (each GEMM of the backward too) and keeps the
-    fastest on disk (``jax_efc.autotune``).
+    ``transposed_outputs`` returns outputs as their transposes, (N, M) or (L, N, M), which the
+    kernel stores so (M contiguous; no transpose pass): an output's name (dict key or tuple
+    index), a collection of them, or ``True`` for the one output. ``config`` pins the kernel's
+    ``GemmConfig``; ``"autotune"`` times the heuristic's candidates on the GPU at first use (each
+    GEMM of the backward too) and keeps the fastest on disk (``jax_efc.autotune``).
 
     >>> import jax.numpy as jnp, jax_efc as efc
     >>> a, b = jnp.ones((256, 4), jnp.bfloat16), jnp.ones((4, 64), jnp.bfloat16)

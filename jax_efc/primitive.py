@@ -3,10 +3,11 @@
 ``fused_gemm_p`` computes ``epilogue(op(a) @ op(b), *operands)`` and returns one array per
 epilogue output. Its operands arrive in canonical shapes (see ``epilogue.canonical_shape``):
 ``a`` is (M, K) or (L, M, K) (transposed: (K, M) / (L, K, M)), ``b`` likewise (K, N) / (N, K),
-outputs are (M, N) or (L, M, N). Every platform lowers to the XLA reference; CUDA lowers to
-the kernel when one fits, and otherwise falls back with its reason logged once (a warning),
-or, for the GEMMs where XLA's GEMM is faster (few rows, or too few tiles to fill the SMs),
-hands the call to XLA (logged once at INFO).
+outputs are (M, N) or (L, M, N) (those marked ``transposed``: (N, M) / (L, N, M)). Every
+platform lowers to the XLA reference; CUDA lowers to the kernel when one fits, and otherwise
+falls back with its reason logged once (a warning), or, for the GEMMs where XLA's GEMM is
+faster (few rows, or too few tiles to fill the SMs), hands the call to XLA (logged once at
+INFO).
 """
 
 from __future__ import annotations

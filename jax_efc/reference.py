@@ -33,7 +33,8 @@ def fused_gemm_reference(
     config: Any = None,
 ) -> list[Any]:
     """``epilogue(op(a) @ op(b), *operands)``: one dot in ``acc_dtype``, then the epilogue
-    program in its epilogue dtype; outputs are (M, N) or (L, M, N)."""
+    program in its epilogue dtype; outputs are (M, N) or (L, M, N), transposed ones (N, M) /
+    (L, N, M)."""
     del config  # a kernel setting; the reference has none
     m_axis = a.ndim - 1 if transpose_a else a.ndim - 2
     one_row = a.shape[m_axis] == 1

@@ -32,8 +32,9 @@ def _gelu_tanh(x: np.ndarray) -> np.ndarray:
 class Case:
     """One call: ``epilogue`` and its float64 ``oracle`` of (acc, *operands), inputs of
     ``dtype`` (M, K) x (K, N) (B stored (N, K) with ``transpose_b``), operands by shape
-    ("row": (N,), "tile": (M, N)), and the bound on the largest error relative to the
-    largest magnitude of each output."""
+    ("row": (N,), "tile": (M, N)), the outputs stored transposed (``efc.gemm``'s
+    ``transposed_outputs``), and the bound on the largest error relative to the largest
+    magnitude of each output."""
 
     name: str
     dtype: str
@@ -46,6 +47,7 @@ class Case:
     out_dtypes: Any = None
     tol: float = 2e-2
     config: Any = None
+    transposed: Any = None
     env: tuple[tuple[str, str], ...] = ()  # switches the case needs (as strings)
 
 
@@ -74,6 +76,9 @@ def _cases() -> tuple[Case, ...]:
         Case("bf16 column sums (unverified kernel)", "bfloat16", shape,
              lambda acc, b: (acc + b, jnp.sum(acc + b, axis=0)), lambda acc, b: (acc + b, (acc + b).sum(0)),
              operands=("row",), env=(("JAX_EFC_UNVERIFIED_KERNELS", "1"),)),
+        Case("bf16 alpha-beta, D transposed (unverified kernel)", "bfloat16", shape, alpha_beta[0],
+             lambda acc, c: {"D": (2 * acc + c).T, "Y": acc}, operands=("tile",), transposed="D",
+             env=(("JAX_EFC_UNVERIFIED_KERNELS", "1"),)),
     ]
     return tuple(cases)
 
@@ -115,7 +120,7 @@ def run_case(case: Case, strict: bool, seed: int = 0) -> dict[str, Any]:
 
         def call(a, b, *ops):
             return efc.gemm(a, b, case.epilogue, *ops, transpose_b=case.transpose_b, out_dtypes=case.out_dtypes,
-                            config=case.config)
+                            config=case.config, transposed_outputs=case.transposed)
 
         backend = "; ".join(sorted(set(efc.backends(call, *arrays))))
         got = _leaves(jax.jit(call)(*arrays))

@@ -321,6 +321,8 @@ def _compile_all(dump_dir: str, variants: dict, arch: str = "sm_90a") -> dict:
             "out_shapes": [list(x.shape) for x in exported.out_avals],
             "ptx": ptx,
             "stream_k": any(F._KERNELS[key].schedule.stream_k for key in set(F._KERNELS) - kernels_before),
+            # the CTA's last tile stages its outputs in the A/B ring
+            "ring_outputs": any(F._KERNELS[key].ring_out_slots is not None for key in set(F._KERNELS) - kernels_before),
         }
     return results
 

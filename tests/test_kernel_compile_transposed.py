@@ -89,6 +89,8 @@ def test_variant_compiles_and_stores_through_tma(compiled, name):
     # the untransposed output beside a transposed one keeps the plain stmatrix
     assert ("stmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx) == (all_16bit and epilogue == "alpha_beta"
                                                                     and transposed == "D")
+    # on ping-pong tiles the CTA's last tile stages the outputs, M-major ones too, in the A/B ring
+    assert result["ring_outputs"] == ("pingpong_alpha_beta" in name)
 
 
 @pytest.mark.matrix

@@ -250,8 +250,8 @@ def _finished(problem, results: list) -> list:
 def fused_gemm(a, b, *operands, plan: Plan, timeline: bool = False) -> list:
     """The outputs of the epilogue ``plan`` was made for, one array per output in shape
     (M, N), or (L, M, N) when a or b is batched (transposed ones (N, M) / (L, N, M)), from
-    ``a``, ``b`` and ``operands`` in the
-    primitive's canonical shapes (those :func:`jax_efc.plan.plan_kernel` was given).
+    ``a``, ``b`` and ``operands`` in the primitive's canonical shapes (those
+    :func:`jax_efc.plan.plan_kernel` was given).
 
     Emits one ``cutlass_call`` custom call; call it under ``jit`` (or inside a lowering).
     Raises ``ValueError`` when ``plan`` is not the kernel's, with its reason, or was made for
