@@ -120,7 +120,7 @@ def gemm(
                 raise ValueError(f"{what}: output {o.name!r} is a reduction, or computed after one by XLA: only "
                                  f"a tile the GEMM stores can be {done}.")
     static = _Static(split.gemm, transpose_a, transpose_b, acc_dtype, precision, config, recompute_acc,
-                     _backward_reads_acc(split.gemm, acc_shape))
+                     _backward_reads_acc(split.gemm.untransposed(), acc_shape))
     a, b, gemm_arrays, unfold = _fold_batch(a, b, arrays, static, batch)
     # under shard_map, differentiable inputs are made alike outside the VJP, so that the
     # gradient of an input that varies over fewer mesh axes is summed over the others

@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_efc as efc
+from jax_efc.primitive import fused_gemm_eqns
 from conftest import rel_err, run_for_sm90
 
 
@@ -114,9 +115,12 @@ def test_gradients_through_a_transposed_output(rng):
     second = jax.grad(lambda a: jnp.sum(jax.grad(lambda *x: loss(fused, *x), argnums=1)(a, b, c, bias) ** 2))
     second_plain = jax.grad(lambda a: jnp.sum(jax.grad(lambda *x: loss(plain, *x), argnums=1)(a, b, c, bias) ** 2))
     assert rel_err(second(a), second_plain(a)) < 1e-5
-    # a plain GEMM transposed (affine: the backward needs no accumulator)
-    g = jax.grad(lambda a: jnp.sum(efc.gemm(a, b, transposed_outputs=True) * w))(a)
-    assert rel_err(g, jax.grad(lambda a: jnp.sum((a @ b).T * w))(a)) < 1e-5
+    # an affine epilogue transposed: the backward needs no accumulator, so none is saved
+    affine = lambda a: jnp.sum(efc.gemm(a, b, lambda acc, c: acc * 2.0 + c, c, transposed_outputs=True) * w)  # noqa: E731
+    g = jax.grad(affine)(a)
+    assert rel_err(g, jax.grad(lambda a: jnp.sum((2 * a @ b + c).T * w))(a)) < 1e-5
+    (eqn,) = fused_gemm_eqns(jax.make_jaxpr(lambda a: jax.vjp(affine, a)[0])(a))
+    assert [o.name for o in eqn.params["ir"].outputs] == ["0"]
 
 
 @pytest.fixture(scope="module")
