@@ -177,6 +177,16 @@ def test_reductions_and_what_follows_them_are_not_transposed():
     assert y.shape == (48, 64) and s.shape == (48,)
 
 
+def test_the_primitive_refuses_a_transposed_reduction():
+    from jax_efc.epilogue import identity_ir
+    from jax_efc.primitive import fused_gemm
+
+    ir = identity_ir(jnp.float32)
+    ir = ir.with_outputs([dataclasses.replace(ir.outputs[0], reduce="sum", over=("m",), transposed=True)])
+    with pytest.raises(ValueError, match="output '0' is a reduction and marked transposed"):
+        fused_gemm(jnp.ones((64, 32)), jnp.ones((32, 48)), ir=ir)
+
+
 def test_transposed_outputs_are_checked_on_first_use_until_they_have_run():
     """No GPU has run a kernel that stores an output transposed: the policies say so, and a
     first-use check runs before one (jax_efc.self_check)."""
