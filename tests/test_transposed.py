@@ -75,18 +75,17 @@ def test_batched(rng, b_batched):
 
 
 def test_vmap(rng):
-    a, b, c = _normal(rng, (4, 40, 32), (4, 32, 48), (40, 48))
+    """Mapped over the M side alone (``a`` and the tile operand), which would fold the mapped
+    dimension into M were no output transposed, and over both sides (the kernel's batch)."""
+    a, b, c = _normal(rng, (4, 40, 32), (4, 32, 48), (4, 40, 48))
 
-    def f(a, b):
+    def f(a, b, c):
         return efc.gemm(a, b, lambda acc, c: {"D": acc * c, "Y": acc}, c, transposed_outputs="D")
 
-    want = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
-    mapped_a = jax.vmap(f, in_axes=(0, None))(a, b[0])  # only the M side: L would fold into M
-    mapped_both = jax.vmap(f)(a, b)
-    for out, acc in ((mapped_a, np.asarray(a, np.float64) @ np.asarray(b[0], np.float64)), (mapped_both, want)):
+    a64, b64, c64 = (np.asarray(x, np.float64) for x in (a, b, c))
+    for out, acc in ((jax.vmap(f, in_axes=(0, None, 0))(a, b[0], c), a64 @ b64[0]), (jax.vmap(f)(a, b, c), a64 @ b64)):
         assert out["D"].shape == (4, 48, 40) and out["Y"].shape == (4, 40, 48)
-        np.testing.assert_allclose(np.asarray(out["D"]), np.swapaxes(acc * np.asarray(c), -1, -2),
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(out["D"]), np.swapaxes(acc * c64, -1, -2), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(np.asarray(out["Y"]), acc, rtol=1e-5, atol=1e-5)
 
 
