@@ -27,7 +27,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["requested", "gpu", "record_key", "choose", "tuned_config", "store", "load", "records", "NOISE"]
+__all__ = ["requested", "gpu", "record_key", "choose", "tuned_config", "store", "load", "records", "directory",
+           "NOISE"]
 
 # a candidate must beat the heuristic's time by this fraction to replace it: about the spread of
 # repeated timings of one kernel in interleaved rounds on the H200 (benchmarks/FINDINGS.md)
@@ -69,7 +70,8 @@ def choose(configs: Sequence[Any], times: Sequence[float]) -> Any:
     return configs[best] if times[best] < times[0] * (1 - NOISE) else configs[0]
 
 
-def _directory() -> str:
+def directory() -> str:
+    """Where the records are kept."""
     from jax_efc.config import private_cache_dir
 
     return private_cache_dir("autotune")
@@ -80,7 +82,7 @@ def store(key: str, mnkl: Sequence[int], config: Any, configs: Sequence[Any], ti
     candidate's time (the heuristic's first)."""
     from jax_efc.config import write_record
 
-    write_record(_directory(), key, {"mnkl": list(mnkl), "config": dataclasses.asdict(config),
+    write_record(directory(), key, {"mnkl": list(mnkl), "config": dataclasses.asdict(config),
                                      "timed": [[dataclasses.asdict(c), t] for c, t in zip(configs, times)]})
     _memo.pop(key, None)
 
@@ -90,7 +92,7 @@ def load(key: str) -> Any:
     from jax_efc.config import GemmConfig, read_record
 
     try:
-        return GemmConfig(**read_record(_directory(), key)["config"])
+        return GemmConfig(**read_record(directory(), key)["config"])
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -98,7 +100,7 @@ def load(key: str) -> Any:
 def records() -> dict[str, dict[str, Any]]:
     """Every record on disk that parses, by key: its ``mnkl``, ``config`` and ``timed``."""
     found = {}
-    folder = _directory()
+    folder = directory()
     for name in os.listdir(folder):
         if name.endswith(".json"):
             try:

@@ -293,7 +293,9 @@ def _info(args: argparse.Namespace) -> int:
         print(f"{dist + ':':<20}{_version(dist)}")
     print(f"{'devices:':<20}{', '.join(f'{d.platform}:{d.id} {d.device_kind}' for d in jax.devices())}")
     print(f"{'GPU arch:':<20}{device.arch() or 'none (no CUDA device; efc.set_target_arch or CUTE_DSL_ARCH names one to export for)'}")
-    switches = {k: os.environ[k] for k in ("JAX_EFC_DISABLE", "JAX_EFC_STRICT", "JAX_EFC_KERNEL_CACHE", "CUTE_DSL_ARCH")
+    switches = {k: os.environ[k] for k in ("JAX_EFC_DISABLE", "JAX_EFC_STRICT", "JAX_EFC_KERNEL_CACHE", "CUTE_DSL_ARCH",
+                                           "JAX_EFC_UNVERIFIED_KERNELS", "JAX_EFC_AUTOTUNE", "JAX_EFC_COMPILE_AHEAD",
+                                           "JAX_EFC_SM100")
                 if k in os.environ}
     print(f"{'switches:':<20}{switches or 'none set'}")
 
@@ -322,6 +324,13 @@ def _info(args: argparse.Namespace) -> int:
     print(f"  {'CuTe DSL kernels:':<24}{os.environ.get('CUTE_DSL_CACHE_DIR', 'the DSL default')} (CUTE_DSL_CACHE_DIR)")
     print(f"  {'JAX compilation:':<24}{jax.config.jax_compilation_cache_dir or 'off (jax_compilation_cache_dir)'}")
     print(f"  {'in memory:':<24}compiled kernels, per process (at most {ffi.KERNEL_CACHE_SIZE})")
+    from jax_efc import autotune, self_check
+
+    checked = self_check.verdicts()
+    failed = [v["detail"] for v in checked if not v["passed"]]
+    print(f"  {'autotuning:':<24}{autotune.directory()}: {len(autotune.records())} records")
+    print(f"  {'first-use checks:':<24}{self_check.folder()}: {len(checked)} kernels checked, {len(failed)} failed"
+          + "".join(f"\n{'':<26}failed: {d}" for d in failed))
     return 0
 
 

@@ -22,7 +22,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["refusal", "folder"]
+__all__ = ["refusal", "folder", "verdicts"]
 
 _memo: dict[str, tuple[bool, str]] = {}
 
@@ -84,3 +84,18 @@ def _verdict(plan: Any, avals: Sequence[Any], params: dict[str, Any], gpu: tuple
             record = read_record(folder(), key) if ran else {"passed": False, "detail": f"the check stopped: {last}"}
         _memo[key] = (bool(record.get("passed")), str(record.get("detail", "")))
     return _memo[key]
+
+
+def verdicts() -> list[dict[str, Any]]:
+    """Every verdict kept on disk (``passed`` and ``detail`` each)."""
+    import os
+
+    from jax_efc.config import read_record
+
+    found = []
+    for name in sorted(os.listdir(folder())):
+        record = read_record(folder(), name[:-len(".json")]) if name.endswith(".json") else None
+        if record is not None and isinstance(record.get("passed"), bool):
+            found.append(record)
+    return found
+

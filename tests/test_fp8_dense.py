@@ -270,3 +270,25 @@ def test_the_fused_fp8_mlps_six_gemms_are_fp8_kernels_on_hopper():
     epilogue reductions run unchecked here: JAX_EFC_UNVERIFIED_KERNELS=1)."""
     out = json.loads(run_for_sm90(_MLP_SCRIPT, JAX_EFC_UNVERIFIED_KERNELS="1").strip().splitlines()[-1])
     assert out["kernels"] == 6 and out["backends"] == ["kernel (sm_90a)"] * 6, out
+
+
+def test_sharded_amaxes_are_the_whole_tensors(rng):
+    """Rows sharded over the 8 host devices (data parallel, sharded jit): every amax a step enters
+    into its history is the whole tensor's (XLA's max over the mesh for the quantisations', the
+    reductions' completion across devices for those out of fp8_mlp's epilogues), so the metas'
+    updates equal the unsharded step's."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = jnp.asarray(rng.standard_normal((256, 64)) * 3, jnp.float32)
+    up, down = (jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32) for s in ((64, 96), (96, 32)))
+    mu, md = _metas(rng)
+
+    def loss(x, up, down, mu, md):
+        y = efc.fp8_mlp(x, up, None, down, None, activation="gelu_tanh", up_meta=mu, down_meta=md)
+        return jnp.square(efc.fp8_dense(y, down.T, meta=md)).mean()
+
+    grad = jax.jit(jax.grad(loss, (3, 4)))
+    want = grad(x, up, down, mu, md)
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None))
+    got = grad(jax.device_put(x, rows), up, down, mu, md)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)

@@ -83,3 +83,31 @@ def test_kernel_delayed_scaling_and_nan(rng):
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
     bad = jax.jit(lambda x, w: efc.fp8_dense(x, w))(x.at[7, 9].set(jnp.nan), w)
     assert bool(jnp.isnan(bad).all())
+
+
+def test_kernel_fp8_mlp_is_two_fp8_dense_layers(rng):
+    """fp8_mlp with delayed scaling through the kernel (its reductions checked on first use):
+    output and gradients as the two fp8_dense layers composed, up to their bf16 rounding of the
+    hidden tensors."""
+    from test_fp8_dense import _metas
+
+    x = jnp.asarray(rng.standard_normal((2048, 1024)) * 3, jnp.bfloat16)
+    up = jnp.asarray(rng.standard_normal((1024, 2048)) / 32, jnp.bfloat16)
+    down = jnp.asarray(rng.standard_normal((2048, 1024)) / 45, jnp.bfloat16)
+    bu, bd = jnp.asarray(rng.standard_normal(2048), jnp.bfloat16), jnp.asarray(rng.standard_normal(1024), jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal((2048, 1024)), jnp.bfloat16)
+    mu, md = _metas(rng, 16)
+
+    def fused(*args):
+        return efc.fp8_mlp(*args[:5], activation="gelu_tanh", up_meta=args[5], down_meta=args[6])
+
+    def composed(x, up, bu, down, bd, mu, md):
+        return efc.fp8_dense(efc.fp8_dense(x, up, bu, activation="gelu_tanh", meta=mu), down, bd, meta=md)
+
+    args = (x, up, bu, down, bd, mu, md)
+    assert all(s.startswith("kernel") for s in efc.backends(lambda *a: jax.vjp(fused, *a)[1](g), *args))
+    (y1, p1), (y2, p2) = (jax.vjp(jax.jit(f), *args) for f in (fused, composed))
+    rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))  # noqa: E731
+    assert rel(y1, y2) < 2e-2
+    for i, (a, b) in enumerate(zip(p1(g)[:5], p2(g)[:5])):
+        assert rel(a, b) < 5e-2, (i, rel(a, b))

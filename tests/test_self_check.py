@@ -135,3 +135,14 @@ def test_without_a_gpu_of_its_kind_nothing_is_checked_and_the_reference_runs(gpu
     plan = _plan()
     assert plan.backend == "reference" and "there is no sm_90a GPU here to check it on first use" in plan.reason
     assert gpu.runs == []
+
+
+def test_jax_efc_info_names_the_verdicts(gpu, capsys):
+    from jax_efc.cli import main
+
+    gpu.verdict = (False, "output '0' is off by 3.1 where the reference's largest is 5")
+    assert _plan().backend == "reference"
+    assert [v["passed"] for v in self_check.verdicts()] == [False]
+    main(["info"])
+    out = capsys.readouterr().out
+    assert "1 kernels checked, 1 failed" in out and "failed: output '0' is off by 3.1" in out
