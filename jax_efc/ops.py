@@ -215,15 +215,16 @@ def _transposed(ir: EpilogueIR, transposed: Any) -> EpilogueIR:
     """``ir`` with the outputs ``transposed`` names (``True``: the one output) stored transposed,
     checked: outputs that exist, none also written in place (its operand is (M, N))."""
     names = [o.name for o in ir.outputs]
-    if transposed is False:
-        return ir
-    if transposed is True:
+    if isinstance(transposed, (bool, np.bool_)):
+        if not transposed:
+            return ir
         if len(names) != 1:
             raise TypeError(f"transposed_outputs=True: the epilogue returns {len(names)} outputs; name the ones "
                             "to transpose (dict keys or tuple indices).")
         chosen = set(names)
     else:
-        items = list(transposed) if isinstance(transposed, (list, tuple, set, frozenset)) else [transposed]
+        several = isinstance(transposed, Collection) and not isinstance(transposed, (str, Mapping))
+        items = list(transposed) if several else [transposed]
         for k in items:
             if isinstance(k, bool) or not isinstance(k, (str, int, np.integer)):
                 raise TypeError(f"transposed_outputs: {k!r} is not an output's name; give True, an output's name "

@@ -37,12 +37,13 @@ def test_one_output_transposed(rng):
     want = np.maximum(np.asarray(a, np.float64) @ np.asarray(b, np.float64) + np.asarray(bias), 0).T
     assert y.shape == (72, 96)
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
-    plain = efc.gemm(a, b.T, transpose_b=True, transposed_outputs=True)  # B stored (N, K)
+    plain = efc.gemm(a, b.T, transpose_b=True, transposed_outputs=np.True_)  # B stored (N, K)
     np.testing.assert_allclose(np.asarray(plain), (np.asarray(a, np.float64) @ np.asarray(b, np.float64)).T,
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("which", ["D", ["D"], ("D",), {"D"}])
+@pytest.mark.parametrize("which", ["D", ["D"], ("D",), {"D"}, {"D": 0}.keys()],
+                         ids=["str", "list", "tuple", "set", "keys"])
 def test_a_dict_with_one_output_transposed(rng, which):
     a, b, c, bias = _normal(rng, (64, 32), (32, 48), (64, 48), (48,))
     out = efc.gemm(a, b, _alpha_beta, c, bias, transposed_outputs=which)
