@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -191,6 +192,7 @@ def test_transposed_outputs_are_checked_on_first_use_until_they_have_run():
     """No GPU has run a kernel that stores an output transposed: the policies say so, and a
     first-use check runs before one (jax_efc.self_check)."""
     pytest.importorskip("cutlass")
+    from jax_efc import autotune, self_check
     from jax_efc.config import GemmConfig
     from jax_efc.kernels import policy
     from jax_efc.kernels.problem import KernelProblem
@@ -204,7 +206,12 @@ def test_transposed_outputs_are_checked_on_first_use_until_they_have_run():
     untransposed = KernelProblem(ir.untransposed(), "bfloat16", "float32", "k", "n", False, False, False, (),
                                  "sm_90a", GemmConfig())
     assert policy("sm_90a").unverified_reason(untransposed) is None
+    # the kernel, its autotuning record and its first-use verdict are each the transposed one's own
     assert problem.compile_key != untransposed.compile_key
+    plans = [SimpleNamespace(problem=p, mnkl=(256, 256, 64, 1)) for p in (problem, untransposed)]
+    gpu = ("NVIDIA H100 80GB HBM3", 132)
+    for key in (autotune.record_key, self_check._key):
+        assert key(plans[0], gpu) != key(plans[1], gpu)
 
 
 _EXPORT = """
