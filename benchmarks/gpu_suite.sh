@@ -11,7 +11,8 @@
 #   examples  each example at a GPU size, `jax-efc run`, info and selftest
 #   bench     the benchmark's shapes with both XLA baselines, the 8-bit epilogues, and autotuning's
 #             gain over the heuristic
-#   model     a GPT-style model's first step (compile time) and its training step in bf16 and FP8
+#   model     a GPT-style model's first step (compile time), its training step in bf16 and FP8,
+#             and the bound its GEMMs' share sets on any FP8 step's speedup
 set -uo pipefail
 logs=${1:-gpu-logs}
 part=${2:-all}
@@ -62,8 +63,9 @@ if want bench; then
 fi
 if want model; then
   step first-step python3 benchmarks/first_step.py
-  step gpt-fp8 python3 examples/gpt_fp8.py --blocks 4 --width 2048 --heads 16 --batch 8 --seq 2048 --steps 50 \
+  step gpt-fp8 python3 examples/gpt_fp8.py --blocks 4 --width 2048 --heads 16 --batch 8 --seq 2048 --steps 60 \
     --layers dense,fp8,flax-fp8,fused --attention cudnn
+  step fp8-bound python3 benchmarks/fp8_bound.py --attention cudnn
 fi
 for f in "$logs"/*.log; do
   printf '\n===== %s\n' "$f"; tail -n 30 "$f"

@@ -4,9 +4,12 @@ takes.
 
 Layers (``--layers``, any of):
 - ``dense``: ``flax.linen.Dense`` in bf16 (the baseline);
-- ``fused``: ``jax_efc.flax.FusedDense`` in bf16 (the MLP's activation fused into its GEMM);
-- ``fp8``: ``FusedDense(fp8="delayed")``: e4m3 activations and weights, e5m2 gradients, delayed
-  scaling from amax histories, dequantisation, bias and activation fused into each FP8 GEMM;
+- ``fused``: ``jax_efc.flax.FusedDense`` and ``FusedMLP`` in bf16 (the MLP's activation fused
+  into its first GEMM, its derivative into the backward's);
+- ``fp8``: the same with ``fp8="delayed"``: e4m3 activations and weights, e5m2 gradients,
+  delayed scaling from amax histories, dequantisation and bias fused into each FP8 GEMM; the MLP
+  (``jax_efc.fp8_mlp``) writes its hidden value and its gradient only in FP8, their amaxes taken
+  in the GEMMs' epilogues;
 - ``flax-fp8``: ``nn.Dense(dot_general_cls=nn.Fp8DirectDotGeneralOp)``, Flax's FP8 recipe on XLA.
 
 The data is synthetic: each sequence follows ``t[i+1] = (a * t[i] + c) mod vocab`` with a
@@ -30,9 +33,10 @@ import numpy as np
 import optax
 
 import jax_efc as efc
-from jax_efc.flax import FusedDense
+from jax_efc.flax import FusedDense, FusedMLP
 
 LAYERS = ("dense", "fused", "fp8", "flax-fp8")
+_LR = 3e-3  # the peak learning rate at width 128
 _OWG = "_overwrite_with_gradient"  # Flax's collection for FP8 state: replaced by its gradient
 
 
@@ -48,6 +52,27 @@ def make_dense(layers: str):
         return layer if activation is None else lambda x: efc.ACTIVATIONS[activation](layer(x))
 
     return dense
+
+
+class Mlp(nn.Module):
+    """``down(gelu_tanh(up(x)))`` from ``make_dense``'s layers (the parameters ``FusedMLP``
+    has, so every kind of layer starts from the same ones)."""
+
+    hidden: int
+    layers: str
+
+    @nn.compact
+    def __call__(self, x):
+        dense = make_dense(self.layers)
+        return dense(x.shape[-1], "down")(dense(self.hidden, "up", "gelu_tanh")(x))
+
+
+def make_mlp(layers: str, hidden: int):
+    """The block's MLP: ``FusedMLP`` for our layers, else ``Mlp`` of the chosen ``nn.Dense``."""
+    if layers in ("fused", "fp8"):
+        return FusedMLP(hidden, activation="gelu_tanh", dtype=jnp.bfloat16, name="mlp",
+                        fp8="delayed" if layers == "fp8" else None)
+    return Mlp(hidden, layers, name="mlp")
 
 
 class Block(nn.Module):
@@ -66,8 +91,7 @@ class Block(nn.Module):
         q, k, v = (y.reshape(b, t, self.heads, d // self.heads) for y in jnp.split(dense(3 * d, "qkv")(h), 3, axis=-1))
         a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
         x = x + dense(d, "proj")(a.reshape(b, t, d))
-        h = dense(4 * d, "up", "gelu_tanh")(nn.LayerNorm(dtype=x.dtype)(x))
-        return x + dense(d, "down")(h)
+        return x + make_mlp(self.layers, 4 * d)(nn.LayerNorm(dtype=x.dtype)(x))
 
 
 class Gpt(nn.Module):
@@ -110,7 +134,8 @@ def train(layers: str, args, params0=None):
     if params0 is not None:  # every kind of layer starts from the same parameters
         variables = {**variables, "params": params0}
     params0 = variables["params"]
-    opt = optax.adamw(args.lr)
+    lr = args.lr or _LR * min(1.0, 128 / args.width)
+    opt = optax.adamw(optax.linear_schedule(0.0, lr, max(1, args.steps // 10)))
     opt_state = opt.init(variables["params"])
 
     def loss_fn(v, tokens):
@@ -148,7 +173,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"AdamW's peak learning rate, reached after a tenth of the steps (default: {_LR} "
+                        "at width 128 and below, scaled down as 1/width above: 3e-3 diverged at width 2048)")
     p.add_argument("--attention", choices=("xla", "cudnn"), default=None,
                    help="jax.nn.dot_product_attention's implementation (default: JAX's choice)")
     p.add_argument("--log-every", type=int, default=10)

@@ -2,8 +2,9 @@
 
 Differentiated layer by layer, an MLP's backward computes the hidden cotangent with one GEMM
 (the down projection's data gradient), then multiplies it by the activation's derivative in
-an elementwise pass of its own. Here that derivative is the epilogue of the same GEMM, so the
-hidden cotangent is never written; only the bias gradient still reads the result once.
+an elementwise pass of its own, and sums it over rows for the bias gradient in another. Here
+the derivative and the bias gradients' column sums are the epilogue of the same GEMM, so the
+hidden cotangent is never written and not read back for the sums.
 """
 
 from __future__ import annotations
@@ -58,15 +59,19 @@ def _forward_epilogue(activation: Callable[[Any], Any], bias: bool, gated: bool)
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_epilogue(activation: Callable[[Any], Any], bias: bool, gated: bool) -> Callable[..., Any]:
+def _backward_epilogue(activation: Callable[[Any], Any], bias: bool, gated: bool,
+                       summed: tuple[bool, ...]) -> Callable[..., Any]:
     """The data-gradient GEMM's epilogue: its product is the hidden cotangent, and it returns the
-    cotangents of the first GEMM's accumulator (and, gated, of the up projection)."""
+    cotangents of the first GEMM's accumulator (and, gated, of the up projection), then the
+    column sums (float32) of those whose layer has a bias (``summed``, one flag per cotangent):
+    the bias gradients."""
     h = _hidden(activation, bias, gated)
 
     def epilogue(d_hidden, acc, *ops):
         fixed, up = (ops[:-1], ops[-1:]) if gated else (ops, ())
         _, pullback = jax.vjp(lambda a, *u: h(a, *fixed, *u), acc, *up)
-        return pullback(d_hidden)
+        cts = pullback(d_hidden)
+        return (*cts, *(jnp.sum(g, axis=0) for g, s in zip(cts, summed) if s))
 
     epilogue.__efc_builtin__ = activations.is_builtin(activation)
     return epilogue
@@ -85,16 +90,17 @@ def _column_sum(x, like):
 
 def _hidden_cotangents(epilogue: Callable[..., Any], ct, down_kernel, acc, ops: list[Any], precision: Any
                        ) -> list[Any]:
-    """``epilogue(ct @ down_kernel.T, acc, *ops)``, the cotangents of the first GEMM's
-    accumulator (and of the up projection): one GEMM, or, where the activation's derivative
-    holds an operation the kernel cannot fuse, the GEMM (fp32 out) and then the derivative in
-    XLA."""
+    """``epilogue(ct @ down_kernel.T, acc, *ops)``: the cotangents of the first GEMM's
+    accumulator (and of the up projection) in ``acc``'s dtype, then their bias gradients in
+    float32. One GEMM, or, where the activation's derivative holds an operation the kernel
+    cannot fuse, the GEMM (fp32 out) and then the derivative in XLA."""
     try:
         return list(gemm(ct, down_kernel, epilogue, acc, *ops, transpose_b=True, precision=precision))
     except EpilogueError as e:
         log_once(logging.WARNING, f"fused_mlp evaluates the activation's derivative unfused: {e}")
     d_hidden = gemm(ct, down_kernel, transpose_b=True, precision=precision, out_dtypes=jnp.float32)
-    return [g.astype(acc.dtype) for g in epilogue(d_hidden, *(x.astype(jnp.float32) for x in (acc, *ops)))]
+    outs = epilogue(d_hidden, *(x.astype(jnp.float32) for x in (acc, *ops)))
+    return [g.astype(acc.dtype) if g.ndim == 2 else g for g in outs]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -116,16 +122,17 @@ def _mlp_bwd(static: _Mlp, residuals, ct):
     x, first, up, down, hidden, acc, up_value = residuals
     p, gated, bias = static.precision, up is not None, first[1] is not None
     d_down = (gemm(hidden, ct, transpose_a=True, precision=p), _column_sum(ct, down[1]))
-    d_acc, *d_up_value = _hidden_cotangents(_backward_epilogue(static.activation, bias, gated), ct, down[0],
-                                            acc, [first[1]] * bias + list(up_value), p)
-    d_first = (gemm(x, d_acc, transpose_a=True, precision=p), _column_sum(d_acc, first[1]))
-    d_x = gemm(d_acc, first[0], transpose_b=True, precision=p)
-    d_up = None
+    layers = (first, up) if gated else (first,)
+    summed = tuple(layer[1] is not None for layer in layers)
+    outs = _hidden_cotangents(_backward_epilogue(static.activation, bias, gated, summed), ct, down[0],
+                              acc, [first[1]] * bias + list(up_value), p)
+    d_values, sums = outs[:len(layers)], iter(outs[len(layers):])
+    d_layers = [(gemm(x, d, transpose_a=True, precision=p), None if layer[1] is None else
+                 next(sums).astype(layer[1].dtype)) for d, layer in zip(d_values, layers)]
+    d_x = gemm(d_values[0], first[0], transpose_b=True, precision=p)
     if gated:
-        (d_u,) = d_up_value
-        d_up = (gemm(x, d_u, transpose_a=True, precision=p), _column_sum(d_u, up[1]))
-        d_x = gemm(d_u, up[0], _accumulate, d_x, transpose_b=True, precision=p)
-    return d_x, d_first, d_up, d_down
+        d_x = gemm(d_values[1], up[0], _accumulate, d_x, transpose_b=True, precision=p)
+    return d_x, d_layers[0], d_layers[1] if gated else None, d_down
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)

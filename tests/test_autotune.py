@@ -26,6 +26,21 @@ def test_a_candidate_replaces_the_heuristic_only_beyond_the_noise():
     assert autotune.choose([h, c], [1.0, 1.2]) == h
 
 
+def test_a_lead_must_hold_in_a_second_sitting():
+    h, c, d = GemmConfig(), GemmConfig(128, 256, 2, 1), GemmConfig(256, 128, 1, 2)
+    asked = []
+
+    def retime(i, result):
+        asked.append(i)
+        return result
+
+    assert autotune.choose([h, c, d], [1.0, 0.95, 0.9], lambda i: retime(i, (1.0, 0.9))) == d
+    assert autotune.choose([h, c, d], [1.0, 0.95, 0.9], lambda i: retime(i, (1.0, 1.0 - autotune.NOISE / 2))) == h
+    assert asked == [2, 2]
+    assert autotune.choose([h, c, d], [1.0, 1.1, 1.2], lambda i: retime(i, (1.0, 0.5))) == h
+    assert asked == [2, 2]  # nothing to confirm: no second sitting
+
+
 def test_candidates_start_with_the_heuristic_and_all_run():
     from jax_efc.kernels import policy
     from jax_efc.plan import plan_kernel

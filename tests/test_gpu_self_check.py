@@ -1,6 +1,7 @@
-"""First-use checks on a GPU (marked ``gpu``): the Hopper kernel's epilogue reductions, not yet
-verified on its GPUs, are checked by a checking process the first time a call plans them; the
-kernel then runs them and gives the oracle's answer, and the verdict is on disk."""
+"""First-use checks on a GPU (marked ``gpu``): a kernel its policy calls unverified (here the
+Hopper kernel's epilogue reductions, marked so for the test) is checked by a checking process
+the first time a call plans it; the kernel then runs and gives the oracle's answer, and the
+verdict is on disk."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import jax_efc as efc
 from jax_efc import self_check
 from jax_efc.config import read_record
+from jax_efc.kernels.sm90_policy import Sm90Policy
 
 pytestmark = pytest.mark.gpu
 
@@ -20,6 +22,7 @@ def test_reductions_are_checked_on_first_use_then_run_the_kernel(rng, tmp_path, 
     monkeypatch.setenv("JAX_EFC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("JAX_EFC_STRICT", "1")  # a failed check would raise, not fall back
     monkeypatch.delenv("JAX_EFC_UNVERIFIED_KERNELS", raising=False)
+    monkeypatch.setattr(Sm90Policy, "verified_reductions", False)
     self_check._memo.clear()
     m, n, k = 2296, 2824, 1288
     a = jnp.asarray(rng.standard_normal((m, k)) / np.sqrt(k), jnp.bfloat16)

@@ -107,10 +107,13 @@ def test_the_kernel_writes_the_output_over_its_donated_operand(rng, monkeypatch,
     assert err < 1e-2, err
 
 
-def test_in_place_outputs_are_checked_on_first_use_until_they_have_run():
-    """The kernels store in-place outputs into their operand's tensor, a path no GPU has run yet:
-    the policies say so, and a first-use check runs before it (jax_efc.self_check)."""
+def test_in_place_outputs_are_checked_on_first_use_until_they_have_run(monkeypatch):
+    """The kernels store in-place outputs into their operand's tensor: verified on Hopper; a
+    policy that has not run them says so, and a first-use check runs before it
+    (jax_efc.self_check)."""
     pytest.importorskip("cutlass")
+    from jax_efc.kernels.sm90_policy import Sm90Policy
+
     from jax_efc.config import GemmConfig
     from jax_efc.kernels import policy
     from jax_efc.kernels.problem import KernelProblem
@@ -121,6 +124,8 @@ def test_in_place_outputs_are_checked_on_first_use_until_they_have_run():
     problem = KernelProblem(ir.with_outputs([dataclasses.replace(ir.outputs[0], inplace=0)]),
                             "bfloat16", "float32", "k", "n", False, False, False, (False,), "sm_90a", GemmConfig())
     assert problem.aliased == ((0, 0),)
+    assert policy("sm_90a").unverified_reason(problem) is None
+    monkeypatch.setattr(Sm90Policy, "verified_inplace", False)
     assert policy("sm_90a").unverified_reason(problem) == "the sm_90a kernel's outputs written over their operands"
     batched = KernelProblem(problem.ir, "bfloat16", "float32", "k", "n", True, True, False, (False,), "sm_90a",
                             GemmConfig())

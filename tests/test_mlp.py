@@ -95,6 +95,25 @@ def test_bf16_gradients_keep_their_dtypes(rng):
     assert [g.shape for g in grads] == [x.shape] + [p.shape for p in params]
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_bias_gradients_are_column_sums_in_the_data_gradients_epilogue(rng, gated):
+    """The first layers' bias gradients are reductions of the down projection's data-gradient
+    GEMM (no XLA sum reads the hidden cotangent back), and the only ones in the step."""
+    from jax_efc.primitive import fused_gemm_eqns
+
+    x = jnp.asarray(rng.standard_normal((32, 16)), jnp.bfloat16)
+    params = tuple(p.astype(jnp.bfloat16) for p in _params(rng, 16, 32, 16, gated, True))
+
+    def loss(*a):
+        gate = dict(gate_kernel=a[5], gate_bias=a[6]) if gated else {}
+        return efc.fused_mlp(*a[:5], activation="silu", **gate).astype(jnp.float32).sum()
+
+    eqns = fused_gemm_eqns(jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(len(params) + 1))))(x, *params))
+    reducing = [e for e in eqns if any(o.reduce for o in e.params["ir"].outputs)]
+    assert len(reducing) == 1
+    assert sum(bool(o.reduce) for o in reducing[0].params["ir"].outputs) == 1 + gated
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(up_kernel=np.zeros((15, 32))), r"up_kernel has shape \(15, 32\); expected \(16, N\)"),
     (dict(up_bias=np.zeros(31)), r"up_bias has shape \(31,\); expected \(32,\)"),

@@ -205,10 +205,18 @@ def test_errors_name_the_fix(rng):
         efc.gemm(a, b, lambda acc, v: (acc, v * 2), jnp.ones(12))
 
 
-def test_backends_say_why_reductions_run_on_the_reference(monkeypatch):
+def test_backends_of_reductions_in_an_export(monkeypatch):
+    """Exported for sm_90a, reductions run in the kernel; were they unverified, the export (no GPU
+    to check them on) would take the reference and say why."""
+    pytest.importorskip("cutlass")
+    from jax_efc.kernels.sm90_policy import Sm90Policy
+
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")  # as set_target_arch does, planned for an export
     spec = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
-    (why,) = efc.backends(lambda a, b: efc.gemm(a, b, lambda acc: (acc, jnp.sum(acc, 0))), spec, spec)
+    fn = lambda a, b: efc.gemm(a, b, lambda acc: (acc, jnp.sum(acc, 0)))  # noqa: E731
+    assert efc.backends(fn, spec, spec) == ["kernel (sm_90a)"]
+    monkeypatch.setattr(Sm90Policy, "verified_reductions", False)
+    (why,) = efc.backends(fn, spec, spec)
     assert why.startswith("reference: not yet run on a GPU of its kind: the sm_90a kernel's epilogue reductions; "
                           "there is no sm_90a GPU here to check it on first use")
 
@@ -329,18 +337,16 @@ def _reduction_plan(monkeypatch, fn, m, n, k, unverified="1", **config):
                              config=GemmConfig(**config) if config else None, arch="sm_90a")
 
 
-def test_the_kernel_plans_reductions_and_says_they_are_unverified(monkeypatch):
-    """The kernel plans reductions (the plan of a call then has them checked on first use: the
-    policy says they have not run on a GPU of its kind); an epilogue of reductions alone, or a
-    config whose threads cannot split a subtile, runs on the reference, with the reason."""
+def test_the_kernel_plans_reductions(monkeypatch):
+    """The Hopper kernel plans reductions (verified on a GPU: no first-use check); an epilogue
+    of reductions alone, or a config whose threads cannot split a subtile, runs on the
+    reference, with the reason."""
     from jax_efc.kernels import policy
 
     fn = lambda acc: (acc, jnp.sum(acc, axis=0))  # noqa: E731
     _, plan = _reduction_plan(monkeypatch, fn, 4096, 4096, 4096, unverified="0")
     assert plan.backend == "kernel", plan.reason
-    assert policy("sm_90a").unverified_reason(plan.problem) == "the sm_90a kernel's epilogue reductions"
-    _, plan = _reduction_plan(monkeypatch, fn, 4096, 4096, 4096)
-    assert plan.backend == "kernel", plan.reason
+    assert policy("sm_90a").unverified_reason(plan.problem) is None
     _, plan = _reduction_plan(monkeypatch, lambda acc: jnp.max(acc, axis=1), 4096, 4096, 4096)
     assert plan.backend == "reference" and "every output of the epilogue is a reduction" in plan.reason
     _, plan = _reduction_plan(monkeypatch, lambda acc: (acc, jnp.max(acc, axis=1)), 4096, 4096, 4096,

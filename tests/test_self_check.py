@@ -54,7 +54,7 @@ def test_the_comparison_catches_misplaced_values_and_nan():
 
 def _plan(epilogue=None):
     """The plan of a 4096 x 4096 x 2048 GEMM with ``epilogue`` (default: with a column sum, which
-    the Hopper kernel has not yet run on a GPU), as a process on a GPU makes it."""
+    the ``gpu`` fixture marks unverified), as a process on a GPU makes it."""
     import jax_efc as efc
     from jax_efc.plan import plan_call
     from jax_efc.primitive import fused_gemm_eqns
@@ -68,8 +68,12 @@ def _plan(epilogue=None):
 
 @pytest.fixture
 def gpu(monkeypatch, tmp_path):
-    """An H200 as far as the plan can tell, and a checking process whose verdict the test sets."""
+    """An H200 as far as the plan can tell, on which the Hopper kernel's reductions have not
+    run, and a checking process whose verdict the test sets."""
     pytest.importorskip("cutlass")
+    from jax_efc.kernels.sm90_policy import Sm90Policy
+
+    monkeypatch.setattr(Sm90Policy, "verified_reductions", False)
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     monkeypatch.setenv("JAX_EFC_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("JAX_EFC_UNVERIFIED_KERNELS", raising=False)
