@@ -4,9 +4,8 @@
 # ./gpu-logs); each part prints its summary last.
 #   usage: benchmarks/gpu_suite.sh [LOGDIR] [verify|tests|examples|bench|model|all]
 #
-#   verify    what has compiled but not yet run: the kernel's epilogue reductions (and their
-#             first-use check), FP8 layers, TF32, the fused MLP's backward; the reductions'
-#             cost and TF32's speed against XLA
+#   verify    the newest paths: the kernel's epilogue reductions and first-use checks, FP8
+#             layers, TF32, the fused MLP's backward; the reductions' cost and TF32's speed
 #   tests     the rest of the GPU tests (the compute-sanitizer runs, marked slow, apart)
 #   examples  each example at a GPU size, `jax-efc run`, info and selftest
 #   bench     the benchmark's shapes with both XLA baselines, the 8-bit epilogues, and autotuning's
@@ -32,7 +31,7 @@ if want verify; then
   step verify-tests python3 -m pytest -q -m gpu tests/test_gpu_reductions.py tests/test_gpu_self_check.py \
     tests/test_gpu_fp8_dense.py tests/test_gpu_low_precision.py tests/test_gpu.py -k \
     "reductions or first_use or fp8 or float32 or full_range or fused_mlp"
-  step bench-reduce env JAX_EFC_UNVERIFIED_KERNELS=1 python3 benchmarks/run.py --json "$logs/bench-reduce.json" \
+  step bench-reduce python3 benchmarks/run.py --json "$logs/bench-reduce.json" \
     --epilogues bias+gelu_tanh,bias+gelu_tanh+colsum --shapes $shapes
   step bench-tf32 python3 benchmarks/run.py --dtype float32 --json "$logs/bench-tf32.json" \
     --epilogues gemm,bias+gelu_tanh --shapes 8192,8192,8192 4096,4096,4096

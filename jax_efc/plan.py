@@ -40,7 +40,8 @@ class Plan:
     (an empty GEMM). With the kernel, ``problem`` holds its compile-time description (the
     config chosen), ``mnkl`` the GEMM's sizes and ``schedule`` the persistent grid;
     ``transposes`` says which of A and B the launch transposes first (stored in a major the
-    MMA cannot read), and ``note`` says so (logged at INFO)."""
+    MMA cannot read), and ``note`` says so (logged at INFO), as it says what autotuning changed
+    in the heuristic's config."""
 
     backend: str  # "kernel" or "reference"
     reason: str | None = None
@@ -213,6 +214,9 @@ def plan_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence
         if tuned is not None and tuned != plan.config:
             tuned_plan = plan_kernel(params["ir"], a, b, operands, config=tuned, **kw)
             if tuned_plan.backend == "kernel":
-                plan = tuned_plan
+                changed = ", ".join(f"{f.name}={getattr(tuned, f.name)}" for f in dataclasses.fields(tuned)
+                                    if getattr(tuned, f.name) != getattr(plan.config, f.name))
+                tuned_note = f"autotuned to the heuristic's config but {changed}"
+                plan = dataclasses.replace(tuned_plan, note="; ".join(filter(None, [tuned_plan.note, tuned_note])))
     reason = self_check.refusal(plan, avals_in, params, devices)
     return plan if reason is None else _reference(reason, arch=arch)

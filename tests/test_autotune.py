@@ -85,6 +85,33 @@ def test_a_tuning_process_that_fails_leaves_the_heuristic_with_a_warning(tmp_pat
     assert autotune.records() == {}
 
 
+def test_a_kept_config_runs_and_backends_say_what_it_changed(tmp_path, monkeypatch):
+    """A record on disk (as a tuning process leaves it) decides an export's config, and
+    ``efc.backends`` names the fields it changed in the heuristic's."""
+    pytest.importorskip("cutlass")
+    from jax_efc import primitive
+    from jax_efc.plan import plan_call
+
+    monkeypatch.setenv("JAX_EFC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setattr(autotune, "gpu", lambda: ("NVIDIA H200", 132))
+    autotune._memo.clear()
+    spec = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16)
+    fn = lambda a, b: efc.gemm(a, b, config="autotune")  # noqa: E731
+    (eqn,) = primitive.fused_gemm_eqns(jax.make_jaxpr(fn)(spec, spec))
+    heuristic = plan_call([spec, spec], eqn.params, devices=())
+    assert heuristic.note is None  # no record: the heuristic's config
+    kept = dataclasses.replace(heuristic.config, tile_n=128 if heuristic.config.tile_n != 128 else 256)
+    autotune.store(autotune.record_key(heuristic, autotune.gpu()), heuristic.mnkl, kept,
+                   [heuristic.config, kept], [1.0, 0.9])
+    autotune._memo.clear()
+    plan = plan_call([spec, spec], eqn.params, devices=())
+    assert plan.config == kept
+    assert efc.backends(fn, spec, spec) == [f"kernel (sm_90a): autotuned to the heuristic's config but "
+                                            f"tile_n={kept.tile_n}"]
+    autotune._memo.clear()
+
+
 def test_tune_needs_a_gpu_and_says_so(capsys):
     from jax_efc.cli import main
 

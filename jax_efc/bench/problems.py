@@ -46,8 +46,7 @@ EIGHT_BIT_EPILOGUES = tuple(f"{layout}{mode}:{e}" for mode in ("", "fast") for l
 ) + ("int8:gemm",)
 # an epilogue with a reduction beside its tile: bias+gelu_tanh and the column sums of its output
 # (a bias gradient's shape, in fp32), against plain JAX's gelu and sum; set against bias+gelu_tanh
-# in one run, what the reduction costs the kernel (run only when asked; the kernel's reductions
-# are checked on first use until they have run on a GPU)
+# in one run, what the reduction costs the kernel (run only when asked)
 REDUCTION_EPILOGUES = ("bias+gelu_tanh+colsum",)
 # fp8_dense's training step (output, gradients of x, kernel and bias; delayed scaling from a
 # one-entry history): "fp8train:" against Flax's FP8 Dense on XLA with the same meta, and
