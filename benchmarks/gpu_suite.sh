@@ -4,8 +4,9 @@
 # ./gpu-logs); each part prints its summary last.
 #   usage: benchmarks/gpu_suite.sh [LOGDIR] [verify|tests|examples|bench|model|all]
 #
-#   verify    the newest paths: the kernel's epilogue reductions and first-use checks, FP8
-#             layers, TF32, the fused MLP's backward; the reductions' cost and TF32's speed
+#   verify    the newest paths: transposed outputs (not yet run on a GPU), the kernel's epilogue
+#             reductions and first-use checks, FP8 layers, TF32, the fused MLP's backward; the
+#             reductions' cost and TF32's speed
 #   tests     the rest of the GPU tests (the compute-sanitizer runs, marked slow, apart)
 #   examples  each example at a GPU size, `jax-efc run`, info and selftest
 #   bench     the benchmark's shapes with both XLA baselines, the 8-bit epilogues, and autotuning's
@@ -28,6 +29,7 @@ shapes="8192,8192,8192 8192,14336,4096 4096,4096,4096"
 want() { [[ $part == all || $part == "$1" ]]; }
 
 if want verify; then
+  step transposed python3 -m pytest -q -m gpu tests/test_transposed.py
   step verify-tests python3 -m pytest -q -m gpu tests/test_gpu_reductions.py tests/test_gpu_self_check.py \
     tests/test_gpu_fp8_dense.py tests/test_gpu_low_precision.py tests/test_gpu.py -k \
     "reductions or first_use or fp8 or float32 or full_range or fused_mlp"
@@ -37,7 +39,8 @@ if want verify; then
     --epilogues gemm,bias+gelu_tanh --shapes 8192,8192,8192 4096,4096,4096
 fi
 if want tests; then
-  step gpu-tests python3 -m pytest -q -m "gpu and not slow" tests --deselect tests/test_gpu_reductions.py
+  step gpu-tests python3 -m pytest -q -m "gpu and not slow" tests --deselect tests/test_gpu_reductions.py \
+    --deselect tests/test_transposed.py
 fi
 if want examples; then
   step jax-efc-run python3 -m jax_efc run --mnkl 8192,8192,8192,1 --ab_dtype Float16 --c_dtype Float16 \
