@@ -226,13 +226,14 @@ def check_expert_parallel(model: MoE, params: Params, x: jax.Array, mesh: jax.sh
     device, relative to the largest value, over the output and the gradients of a loss in every
     parameter and in ``x``."""
 
-    def results(m):
+    @functools.partial(jax.jit, static_argnums=0)
+    def results(m, params, x):
         f = lambda p, x: m.apply({"params": p}, x)
         loss = lambda p, x: jnp.sum(jnp.sin(f(p, x).astype(jnp.float32)))
         return jax.tree.leaves((f(params, x), jax.grad(loss, (0, 1))(params, x)))
 
     worst = 0.0
-    for a, b in zip(results(model.clone(mesh=mesh)), results(model)):
+    for a, b in zip(results(model.clone(mesh=mesh), params, x), results(model, params, x)):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         worst = max(worst, float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)))
     return worst
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model = MoE(args.experts, args.hidden, args.top_k, dtype=args.dtype)
     x0, _ = next(batches(jax.random.key(0), args.tokens, args.width, args.centres))
-    params0 = model.init(jax.random.key(1), x0)["params"]
+    params0 = jax.jit(model.init)(jax.random.key(1), x0)["params"]
     layers = {name: model.clone(implementation=name) for name in EXPERTS}
     print(f"backend: {jax.default_backend()}; {args.tokens} tokens of width {args.width}, {args.experts} "
           f"experts of hidden width {args.hidden}, top-{args.top_k}, {args.dtype.name}, {args.steps} AdamW steps")
