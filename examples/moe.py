@@ -20,8 +20,10 @@ by side and the time a step takes, and checks that both learn and agree.
 ``--expert-parallel D`` adds the layer with its experts sharded over D devices (a mesh axis
 "expert", in ``jax.shard_map``): each device routes its share of the tokens, sends each copy to
 the device holding its expert with ``jax.lax.all_to_all``, runs ``grouped_gemm`` over its local
-experts, and sends the results back. It checks the output and gradients against the
-single-device layer, and trains it as a third curve.
+experts, and sends the results back. Each device's receive buffer has room for every copy from
+every device, so none is dropped however the router skews (a production layer would cap it at a
+capacity). It checks the output and gradients against the single-device layer, and trains it as
+a third curve.
 
     python examples/moe.py                                         # small, on a CPU
     python examples/moe.py --expert-parallel 8 --cpu-devices 8     # experts over 8 host devices
@@ -143,12 +145,13 @@ def _expert_parallel_body(params: Params, x: jax.Array, *, top_k: int, experts: 
 
 
 class MoE(nn.Module):
-    """A top-k routed layer of SwiGLU experts. Parameters: ``router`` (D, E), and for
+    """A top-k routed layer of SwiGLU experts over tokens ``x`` (T, D) (T divisible by the mesh's
+    ``"expert"`` axis when there is one). Parameters: ``router`` (D, E), and for
     ``gate``, ``up`` and ``down`` an ``{name}_kernel`` (E, in, out) and ``{name}_bias`` (E, out).
     ``implementation`` is a key of ``EXPERTS``; ``dtype`` the computation's (the router's is
     float32); with a ``mesh``, the experts and tokens are sharded over its ``"expert"`` axis."""
 
-    experts: int
+    num_experts: int
     hidden: int
     top_k: int = 2
     implementation: str = "grouped_gemm"
@@ -158,7 +161,7 @@ class MoE(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        e, h, d = self.experts, self.hidden, x.shape[-1]
+        e, h, d = self.num_experts, self.hidden, x.shape[-1]
         kernel = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         p = {"router": self.param("router", nn.initializers.lecun_normal(), (d, e), self.param_dtype)}
         for name, (fan_in, fan_out) in {"gate": (d, h), "up": (d, h), "down": (h, d)}.items():
@@ -191,7 +194,7 @@ def batches(key: jax.Array, tokens: int, width: int, centres: int):
 
 
 def make_step(apply: Callable[[Params, jax.Array], jax.Array], opt: optax.GradientTransformation):
-    """A jitted AdamW step of the squared error of ``apply(params, x)`` against ``y``."""
+    """A jitted step of ``opt`` on the squared error of ``apply(params, x)`` against ``y``."""
 
     def loss_fn(params, x, y):
         return jnp.mean((apply(params, x).astype(jnp.float32) - y) ** 2)
