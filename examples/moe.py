@@ -35,7 +35,7 @@ from __future__ import annotations
 import argparse
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -87,7 +87,7 @@ def ragged_dot_experts(p: Params, rows: jax.Array, sizes: jax.Array, expert: jax
 EXPERTS = {"grouped_gemm": grouped_experts, "ragged_dot": ragged_dot_experts}
 
 
-def _sort_by_expert(x: jax.Array, router: jax.Array, top_k: int):
+def _sort_by_expert(x: jax.Array, router: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Routes the tokens ``x`` (T, D): returns, for the T * top_k token copies sorted by expert
     (stable), each copy's token, expert and router weight."""
     probs = jax.nn.softmax(x.astype(jnp.float32) @ router.astype(jnp.float32))
@@ -174,7 +174,7 @@ class MoE(nn.Module):
         return moe_expert_parallel(p, x, self.top_k, experts, self.mesh)
 
 
-def batches(key: jax.Array, tokens: int, width: int, centres: int):
+def batches(key: jax.Array, tokens: int, width: int, centres: int) -> Iterator[tuple[jax.Array, jax.Array]]:
     """Endless (x, y) batches: tokens around ``centres`` random centres, ``y = tanh(x @ M_c)``
     for the centre c a token is drawn around."""
     k1, k2, key = jax.random.split(key, 3)
@@ -193,7 +193,7 @@ def batches(key: jax.Array, tokens: int, width: int, centres: int):
         yield draw(k)
 
 
-def make_step(apply: Callable[[Params, jax.Array], jax.Array], opt: optax.GradientTransformation):
+def make_step(apply: Callable[[Params, jax.Array], jax.Array], opt: optax.GradientTransformation) -> Callable:
     """A jitted step of ``opt`` on the squared error of ``apply(params, x)`` against ``y``."""
 
     def loss_fn(params, x, y):
@@ -208,7 +208,8 @@ def make_step(apply: Callable[[Params, jax.Array], jax.Array], opt: optax.Gradie
     return step
 
 
-def train(apply, params, args):
+def train(apply: Callable[[Params, jax.Array], jax.Array], params: Params,
+          args: argparse.Namespace) -> tuple[list[float], float]:
     """``args.steps`` steps on the same batches for every layer; returns (losses, ms a step,
     the median after the first two)."""
     opt = optax.adamw(args.lr)
