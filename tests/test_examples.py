@@ -17,12 +17,14 @@ CASES = {
     "fp8_scaled.py": ["--mnk", "128,64,256"],
     "gpt_fp8.py": ["--layers", "dense,fused,fp8,flax-fp8", "--blocks", "1", "--width", "64", "--seq", "32",
                    "--steps", "40"],
+    "moe.py": ["--steps", "20", "--tokens", "64", "--width", "16", "--hidden", "32", "--expert-parallel", "4",
+               "--cpu-devices", "4"],
 }
 
 
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_example(script):
-    if script in ("flax_mlp.py", "gpt_fp8.py"):
+    if script in ("flax_mlp.py", "gpt_fp8.py", "moe.py"):
         pytest.importorskip("flax")
         pytest.importorskip("optax")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *CASES[script]],
