@@ -46,6 +46,22 @@ SM100_VARIANTS = {
                                                (256, 128, 4, 1, {"use_2cta": True, "epi_n": 16}), "bias_silu"),
     "bf16_2cta_256x256_c2x1_partial": ("bfloat16", False, False, None, (256, 256, 2, 1, {"use_2cta": True}),
                                        "bias_gelu", (1000, 1000, 520)),
+    # 2-CTA 128-row tiles: each CTA's 64 rows lie in TMEM as two column blocks, which every
+    # epilogue subtile spans (partial tiles along M and N)
+    "bf16_2cta_128x128_c2x1_bias_gelu_partial": ("bfloat16", False, False, None,
+                                                 (128, 128, 2, 1, {"use_2cta": True}), "bias_gelu",
+                                                 (1000, 1000, 520)),
+    "fp8e4m3_nk_2cta_128x256_c2x2": ("float8_e4m3fn", False, True, None,
+                                     (128, 256, 2, 2, {"use_2cta": True}), "identity", (1160, 1008, 512)),
+    "bf16_2cta_128x256_c2x1_alpha_beta_partial": ("bfloat16", True, False, None,
+                                                  (128, 256, 2, 1, {"use_2cta": True}), "alpha_beta",
+                                                  (904, 1000, 256)),
+    "bf16_2cta_128x128_c4x1_bias_gelu_colsum": ("bfloat16", False, True, None,
+                                                 (128, 128, 4, 1, {"use_2cta": True}), "bias_gelu_colsum",
+                                                 (1000, 3000, 1024)),
+    "bf16_2cta_128x192_c2x1_row_stats_epi16": ("bfloat16", False, False, None,
+                                               (128, 192, 2, 1, {"use_2cta": True, "epi_n": 16}), "row_stats",
+                                               (1000, 1000, 512)),
     # fp16 accumulation
     "fp16_acc16_128x256_bias_gelu": ("float16", False, False, None, (128, 256, 1, 1, {"acc": "float16"}),
                                      "bias_gelu"),
@@ -396,6 +412,14 @@ _WALKS = {
     "2cta_256x128_c4x1_epi16": (256, 128, 4, 1, {"use_2cta": True, "epi_n": 16}, "bfloat16", "float32",
                                 (1288, 520, 2)),
     "2cta_256x128_c2x2": (256, 128, 2, 2, {"use_2cta": True}, "bfloat16", "float32", (600, 700, 1)),
+    # 2-CTA 128-row tiles: every subtile spans the two column blocks of a CTA's 64 rows in TMEM
+    "2cta_128x128_c2x1": (128, 128, 2, 1, {"use_2cta": True}, "bfloat16", "float32", (1000, 1000, 1)),
+    "2cta_128x256_c4x2_f32_out": (128, 256, 4, 2, {"use_2cta": True}, "float32", "float32", (1160, 1100, 2)),
+    "2cta_128x192_epi16": (128, 192, 2, 1, {"use_2cta": True, "epi_n": 16}, "bfloat16", "float32",
+                           (520, 1000, 1)),
+    "2cta_128x128_fp8_out_epi64": (128, 128, 2, 2, {"use_2cta": True, "epi_n": 64}, "float8_e4m3fn", "float32",
+                                   (328, 384, 1)),
+    "fp16_acc_2cta_128x256": (128, 256, 2, 1, {"use_2cta": True}, "float16", "float16", (264, 520, 3)),
 }
 
 def _walk_maps(walks: dict) -> dict:
@@ -441,7 +465,7 @@ def _walk_maps(walks: dict) -> dict:
 
         cute.compile(collect)
         maps[name] = {"cta_tile": list(kernel.tile_mnk[:2]), "epi_tile": list(kernel.epi_tile),
-                      "clusters": kernel.schedule.clusters, "threads": threads}
+                      "epi_blocks": kernel.epi_blocks, "clusters": kernel.schedule.clusters, "threads": threads}
     return maps
 
 
@@ -476,14 +500,19 @@ def test_every_output_element_is_stored_once(walk_maps, name):
     (cta_m, cta_n), (epi_m, epi_n) = info["cta_tile"], info["epi_tile"]
     sub_m = cta_m // epi_m
     n_sub = sub_m * (cta_n // epi_n)
+    # a 2-CTA 128-row tile's subtiles span two column blocks: runs of epi_n / 2 columns, one in
+    # each half of the CTA tile; the subtiles along N step a run's width
+    blocks = info["epi_blocks"]
+    assert blocks == (2 if extra.get("use_2cta") and tm == 128 else 1), (name, blocks)
+    run = epi_n // blocks
     in_tile = np.zeros((cta_m, cta_n), np.int32)
     for thread in info["threads"]:
         assert len(thread["tile"]) == n_sub
         for s, values in enumerate(thread["tile"]):
-            origin = (s % sub_m * epi_m, s // sub_m * epi_n)
             assert len(values) == len(thread["smem"])
             for (r, c), (sr, sc) in zip(values, thread["smem"]):
-                assert (r - origin[0], c - origin[1]) == (sr, sc), (name, s, (r, c), (sr, sc))
+                at = (s % sub_m * epi_m + sr, s // sub_m * run + sc % run + sc // run * (cta_n // blocks))
+                assert (r, c) == at, (name, s, (r, c), (sr, sc))
                 in_tile[r, c] += 1
     assert (in_tile == 1).all(), name
     for s in range(n_sub):  # one subtile's smem elements, once each
@@ -518,8 +547,9 @@ def test_every_output_element_is_stored_once(walk_maps, name):
     # (e.g. M = 1288 in 2-CTA pairs of 128-row CTA tiles: 11 tiles along M, the sixth pair's second
     # is empty; reduction.TileReduction.flush writes no partial for it, as the partial arrays
     # have one per tile inside the output)
-    assert (outside > 0) == (name in ("128x256_epi64_c2x2", "2cta_256x128_c4x1_epi16", "2cta_256x128_c2x2")), \
-        (name, outside)
+    assert (outside > 0) == (name in ("128x256_epi64_c2x2", "2cta_256x128_c4x1_epi16", "2cta_256x128_c2x2",
+                                      "2cta_128x256_c4x2_f32_out", "2cta_128x192_epi16",
+                                      "2cta_128x128_fp8_out_epi64", "fp16_acc_2cta_128x256")), (name, outside)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ from jax_efc.kernels.problem import (SMEM_ALIGN, KernelProblem, cta_tile, epilog
                                      reduction_reason, tile_operand_indices)
 from jax_efc.kernels.sm90_policy import Sm90Policy
 
-__all__ = ["POLICY", "Sm100Policy", "DEFAULT_SM_COUNT", "EPI_THREADS", "ACC_STAGES", "pipeline_stages",
-           "tmem_columns"]
+__all__ = ["POLICY", "Sm100Policy", "DEFAULT_SM_COUNT", "EPI_THREADS", "ACC_STAGES", "epilogue_blocks",
+           "pipeline_stages", "tmem_columns"]
 
 # SMs of a B200: what the heuristic and the persistent grid assume when compiling without a GPU
 DEFAULT_SM_COUNT = 148
@@ -33,7 +33,7 @@ _AB_DTYPES = ("bfloat16", "float16", "float32", *FP8, *INT8)
 # steps of 32, which every input type and major takes (an 8-bit MN-major B in a 2-CTA MMA needs
 # multiples of 32) and the default 32-wide epilogue subtiles divide
 _TILE_M_1CTA = (64, 128)
-_TILE_M_2CTA = (256,)
+_TILE_M_2CTA = (128, 256)
 _TILE_N = tuple(range(32, 257, 32))
 # Blackwell clusters hold up to 16 CTAs (more than 8 are "non-portable", which the DSL's
 # launch allows); powers of two along each side, so the multicast masks split evenly
@@ -68,6 +68,13 @@ _MIN_STAGES = 4
 _TUNED_TILES = ((256, 256, True, 2, 1), (256, 128, True, 2, 1), (128, 256, False, 2, 1),
                 (128, 128, False, 2, 1), (256, 256, True, 4, 1), (128, 256, False, 1, 1))
 _AUTOTUNE_CANDIDATES = 6
+
+
+def epilogue_blocks(config: GemmConfig) -> int:
+    """Column blocks an epilogue subtile spans: two with a 2-CTA 128-row MMA, whose 64 rows a CTA
+    lie in tensor memory as the first half of the columns in lanes 0-63 and the second half in
+    lanes 64-127 (``sm100.py``); else one."""
+    return 2 if config.use_2cta and config.tile_m == 128 else 1
 
 
 def tmem_columns(problem: KernelProblem) -> int:
@@ -150,10 +157,6 @@ class Sm100Policy(ArchPolicy):
                     "next tile's MMAs through two tensor-memory accumulators (use pingpong=False).")
         rows, _ = cta_tile(config)
         if config.use_2cta:
-            if config.tile_m == 128:
-                return ("tile_m=128 with use_2cta=True: the pair's 64-row halves lie in tensor memory as two "
-                        "column blocks a warp pair each, which the epilogue's subtiles do not follow; use "
-                        "tile_m=256 (2-CTA) or tile_m=128 with use_2cta=False.")
             if config.tile_m not in _TILE_M_2CTA:
                 return (f"tile_m={config.tile_m} with use_2cta=True is not supported on SM100; a 2-CTA "
                         f"tcgen05 MMA covers {' or '.join(map(str, _TILE_M_2CTA))} rows here.")
