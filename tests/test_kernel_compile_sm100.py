@@ -248,7 +248,9 @@ def _plan(change: dict, monkeypatch):
 @pytest.mark.parametrize("change, needle", [
     (dict(config=(256, 128, 2, 1)), "tile_m=256 is not supported on SM100; a 1-CTA tcgen05 MMA covers 64 or 128 "
                                     "rows (or use_2cta=True"),
-    (dict(config=(128, 128, 2, 1, {"use_2cta": True})), "tile_m=128 with use_2cta=True"),
+    (dict(dtype="float8_e4m3fn", config=(128, 128, 2, 1, {"use_2cta": True, "epi_n": 16})),
+     "epi_n=16 with a 2-CTA 128-row tile: each subtile is two column blocks of 8 float8_e4m3fn values, fewer "
+     "than the 16 bytes a TMA copy's row takes; use epi_n=32 or more"),
     (dict(config=(64, 128, 2, 1, {"use_2cta": True})), "tile_m=64 with use_2cta=True is not supported"),
     (dict(config=(128, 288, 1, 1)), "tile_n=288 is not supported on SM100; use a multiple of 32 from 32 to 256"),
     (dict(config=(128, 128, 8, 4)), "cluster 8x4 has more than 16 CTAs"),
@@ -310,12 +312,16 @@ def test_accepted_kernels(monkeypatch):
     assert plan.backend == "kernel" and plan.transposes == (False, False) and plan.problem.b_major == "n"
     plan = _plan(dict(config=(256, 256, 4, 2, {"use_2cta": True})), monkeypatch)
     assert plan.backend == "kernel" and plan.schedule.stream_k is None
+    for dtype, epi_n in (("bfloat16", 16), ("float8_e4m3fn", 32)):
+        plan = _plan(dict(dtype=dtype, config=(128, 256, 2, 2, {"use_2cta": True, "epi_n": epi_n})), monkeypatch)
+        assert plan.backend == "kernel", plan.reason
     assert _plan(dict(dtype="float16", acc="float16"), monkeypatch).backend == "kernel"
 
 
 def test_heuristic(monkeypatch):
     """2-CTA 256x256 tiles in 2x1 clusters once they fill the SM pairs, else 2-CTA 256x128 with
-    more than 128 rows, else 1-CTA tiles; every choice keeps 4 or more A/B stages and 512 or
+    more than 128 rows, else 1-CTA 128x256 where they fill the SMs, 2-CTA 128x256, or 1-CTA
+    tiles for at most 64 rows or 128 columns; every choice keeps 4 or more A/B stages and 512 or
     fewer TMEM columns, and the autotuner's candidates start with it."""
     import dataclasses
 
@@ -352,9 +358,13 @@ def test_heuristic(monkeypatch):
     # fewer tiles than a round of 2-CTA 256x256 pairs: 256x128 (128x128 CTA tiles)
     mid = chosen("identity", 512, 4096, 4096)
     assert (mid.tile_m, mid.tile_n, mid.use_2cta, mid.swizzle) == (256, 128, True, 1)
-    # at most 128 rows: 1-CTA tiles, 128x256 where they fill the SMs
-    assert (chosen("identity", 128, 65536, 4096).tile_n, chosen("bias_gelu", 128, 4096, 4096).tile_n) == (256, 128)
+    # at most 128 rows: 1-CTA 128x256 where they fill the SMs, else 2-CTA 128x256 (64x256 CTA tiles)
+    wide = chosen("identity", 128, 65536, 4096)
+    assert (wide.tile_m, wide.tile_n, wide.use_2cta) == (128, 256, False)
+    few = chosen("bias_gelu", 128, 4096, 4096)
+    assert (few.tile_m, few.tile_n, few.cluster_m, few.use_2cta) == (128, 256, 2, True)
     assert chosen("bias_gelu", 64, 4096, 4096).tile_m == 64
+    assert chosen("identity", 96, 128, 4096).use_2cta is False
 
 
 def _problem_fields(epilogue, cfg):

@@ -29,9 +29,9 @@ DEFAULT_SM_COUNT = 148
 # float32 inputs run as TF32 (tcgen05 kind::tf32), where the call's precision allows it (the plan)
 _AB_DTYPES = ("bfloat16", "float16", "float32", *FP8, *INT8)
 # A tcgen05 MMA covers 64 or 128 rows issued by one CTA, or 128 or 256 rows issued for a pair of
-# CTAs (each holding half of them; the kernel takes 256, see config_reason); N from 32 to 256 in
-# steps of 32, which every input type and major takes (an 8-bit MN-major B in a 2-CTA MMA needs
-# multiples of 32) and the default 32-wide epilogue subtiles divide
+# CTAs (each holding half of them); N from 32 to 256 in steps of 32, which every input type and
+# major takes (an 8-bit MN-major B in a 2-CTA MMA needs multiples of 32) and the default 32-wide
+# epilogue subtiles divide
 _TILE_M_1CTA = (64, 128)
 _TILE_M_2CTA = (128, 256)
 _TILE_N = tuple(range(32, 257, 32))
@@ -52,6 +52,9 @@ ACC_STAGES = 2
 # the epilogue warps: four, one per TMEM lane quarter (warp w may read lanes 32(w%4)..+31), so
 # together they reach all 128 lanes
 EPI_THREADS = 128
+# a TMA copy's rows are whole multiples of 16 bytes: the least a column block of a split subtile
+# (epilogue_blocks) may hold of each stored output and TILE operand
+_TMA_ROW_BYTES = 16
 # the heuristic takes a tile shape once its tiles fill this share of one round of the SMs
 _ONE_WAVE = 0.9
 # 2-CTA 256x256 tiles read half the shared memory per multiply-add that 256x128 ones do (the
@@ -66,7 +69,8 @@ _MIN_STAGES = 4
 # tiles the autotuner tries besides the heuristic's (tile_m, tile_n, use_2cta, cluster_m,
 # cluster_n), and how many configs it times at most
 _TUNED_TILES = ((256, 256, True, 2, 1), (256, 128, True, 2, 1), (128, 256, False, 2, 1),
-                (128, 128, False, 2, 1), (256, 256, True, 4, 1), (128, 256, False, 1, 1))
+                (128, 256, True, 2, 1), (128, 128, False, 2, 1), (256, 256, True, 4, 1),
+                (128, 256, False, 1, 1))
 _AUTOTUNE_CANDIDATES = 6
 
 
@@ -188,6 +192,14 @@ class Sm100Policy(ArchPolicy):
             reason = out.reduce and reduction_reason(out.over, epilogue_tile(cfg), EPI_THREADS)
             if reason:
                 return f"output {out.name!r}: {reason}"
+        run = cfg.epi_n // epilogue_blocks(cfg)
+        staged = [o.dtype for o in problem.ir.outputs if not o.reduce] + \
+            [problem.ir.operands[i].dtype for i in tile_operand_indices(problem.ir)]
+        narrow = [d for d in staged if run * bits(d) // 8 < _TMA_ROW_BYTES]
+        if narrow:
+            return (f"epi_n={cfg.epi_n} with a 2-CTA 128-row tile: each subtile is two column blocks of {run} "
+                    f"{narrow[0]} values, fewer than the {_TMA_ROW_BYTES} bytes a TMA copy's row takes; use "
+                    f"epi_n={2 * _TMA_ROW_BYTES * 8 // bits(narrow[0])} or more.")
         if pipeline_stages(problem) >= 2:
             return None
         epi_m, epi_n = epilogue_tile(cfg)
@@ -209,8 +221,11 @@ class Sm100Policy(ArchPolicy):
         - Else, with more than 128 rows, 2-CTA 256x128 tiles in 2x1 clusters: their CTA tiles
           are 128x128, so they fill the SMs as 1-CTA 128x128 tiles do, while each CTA stages
           half of B (24 KiB a k-tile against 32 KiB).
-        - At most 128 rows: 1-CTA 128x256 tiles where they fill a round of the SMs, else
-          128x128 (64x128 for at most 64 rows).
+        - At most 128 rows: 1-CTA 128x256 tiles where they fill a round of the SMs; else, with
+          more than 64 rows and 128 columns, 2-CTA 128x256 tiles in 2x1 clusters: as many CTA
+          tiles (64x256) as 1-CTA 128x128 ones, staging 24 KiB a 16-bit k-tile against 32 KiB
+          (a 2-CTA 128-row MMA fills all 128 TMEM lanes of each SM, PTX's data-path layout B,
+          where a 1-CTA 64-row one fills half); else 128x128 (64x128 for at most 64 rows).
         Each keeps ``_MIN_STAGES`` A/B stages, in 16-wide epilogue subtiles where 32-wide ones
         leave fewer. Problems with two rounds of tiles or more walk bands of 8 clusters (L2 reuse).
         """
@@ -240,6 +255,8 @@ class Sm100Policy(ArchPolicy):
             return shaped(256, 128, True, pairs)
         if n > 128 and tiles(128, 256) >= _ONE_WAVE * sm_count:
             return shaped(128, 256, False, sm_count)
+        if m > 64 and n > 128:
+            return shaped(128, 256, True, pairs)
         return shaped(64 if m <= 64 else 128, 128, False, sm_count)
 
     def candidate_configs(self, problem: KernelProblem, m: int, n: int, k: int, l: int,
