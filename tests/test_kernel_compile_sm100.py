@@ -495,14 +495,16 @@ def walk_maps():
 @pytest.mark.parametrize("name", list(_WALKS))
 def test_every_output_element_is_stored_once(walk_maps, name):
     """From the kernel's index mappings: within a subtile, each fragment value goes to the smem
-    element of its own (m, n), and the 128 epilogue threads' values cover the subtile once; the
-    subtiles cover the CTA tile once; the persistent walk hands every CTA tile of the output
+    element of its own (m, n) (a 2-CTA 128-row tile's subtile spans two column blocks, which the
+    reductions' column map follows too), and the 128 epilogue threads' values cover the subtile
+    once; the subtiles cover the CTA tile once; the persistent walk hands every CTA tile of the output
     (2-CTA pairs and clusters included) to exactly one CTA, whose TMA stores, clipped at the M
     and N edges, write each output element exactly once. With a 2-CTA MMA, the A rows each CTA
     of the pair loads are the rows its epilogue stores."""
     import numpy as np
 
     from jax_efc.config import GemmConfig
+    from jax_efc.kernels.reduction import TileReduction
     from jax_efc.kernels.schedule import TileWalk, cluster_tiles, plan_schedule
 
     tm, tn, cm, cn, extra, _, _, (m, n, l) = _WALKS[name]
@@ -515,14 +517,18 @@ def test_every_output_element_is_stored_once(walk_maps, name):
     blocks = info["epi_blocks"]
     assert blocks == (2 if extra.get("use_2cta") and tm == 128 else 1), (name, blocks)
     run = epi_n // blocks
+    # the reductions' column map, which stages and masks a subtile's values, is the same
+    reduction = TileReduction("sum", ("m",), (epi_m, epi_n), (cta_m, cta_n), 128, blocks)
     in_tile = np.zeros((cta_m, cta_n), np.int32)
     for thread in info["threads"]:
         assert len(thread["tile"]) == n_sub
         for s, values in enumerate(thread["tile"]):
             assert len(values) == len(thread["smem"])
+            n0 = s // sub_m * run
             for (r, c), (sr, sc) in zip(values, thread["smem"]):
-                at = (s % sub_m * epi_m + sr, s // sub_m * run + sc % run + sc // run * (cta_n // blocks))
+                at = (s % sub_m * epi_m + sr, n0 + sc % run + sc // run * (cta_n // blocks))
                 assert (r, c) == at, (name, s, (r, c), (sr, sc))
+                assert (n0 + reduction.spread(sc), reduction.gather(c - n0)) == (c, sc), (name, s, c, sc)
                 in_tile[r, c] += 1
     assert (in_tile == 1).all(), name
     for s in range(n_sub):  # one subtile's smem elements, once each
