@@ -12,7 +12,8 @@ One CTA = six warps with one role each, walking the same persistent tile schedul
   while the epilogue reads tile i's, the MMAs of tile i+1 fill the other. With ``use_2cta``
   a pair of CTAs along M shares one MMA of ``tile_m`` rows: the even CTA of the pair issues
   it, each CTA stages its own ``tile_m / 2`` rows of A and half of B, and each CTA's TMEM
-  holds its own rows of the accumulator;
+  holds its own rows of the accumulator (with ``tile_m`` 128, in two column blocks that every
+  epilogue subtile spans: ``_tmem_load``);
 - four epilogue warps (128 threads, one per TMEM lane quarter) read the accumulator subtile
   by subtile (``tcgen05.ld``) and run the shared epilogue driver
   (:mod:`jax_efc.kernels.gemm_base`) on it; once they have read the last subtile they hand

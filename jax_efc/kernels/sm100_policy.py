@@ -75,9 +75,9 @@ _AUTOTUNE_CANDIDATES = 6
 
 
 def epilogue_blocks(config: GemmConfig) -> int:
-    """Column blocks an epilogue subtile spans: two with a 2-CTA 128-row MMA, whose 64 rows a CTA
-    lie in tensor memory as the first half of the columns in lanes 0-63 and the second half in
-    lanes 64-127 (``sm100.py``); else one."""
+    """Column blocks an epilogue subtile spans: two with a 2-CTA 128-row MMA, which leaves each
+    CTA's 64 rows in tensor memory as the first half of the columns in lanes 0-63 and the second
+    half in lanes 64-127 (``sm100.py``); else one."""
     return 2 if config.use_2cta and config.tile_m == 128 else 1
 
 
