@@ -565,6 +565,28 @@ def test_run_names_the_config_each_kernel_ran_with(monkeypatch):
     assert cli._configs_that_ran(handed) == []
 
 
+def test_run_plans_a_2cta_128_row_tile_on_blackwell(monkeypatch):
+    """On Blackwell, ``--use_2cta_instrs --mma_tiler_mn 128,N`` pins a 2-CTA pair of 64-row CTA
+    tiles in 2x1 clusters, and the kernel plans it (compiled for sm_100a here)."""
+    pytest.importorskip("cutlass")
+    import argparse
+
+    from jax_efc import cli
+    from jax_efc.config import GemmConfig
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    parser = argparse.ArgumentParser()
+    cli._add_run(parser.add_subparsers())
+    dtypes = [arg for name in "cdxy" for arg in (f"--{name}_dtype", "BFloat16")]
+    args = parser.parse_args(["run", "--mnkl", "1024,2048,512,1", "--use_2cta_instrs", "--mma_tiler_mn", "128,256",
+                              *dtypes])
+    assert cli._config(args) == GemmConfig(128, 256, 2, 1, use_2cta=True)
+    assert cli._configs_that_ran(cli._run_problem(args)) == [
+        "kernel config: tile 128x256, cluster 2x1, 2-CTA, epilogue subtile 64x32 (pinned)"]
+
+
 @pytest.mark.parametrize("name", bench.EIGHT_BIT_EPILOGUES)
 def test_bench_eight_bit_problems(name):
     """The 8-bit problems: e4m3 (or int8) A and B in the named layout, both sides checked

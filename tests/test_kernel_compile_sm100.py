@@ -46,6 +46,22 @@ SM100_VARIANTS = {
                                                (256, 128, 4, 1, {"use_2cta": True, "epi_n": 16}), "bias_silu"),
     "bf16_2cta_256x256_c2x1_partial": ("bfloat16", False, False, None, (256, 256, 2, 1, {"use_2cta": True}),
                                        "bias_gelu", (1000, 1000, 520)),
+    # 2-CTA 128-row tiles: each CTA's 64 rows lie in TMEM as two column blocks, which every
+    # epilogue subtile spans (partial tiles along M and N)
+    "bf16_2cta_128x128_c2x1_bias_gelu_partial": ("bfloat16", False, False, None,
+                                                 (128, 128, 2, 1, {"use_2cta": True}), "bias_gelu",
+                                                 (1064, 1000, 520)),
+    "fp8e4m3_nk_2cta_128x256_c2x2": ("float8_e4m3fn", False, True, None,
+                                     (128, 256, 2, 2, {"use_2cta": True}), "identity", (1160, 1008, 512)),
+    "bf16_2cta_128x256_c2x1_alpha_beta_partial": ("bfloat16", True, False, None,
+                                                  (128, 256, 2, 1, {"use_2cta": True}), "alpha_beta",
+                                                  (904, 1000, 256)),
+    "bf16_2cta_128x128_c4x1_bias_gelu_colsum": ("bfloat16", False, True, None,
+                                                 (128, 128, 4, 1, {"use_2cta": True}), "bias_gelu_colsum",
+                                                 (1000, 3000, 1024)),
+    "bf16_2cta_128x192_c2x1_row_stats_epi16": ("bfloat16", False, False, None,
+                                               (128, 192, 2, 1, {"use_2cta": True, "epi_n": 16}), "row_stats",
+                                               (1000, 1000, 512)),
     # fp16 accumulation
     "fp16_acc16_128x256_bias_gelu": ("float16", False, False, None, (128, 256, 1, 1, {"acc": "float16"}),
                                      "bias_gelu"),
@@ -232,7 +248,9 @@ def _plan(change: dict, monkeypatch):
 @pytest.mark.parametrize("change, needle", [
     (dict(config=(256, 128, 2, 1)), "tile_m=256 is not supported on SM100; a 1-CTA tcgen05 MMA covers 64 or 128 "
                                     "rows (or use_2cta=True"),
-    (dict(config=(128, 128, 2, 1, {"use_2cta": True})), "tile_m=128 with use_2cta=True"),
+    (dict(dtype="float8_e4m3fn", config=(128, 128, 2, 1, {"use_2cta": True, "epi_n": 16})),
+     "epi_n=16 with a 2-CTA 128-row tile: each subtile is two column blocks of 8 float8_e4m3fn values, fewer "
+     "than the 16 bytes a TMA copy's row takes; use epi_n=32 or more"),
     (dict(config=(64, 128, 2, 1, {"use_2cta": True})), "tile_m=64 with use_2cta=True is not supported"),
     (dict(config=(128, 288, 1, 1)), "tile_n=288 is not supported on SM100; use a multiple of 32 from 32 to 256"),
     (dict(config=(128, 128, 8, 4)), "cluster 8x4 has more than 16 CTAs"),
@@ -294,12 +312,16 @@ def test_accepted_kernels(monkeypatch):
     assert plan.backend == "kernel" and plan.transposes == (False, False) and plan.problem.b_major == "n"
     plan = _plan(dict(config=(256, 256, 4, 2, {"use_2cta": True})), monkeypatch)
     assert plan.backend == "kernel" and plan.schedule.stream_k is None
+    for dtype, epi_n in (("bfloat16", 16), ("float8_e4m3fn", 32)):
+        plan = _plan(dict(dtype=dtype, config=(128, 256, 2, 2, {"use_2cta": True, "epi_n": epi_n})), monkeypatch)
+        assert plan.backend == "kernel", plan.reason
     assert _plan(dict(dtype="float16", acc="float16"), monkeypatch).backend == "kernel"
 
 
 def test_heuristic(monkeypatch):
     """2-CTA 256x256 tiles in 2x1 clusters once they fill the SM pairs, else 2-CTA 256x128 with
-    more than 128 rows, else 1-CTA tiles; every choice keeps 4 or more A/B stages and 512 or
+    more than 128 rows, else 1-CTA 128x256 where they fill the SMs, 2-CTA 128x256, or 1-CTA
+    tiles for at most 64 rows or 128 columns; every choice keeps 4 or more A/B stages and 512 or
     fewer TMEM columns, and the autotuner's candidates start with it."""
     import dataclasses
 
@@ -336,9 +358,13 @@ def test_heuristic(monkeypatch):
     # fewer tiles than a round of 2-CTA 256x256 pairs: 256x128 (128x128 CTA tiles)
     mid = chosen("identity", 512, 4096, 4096)
     assert (mid.tile_m, mid.tile_n, mid.use_2cta, mid.swizzle) == (256, 128, True, 1)
-    # at most 128 rows: 1-CTA tiles, 128x256 where they fill the SMs
-    assert (chosen("identity", 128, 65536, 4096).tile_n, chosen("bias_gelu", 128, 4096, 4096).tile_n) == (256, 128)
+    # at most 128 rows: 1-CTA 128x256 where they fill the SMs, else 2-CTA 128x256 (64x256 CTA tiles)
+    wide = chosen("identity", 128, 65536, 4096)
+    assert (wide.tile_m, wide.tile_n, wide.use_2cta) == (128, 256, False)
+    few = chosen("bias_gelu", 128, 4096, 4096)
+    assert (few.tile_m, few.tile_n, few.cluster_m, few.use_2cta) == (128, 256, 2, True)
     assert chosen("bias_gelu", 64, 4096, 4096).tile_m == 64
+    assert chosen("identity", 96, 128, 4096).use_2cta is False
 
 
 def _problem_fields(epilogue, cfg):
@@ -396,6 +422,14 @@ _WALKS = {
     "2cta_256x128_c4x1_epi16": (256, 128, 4, 1, {"use_2cta": True, "epi_n": 16}, "bfloat16", "float32",
                                 (1288, 520, 2)),
     "2cta_256x128_c2x2": (256, 128, 2, 2, {"use_2cta": True}, "bfloat16", "float32", (600, 700, 1)),
+    # 2-CTA 128-row tiles: every subtile spans the two column blocks of a CTA's 64 rows in TMEM
+    "2cta_128x128_c2x1": (128, 128, 2, 1, {"use_2cta": True}, "bfloat16", "float32", (1000, 1000, 1)),
+    "2cta_128x256_c4x2_f32_out": (128, 256, 4, 2, {"use_2cta": True}, "float32", "float32", (1160, 1100, 2)),
+    "2cta_128x192_epi16": (128, 192, 2, 1, {"use_2cta": True, "epi_n": 16}, "bfloat16", "float32",
+                           (520, 1000, 1)),
+    "2cta_128x128_fp8_out_epi64": (128, 128, 2, 2, {"use_2cta": True, "epi_n": 64}, "float8_e4m3fn", "float32",
+                                   (328, 384, 1)),
+    "fp16_acc_2cta_128x256": (128, 256, 2, 1, {"use_2cta": True}, "float16", "float16", (264, 520, 3)),
 }
 
 def _walk_maps(walks: dict) -> dict:
@@ -441,7 +475,7 @@ def _walk_maps(walks: dict) -> dict:
 
         cute.compile(collect)
         maps[name] = {"cta_tile": list(kernel.tile_mnk[:2]), "epi_tile": list(kernel.epi_tile),
-                      "clusters": kernel.schedule.clusters, "threads": threads}
+                      "epi_blocks": kernel.epi_blocks, "clusters": kernel.schedule.clusters, "threads": threads}
     return maps
 
 
@@ -461,14 +495,16 @@ def walk_maps():
 @pytest.mark.parametrize("name", list(_WALKS))
 def test_every_output_element_is_stored_once(walk_maps, name):
     """From the kernel's index mappings: within a subtile, each fragment value goes to the smem
-    element of its own (m, n), and the 128 epilogue threads' values cover the subtile once; the
-    subtiles cover the CTA tile once; the persistent walk hands every CTA tile of the output
+    element of its own (m, n) (a 2-CTA 128-row tile's subtile spans two column blocks, which the
+    reductions' column map follows too), and the 128 epilogue threads' values cover the subtile
+    once; the subtiles cover the CTA tile once; the persistent walk hands every CTA tile of the output
     (2-CTA pairs and clusters included) to exactly one CTA, whose TMA stores, clipped at the M
     and N edges, write each output element exactly once. With a 2-CTA MMA, the A rows each CTA
     of the pair loads are the rows its epilogue stores."""
     import numpy as np
 
     from jax_efc.config import GemmConfig
+    from jax_efc.kernels.reduction import TileReduction
     from jax_efc.kernels.schedule import TileWalk, cluster_tiles, plan_schedule
 
     tm, tn, cm, cn, extra, _, _, (m, n, l) = _WALKS[name]
@@ -476,14 +512,23 @@ def test_every_output_element_is_stored_once(walk_maps, name):
     (cta_m, cta_n), (epi_m, epi_n) = info["cta_tile"], info["epi_tile"]
     sub_m = cta_m // epi_m
     n_sub = sub_m * (cta_n // epi_n)
+    # a 2-CTA 128-row tile's subtiles span two column blocks: runs of epi_n / 2 columns, one in
+    # each half of the CTA tile; the subtiles along N step a run's width
+    blocks = info["epi_blocks"]
+    assert blocks == (2 if extra.get("use_2cta") and tm == 128 else 1), (name, blocks)
+    run = epi_n // blocks
+    # the reductions' column map, which stages and masks a subtile's values, is the same
+    reduction = TileReduction("sum", ("m",), (epi_m, epi_n), (cta_m, cta_n), 128, blocks)
     in_tile = np.zeros((cta_m, cta_n), np.int32)
     for thread in info["threads"]:
         assert len(thread["tile"]) == n_sub
         for s, values in enumerate(thread["tile"]):
-            origin = (s % sub_m * epi_m, s // sub_m * epi_n)
             assert len(values) == len(thread["smem"])
+            n0 = s // sub_m * run
             for (r, c), (sr, sc) in zip(values, thread["smem"]):
-                assert (r - origin[0], c - origin[1]) == (sr, sc), (name, s, (r, c), (sr, sc))
+                at = (s % sub_m * epi_m + sr, n0 + sc % run + sc // run * (cta_n // blocks))
+                assert (r, c) == at, (name, s, (r, c), (sr, sc))
+                assert (n0 + reduction.spread(sc), reduction.gather(c - n0)) == (c, sc), (name, s, c, sc)
                 in_tile[r, c] += 1
     assert (in_tile == 1).all(), name
     for s in range(n_sub):  # one subtile's smem elements, once each
@@ -518,8 +563,9 @@ def test_every_output_element_is_stored_once(walk_maps, name):
     # (e.g. M = 1288 in 2-CTA pairs of 128-row CTA tiles: 11 tiles along M, the sixth pair's second
     # is empty; reduction.TileReduction.flush writes no partial for it, as the partial arrays
     # have one per tile inside the output)
-    assert (outside > 0) == (name in ("128x256_epi64_c2x2", "2cta_256x128_c4x1_epi16", "2cta_256x128_c2x2")), \
-        (name, outside)
+    assert (outside > 0) == (name in ("128x256_epi64_c2x2", "2cta_256x128_c4x1_epi16", "2cta_256x128_c2x2",
+                                      "2cta_128x256_c4x2_f32_out", "2cta_128x192_epi16",
+                                      "2cta_128x128_fp8_out_epi64", "fp16_acc_2cta_128x256")), (name, outside)
 
 
 if __name__ == "__main__":

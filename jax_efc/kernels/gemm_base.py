@@ -122,7 +122,7 @@ class FusedGemmBase:
     hooks below."""
 
     def __init__(self, problem: KernelProblem, schedule: TileSchedule, timeline: bool, *, stages: int,
-                 epi_threads: int, epi_groups: int):
+                 epi_threads: int, epi_groups: int, epi_blocks: int = 1):
         """``schedule``: the persistent grid and how it walks the tiles. With stream-K,
         ``flags`` holds ``schedule.slots`` zeroed int32 and ``workspace`` as many fp32 tiles.
         ``timeline``: a diagnostic build that also writes, per consumer group and unit, the SM
@@ -130,7 +130,8 @@ class FusedGemmBase:
         :meth:`timeline_size` values, zeroed beforehand; units past :data:`TIMELINE_UNITS` a
         group are not kept). ``stages``: the A/B ring's depth (the architecture's policy
         counts what fits); ``epi_threads``: threads of one epilogue group; ``epi_groups``:
-        groups per CTA, each with its own tiles and epilogue."""
+        groups per CTA, each with its own tiles and epilogue; ``epi_blocks``: column blocks a
+        subtile spans (:meth:`_epi_tiler`)."""
         cfg = problem.config
         self.schedule = schedule
         self.timeline = timeline
@@ -154,8 +155,9 @@ class FusedGemmBase:
         # fp32 accumulators per epilogue thread (a stream-K partial is written in this order)
         self.acc_per_thread = tile_m * tile_n // epi_threads
         self.epi_tile = epilogue_tile(cfg)
-        self.reductions = tuple(TileReduction(o.reduce, o.over, self.epi_tile, (tile_m, tile_n), epi_threads)
-                                for o in self.visitor.reduced)
+        self.epi_blocks = epi_blocks
+        self.reductions = tuple(TileReduction(o.reduce, o.over, self.epi_tile, (tile_m, tile_n), epi_threads,
+                                              epi_blocks) for o in self.visitor.reduced)
         # subtiles a tile, numbered down M first; values in one subtile of one tensor
         self.n_sub = (tile_m // self.epi_tile[0]) * (tile_n // self.epi_tile[1])
         self.subtile_elems = self.epi_tile[0] * self.epi_tile[1]
@@ -251,6 +253,17 @@ class FusedGemmBase:
         outputs = pack(self.out_dtypes, n_op_stages) if n_op_stages < self.stages else None
         return op_slots, outputs and outputs[0], tuple(stage_bytes)
 
+    def _epi_tiler(self):
+        """A subtile as a CuTe tiler of the CTA tile: ``epi_tile``, or where a subtile spans
+        ``epi_blocks`` column blocks, its N mode as that many runs of ``epi_n / epi_blocks``
+        columns, ``tile_n / epi_blocks`` apart; the subtiles along N follow one another a run's
+        width apart (see :class:`~jax_efc.kernels.reduction.TileReduction`)."""
+        if self.epi_blocks == 1:
+            return self.epi_tile
+        epi_m, epi_n = self.epi_tile
+        blocks = self.epi_blocks
+        return epi_m, cute.make_layout((epi_n // blocks, blocks), stride=(1, self.tile_mnk[1] // blocks))
+
     @staticmethod
     def _unit(walk: TileWalk, j) -> Unit:
         """Unit ``j`` of the CTA's walk, its coordinates marked warp-uniform."""
@@ -285,7 +298,7 @@ class FusedGemmBase:
         for j in range(len(self.tile_ops)):  # plain Python: helpers are not preprocessed
             atom, tensor = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SOp(), operands[self.tile_ops[j]],
-                cute.slice_(c_smem[j], (None, None, 0)), self.epi_tile,
+                cute.slice_(c_smem[j], (None, None, 0)), self._epi_tiler(),
             )
             tma_c.append(atom)
             g_c.append(tensor)
@@ -293,7 +306,7 @@ class FusedGemmBase:
         for i in range(len(outputs)):
             atom, tensor = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), outputs[i],
-                cute.slice_(d_smem[i], (None, None, 0)), self.epi_tile,
+                cute.slice_(d_smem[i], (None, None, 0)), self._epi_tiler(),
             )
             tma_d.append(atom)
             g_d.append(tensor)
@@ -442,7 +455,7 @@ class FusedGemmBase:
         (indexed ``(None, stage)``) and the (epi_m x epi_n) subtiles of the global ``tile``
         (indexed ``(None, subtile)``)."""
         return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
-                                     cute.zipped_divide(tile, self.epi_tile))
+                                     cute.zipped_divide(tile, self._epi_tiler()))
 
     def _local_tiles(self, tensors) -> list:
         """Each (M|1, N|1, L|1) tensor of ``tensors`` as (bM, bN, RestM, RestN, RestL) tiles."""

@@ -17,6 +17,11 @@ lane's running value in a register (over N one per row of subtiles: the subtiles
 down M first) and writes it to global memory after the last subtile that adds to it. Over
 both axes, the lanes' values meet once more through a third buffer. Max and min propagate
 NaN (a NaN anywhere gives NaN).
+
+A subtile may span ``blocks`` column blocks of the tile (Blackwell's 2-CTA 128-row MMA: see
+``sm100.py``): its columns are ``blocks`` runs of ``epi_n / blocks``, ``tile_n / blocks``
+apart, and the subtiles along N step a run's width; the staging subtile holds the runs side by
+side.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ class TileReduction:
     """One reducing output's trace-time geometry and its per-subtile steps."""
 
     def __init__(self, kind: str, over: tuple[str, ...], epi_tile: tuple[int, int],
-                 tile_mn: tuple[int, int], threads: int):
+                 tile_mn: tuple[int, int], threads: int, blocks: int = 1):
         self.kind, self.over = kind, tuple(over)
         self.epi_m, self.epi_n = epi_tile
+        self.blocks = blocks
+        self.run = self.epi_n // blocks  # columns of one block; the step between subtiles along N
         self.sub_m = tile_mn[0] // self.epi_m
         self.tile_mn = tile_mn
         self.lanes, self.length = reduction_lanes(self.over, epi_tile)
@@ -46,6 +53,18 @@ class TileReduction:
         self.threads = threads
         self.n_sub = self.sub_m * (tile_mn[1] // self.epi_n)
         self.slots = self.sub_m if self.over == ("n",) else 1  # running values a thread keeps
+
+    def spread(self, c):
+        """The column, from the subtile's first, of its column ``c`` (Python or device integers)."""
+        if self.blocks == 1:
+            return c
+        return c + c // self.run * (self.tile_mn[1] // self.blocks - self.run)
+
+    def gather(self, n):
+        """The subtile column of the column ``n`` past the subtile's first (``spread``'s inverse)."""
+        if self.blocks == 1:
+            return n
+        return n - n // (self.tile_mn[1] // self.blocks) * (self.tile_mn[1] // self.blocks - self.run)
 
     def position(self, lane, group, i) -> tuple:
         """(row, column) in the staging subtile of the ``i``-th value the thread of ``lane`` and
@@ -68,7 +87,7 @@ class TileReduction:
     def offset(self, s: int, lane):
         """The column (over M) or row (over N) within the tile of ``lane``'s value of subtile ``s``."""
         if self.over == ("m",):
-            return s // self.sub_m * self.epi_n + lane
+            return s // self.sub_m * self.run + self.spread(lane)
         return s % self.sub_m * self.epi_m + lane
 
     def layouts(self) -> tuple:
@@ -100,10 +119,10 @@ class TileReduction:
         so each store's address folds to one immediate offset)."""
         stage = smem[0]
         m0 = s % self.sub_m * self.epi_m
-        n0 = s // self.sub_m * self.epi_n
+        n0 = s // self.sub_m * self.run
         for v in cutlass.range_constexpr(len(indices)):
             at = tile_coords[indices[v]]
-            stage[(at[0] - m0, at[1] - n0)] = values[v]
+            stage[(at[0] - m0, self.gather(at[1] - n0))] = values[v]
 
     @cute.jit
     def reduce(self, smem: tuple, running: cute.Tensor, s: int, origin: tuple, extent: tuple, ctid,
@@ -114,13 +133,13 @@ class TileReduction:
         stage, partial, totals = smem
         lane, group = ctid % self.lanes, ctid // self.lanes
         m0 = origin[0] + s % self.sub_m * self.epi_m
-        n0 = origin[1] + s // self.sub_m * self.epi_n
+        n0 = origin[1] + s // self.sub_m * self.run
         part = self.identity()
         # a loop the compiler keeps (a few loads in flight), not unrolled: unrolled, all of a
         # lane's loads are hoisted and spill next to the accumulators
         for i in cutlass.range(self.length // self.groups, unroll=_UNROLL):
             r, c = self.position(lane, group, i)
-            inside = (m0 + r < extent[0]) & (n0 + c < extent[1])
+            inside = (m0 + r < extent[0]) & (n0 + self.spread(c) < extent[1])
             part = self.combine(part, cutlass.select_(inside, stage[(r, c)], self.identity()))
         partial[ctid] = part
         barrier.arrive_and_wait()

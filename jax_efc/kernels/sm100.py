@@ -12,7 +12,8 @@ One CTA = six warps with one role each, walking the same persistent tile schedul
   while the epilogue reads tile i's, the MMAs of tile i+1 fill the other. With ``use_2cta``
   a pair of CTAs along M shares one MMA of ``tile_m`` rows: the even CTA of the pair issues
   it, each CTA stages its own ``tile_m / 2`` rows of A and half of B, and each CTA's TMEM
-  holds its own rows of the accumulator;
+  holds its own rows of the accumulator (with ``tile_m`` 128, in two column blocks that every
+  epilogue subtile spans: ``_tmem_load``);
 - four epilogue warps (128 threads, one per TMEM lane quarter) read the accumulator subtile
   by subtile (``tcgen05.ld``) and run the shared epilogue driver
   (:mod:`jax_efc.kernels.gemm_base`) on it; once they have read the last subtile they hand
@@ -40,7 +41,7 @@ from jax_efc.kernels.gemm_base import ConsumerEpilogue, EpilogueTensors, FusedGe
 from jax_efc.kernels.problem import EPI_STAGES, SMEM_ALIGN, KernelProblem
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, cluster_tiles
 from jax_efc.kernels.sm100_int8 import mixed_int8_tiled_mma
-from jax_efc.kernels.sm100_policy import ACC_STAGES, EPI_THREADS, pipeline_stages, tmem_columns
+from jax_efc.kernels.sm100_policy import ACC_STAGES, EPI_THREADS, epilogue_blocks, pipeline_stages, tmem_columns
 
 __all__ = ["Sm100FusedGemm"]
 
@@ -82,7 +83,7 @@ class Sm100FusedGemm(FusedGemmBase):
         cfg = problem.config
         self.use_2cta = cfg.use_2cta
         super().__init__(problem, schedule, timeline, stages=pipeline_stages(problem), epi_threads=EPI_THREADS,
-                         epi_groups=1)
+                         epi_groups=1, epi_blocks=epilogue_blocks(cfg))
         self.mma_tiler = (cfg.tile_m, cfg.tile_n, problem.tile_k)
         self.a_major = OperandMajorMode.K if problem.a_major == "k" else OperandMajorMode.MN
         self.b_major = OperandMajorMode.K if problem.b_major == "k" else OperandMajorMode.MN
@@ -120,8 +121,11 @@ class Sm100FusedGemm(FusedGemmBase):
         return self._tile_coords(epi, s, m_idx, n_idx)
 
     def _epi_smem_layout(self, dtype, stages: int, m_major: bool = False) -> cute.ComposedLayout:
+        """Swizzled, row-major (M-major for an output stored transposed); a subtile of column
+        blocks keeps each block whole (its rows as wide as the block), so that one TMA box
+        copies each."""
         major = LayoutEnum.COL_MAJOR if m_major else LayoutEnum.ROW_MAJOR
-        return sm100_utils.make_smem_layout_epi(dtype, major, self.epi_tile, stages)
+        return sm100_utils.make_smem_layout_epi(dtype, major, self._epi_tiler(), stages)
 
     def _store_warp(self, group):
         """The first epilogue warp (one group)."""
@@ -345,8 +349,11 @@ class Sm100FusedGemm(FusedGemmBase):
         atom = sm100_utils.get_tmem_load_op(self.tile_mnk[:2], LayoutEnum.ROW_MAJOR, self.out_dtypes[0],
                                             self.acc_dtype, self.epi_tile, self.use_2cta)
         # one MMA covers the CTA's tile: (rows, columns, buffer), then (EPI_M, EPI_N, subtiles
-        # down M, subtiles along N, buffer)
-        by_subtile = cute.flat_divide(acc[((None, None), 0, 0, None)], self.epi_tile)
+        # down M, subtiles along N, buffer). A 2-CTA 128-row MMA leaves each CTA's 64 rows in
+        # TMEM lanes 0-63 for the first half of the columns and lanes 64-127 for the second; a
+        # warp reads only its own 32 lanes, so for the four warps to share each load a subtile
+        # takes a column block from each half (_epi_tiler): two warps read each block.
+        by_subtile = cute.flat_divide(acc[((None, None), 0, 0, None)], self._epi_tiler())
         t2r = tcgen05.make_tmem_copy(atom, by_subtile[(None, None, 0, 0, 0)])
         thr_t2r = t2r.get_slice(ctid)
         parts = cute.group_modes(thr_t2r.partition_S(by_subtile), 3, 5)
@@ -388,7 +395,7 @@ class Sm100FusedGemm(FusedGemmBase):
         within the tile of every accumulator value of every subtile, as the TMEM load places
         them, (T2R, T2R_M, T2R_N, subtiles down M, subtiles along N); and per subtile the index
         in it of each fragment value."""
-        tile_coords = cute.flat_divide(cute.make_identity_tensor(self.tile_mnk[:2]), self.epi_tile)
+        tile_coords = cute.flat_divide(cute.make_identity_tensor(self.tile_mnk[:2]), self._epi_tiler())
         return t2r.get_slice(ctid).partition_D(tile_coords), self._subtile_acc_indices(r2s, regs)
 
     def _subtile_acc_indices(self, r2s: cute.TiledCopy, regs: cute.Tensor) -> list[list[int]]:

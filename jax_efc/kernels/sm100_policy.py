@@ -20,8 +20,8 @@ from jax_efc.kernels.problem import (SMEM_ALIGN, KernelProblem, cta_tile, epilog
                                      reduction_reason, tile_operand_indices)
 from jax_efc.kernels.sm90_policy import Sm90Policy
 
-__all__ = ["POLICY", "Sm100Policy", "DEFAULT_SM_COUNT", "EPI_THREADS", "ACC_STAGES", "pipeline_stages",
-           "tmem_columns"]
+__all__ = ["POLICY", "Sm100Policy", "DEFAULT_SM_COUNT", "EPI_THREADS", "ACC_STAGES", "epilogue_blocks",
+           "pipeline_stages", "tmem_columns"]
 
 # SMs of a B200: what the heuristic and the persistent grid assume when compiling without a GPU
 DEFAULT_SM_COUNT = 148
@@ -29,11 +29,11 @@ DEFAULT_SM_COUNT = 148
 # float32 inputs run as TF32 (tcgen05 kind::tf32), where the call's precision allows it (the plan)
 _AB_DTYPES = ("bfloat16", "float16", "float32", *FP8, *INT8)
 # A tcgen05 MMA covers 64 or 128 rows issued by one CTA, or 128 or 256 rows issued for a pair of
-# CTAs (each holding half of them; the kernel takes 256, see config_reason); N from 32 to 256 in
-# steps of 32, which every input type and major takes (an 8-bit MN-major B in a 2-CTA MMA needs
-# multiples of 32) and the default 32-wide epilogue subtiles divide
+# CTAs (each holding half of them); N from 32 to 256 in steps of 32, which every input type and
+# major takes (an 8-bit MN-major B in a 2-CTA MMA needs multiples of 32) and the default 32-wide
+# epilogue subtiles divide
 _TILE_M_1CTA = (64, 128)
-_TILE_M_2CTA = (256,)
+_TILE_M_2CTA = (128, 256)
 _TILE_N = tuple(range(32, 257, 32))
 # Blackwell clusters hold up to 16 CTAs (more than 8 are "non-portable", which the DSL's
 # launch allows); powers of two along each side, so the multicast masks split evenly
@@ -52,6 +52,9 @@ ACC_STAGES = 2
 # the epilogue warps: four, one per TMEM lane quarter (warp w may read lanes 32(w%4)..+31), so
 # together they reach all 128 lanes
 EPI_THREADS = 128
+# a TMA copy's rows are whole multiples of 16 bytes: the least a column block of a split subtile
+# (epilogue_blocks) may hold of each stored output and TILE operand
+_TMA_ROW_BYTES = 16
 # the heuristic takes a tile shape once its tiles fill this share of one round of the SMs
 _ONE_WAVE = 0.9
 # 2-CTA 256x256 tiles read half the shared memory per multiply-add that 256x128 ones do (the
@@ -66,8 +69,16 @@ _MIN_STAGES = 4
 # tiles the autotuner tries besides the heuristic's (tile_m, tile_n, use_2cta, cluster_m,
 # cluster_n), and how many configs it times at most
 _TUNED_TILES = ((256, 256, True, 2, 1), (256, 128, True, 2, 1), (128, 256, False, 2, 1),
-                (128, 128, False, 2, 1), (256, 256, True, 4, 1), (128, 256, False, 1, 1))
+                (128, 256, True, 2, 1), (128, 128, False, 2, 1), (256, 256, True, 4, 1),
+                (128, 256, False, 1, 1))
 _AUTOTUNE_CANDIDATES = 6
+
+
+def epilogue_blocks(config: GemmConfig) -> int:
+    """Column blocks an epilogue subtile spans: two with a 2-CTA 128-row MMA, which leaves each
+    CTA's 64 rows in tensor memory as the first half of the columns in lanes 0-63 and the second
+    half in lanes 64-127 (``sm100.py``); else one."""
+    return 2 if config.use_2cta and config.tile_m == 128 else 1
 
 
 def tmem_columns(problem: KernelProblem) -> int:
@@ -150,10 +161,6 @@ class Sm100Policy(ArchPolicy):
                     "next tile's MMAs through two tensor-memory accumulators (use pingpong=False).")
         rows, _ = cta_tile(config)
         if config.use_2cta:
-            if config.tile_m == 128:
-                return ("tile_m=128 with use_2cta=True: the pair's 64-row halves lie in tensor memory as two "
-                        "column blocks a warp pair each, which the epilogue's subtiles do not follow; use "
-                        "tile_m=256 (2-CTA) or tile_m=128 with use_2cta=False.")
             if config.tile_m not in _TILE_M_2CTA:
                 return (f"tile_m={config.tile_m} with use_2cta=True is not supported on SM100; a 2-CTA "
                         f"tcgen05 MMA covers {' or '.join(map(str, _TILE_M_2CTA))} rows here.")
@@ -185,6 +192,18 @@ class Sm100Policy(ArchPolicy):
             reason = out.reduce and reduction_reason(out.over, epilogue_tile(cfg), EPI_THREADS)
             if reason:
                 return f"output {out.name!r}: {reason}"
+        transposed = [o.name for o in problem.ir.outputs if o.transposed]
+        if epilogue_blocks(cfg) > 1 and transposed:
+            return (f"output {transposed[0]!r} is stored transposed, which a 2-CTA 128-row tile (its subtiles "
+                    "split in two column blocks) does not do; use tile_m=256 or a 1-CTA tile.")
+        run = cfg.epi_n // epilogue_blocks(cfg)
+        staged = [o.dtype for o in problem.ir.outputs if not o.reduce] + \
+            [problem.ir.operands[i].dtype for i in tile_operand_indices(problem.ir)]
+        narrow = [d for d in staged if run * bits(d) // 8 < _TMA_ROW_BYTES]
+        if narrow:
+            return (f"epi_n={cfg.epi_n} with a 2-CTA 128-row tile: each subtile is two column blocks of {run} "
+                    f"{narrow[0]} values, fewer than the {_TMA_ROW_BYTES} bytes a TMA copy's row takes; use "
+                    f"epi_n={2 * _TMA_ROW_BYTES * 8 // bits(narrow[0])} or more.")
         if pipeline_stages(problem) >= 2:
             return None
         epi_m, epi_n = epilogue_tile(cfg)
@@ -206,8 +225,11 @@ class Sm100Policy(ArchPolicy):
         - Else, with more than 128 rows, 2-CTA 256x128 tiles in 2x1 clusters: their CTA tiles
           are 128x128, so they fill the SMs as 1-CTA 128x128 tiles do, while each CTA stages
           half of B (24 KiB a k-tile against 32 KiB).
-        - At most 128 rows: 1-CTA 128x256 tiles where they fill a round of the SMs, else
-          128x128 (64x128 for at most 64 rows).
+        - At most 128 rows: 1-CTA 128x256 tiles where they fill a round of the SMs; else, with
+          more than 64 rows and 128 columns, 2-CTA 128x256 tiles in 2x1 clusters: as many CTA
+          tiles (64x256) as 1-CTA 128x128 ones, staging 24 KiB a 16-bit k-tile against 32 KiB
+          (a 2-CTA 128-row MMA fills all 128 TMEM lanes of each SM, PTX's data-path layout B,
+          where a 1-CTA 64-row one fills half); else 128x128 (64x128 for at most 64 rows).
         Each keeps ``_MIN_STAGES`` A/B stages, in 16-wide epilogue subtiles where 32-wide ones
         leave fewer. Problems with two rounds of tiles or more walk bands of 8 clusters (L2 reuse).
         """
@@ -237,6 +259,8 @@ class Sm100Policy(ArchPolicy):
             return shaped(256, 128, True, pairs)
         if n > 128 and tiles(128, 256) >= _ONE_WAVE * sm_count:
             return shaped(128, 256, False, sm_count)
+        if m > 64 and n > 128:
+            return shaped(128, 256, True, pairs)
         return shaped(64 if m <= 64 else 128, 128, False, sm_count)
 
     def candidate_configs(self, problem: KernelProblem, m: int, n: int, k: int, l: int,
