@@ -275,3 +275,28 @@ def test_the_kernel_stores_transposed_outputs(rng, monkeypatch, config, out_dtyp
     tol = {"bfloat16": 1e-2, "float8_e4m3fn": 6e-2}[out_dtype]
     assert rel_err(got_d, want_d) < tol
     assert rel_err(np.asarray(out["Y"], np.float64), want["Y"]) < 1e-2
+
+
+def test_blackwell_2cta_128_row_tiles_are_not_chosen_for_transposed_outputs(monkeypatch):
+    """The heuristic's 2-CTA 128-row tile (subtiles split in column blocks) does not store
+    outputs transposed: for such an epilogue the heuristic takes a 1-CTA tile, and a pinned one
+    is refused with the reason."""
+    pytest.importorskip("cutlass")
+    from jax_efc.plan import plan_kernel
+    from jax_efc.tracing import trace_epilogue
+
+    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
+    a = jax.ShapeDtypeStruct((112, 4096), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((4096, 8192), jnp.bfloat16)
+
+    def plan(transposed, config=None):
+        ir, *_ = trace_epilogue(lambda acc: {"D": acc}, (112, 8192), [], [], {}, {}, None, jnp.bfloat16)
+        ir = ir.with_outputs([dataclasses.replace(o, transposed=transposed) for o in ir.outputs])
+        return plan_kernel(ir, a, b, [], transpose_a=False, transpose_b=False, acc_dtype=jnp.float32,
+                           config=config, arch="sm_100a")
+
+    assert plan(False).config.use_2cta and plan(False).config.tile_m == 128
+    chosen = plan(True)
+    assert chosen.backend == "kernel" and not (chosen.config.use_2cta and chosen.config.tile_m == 128)
+    pinned = plan(True, efc.GemmConfig(128, 256, 2, 1, use_2cta=True))
+    assert pinned.backend == "reference" and "stored transposed" in pinned.reason

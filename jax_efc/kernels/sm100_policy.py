@@ -260,7 +260,10 @@ class Sm100Policy(ArchPolicy):
         if n > 128 and tiles(128, 256) >= _ONE_WAVE * sm_count:
             return shaped(128, 256, False, sm_count)
         if m > 64 and n > 128:
-            return shaped(128, 256, True, pairs)
+            pair = shaped(128, 256, True, pairs)
+            # (its split subtiles refuse transposed outputs and narrow 8-bit column blocks)
+            if self.unsupported_reason(dataclasses.replace(problem, config=pair), (m, n, k, l)) is None:
+                return pair
         return shaped(64 if m <= 64 else 128, 128, False, sm_count)
 
     def candidate_configs(self, problem: KernelProblem, m: int, n: int, k: int, l: int,
