@@ -68,6 +68,8 @@ if want model; then
   step gpt-fp8 python3 examples/gpt_fp8.py --blocks 4 --width 2048 --heads 16 --batch 8 --seq 2048 --steps 60 \
     --layers dense,fp8,flax-fp8,fused --attention cudnn
   step fp8-bound python3 benchmarks/fp8_bound.py --attention cudnn
+  step fp8-layer python3 benchmarks/run.py --json "$logs/fp8-layer.json" --shapes 8192,14336,4096 8192,4096,14336 \
+    --epilogues "$(python3 -c 'import jax_efc.bench as b; print(",".join(b.FP8_TRAIN_STEPS))')"
 fi
 for f in "$logs"/*.log; do
   printf '\n===== %s\n' "$f"; tail -n 30 "$f"

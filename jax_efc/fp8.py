@@ -138,6 +138,7 @@ class _Static:
     delayed: bool
     x_dtype: Any  # of the output and of x's gradient
     kernel_dtype: Any  # of kernel's gradient
+    precision: Any  # of every GEMM
 
 
 def _scales(static: _Static, x: Any, kernel: Any, meta: Any) -> tuple[Any, Any, Any]:
@@ -161,7 +162,7 @@ def _fp8_dense_fwd(static: _Static, x, kernel, bias, meta):
     keep_z = static.activation is not activations.identity
     ops = () if bias is None else (bias,)
     out = gemm(xq, wq.T, _forward_epilogue(static.activation, bias is not None, keep_z), *ops,
-               transpose_b=True, s=(sx * sw)[0], out_dtypes=x.dtype)
+               precision=static.precision, transpose_b=True, s=(sx * sw)[0], out_dtypes=x.dtype)
     y, z = out if keep_z else (out, None)
     return y, (_transposed(xq), wq, sx, sw, z, update, meta, bias)
 
@@ -176,8 +177,8 @@ def _fp8_dense_bwd(static: _Static, residuals, g):
     else:
         sg = _current_scale(_amax(g), E5M2)
     gq = _quantize(g, E5M2, sg)  # (M, N): K-major as the data gradient's A
-    dx = gemm(gq, wq, _dequantize, transpose_b=True, s=(sg * sw)[0], out_dtypes=static.x_dtype)
-    dw = gemm(xq_t, _transposed(gq), _dequantize, transpose_b=True, s=(sx * sg)[0], out_dtypes=static.kernel_dtype)
+    dx = gemm(gq, wq, _dequantize, precision=static.precision, transpose_b=True, s=(sg * sw)[0], out_dtypes=static.x_dtype)
+    dw = gemm(xq_t, _transposed(gq), _dequantize, precision=static.precision, transpose_b=True, s=(sx * sg)[0], out_dtypes=static.kernel_dtype)
     db = None if bias is None else jnp.sum(g, axis=0, dtype=jnp.float32).astype(bias.dtype)
     d_meta = None
     if static.delayed:  # the gradient of the meta is its update (overwrite with gradient)
@@ -195,6 +196,7 @@ def fp8_dense(
     *,
     activation: str | Callable[[Any], Any] | None = None,
     meta: Fp8Meta | None = None,
+    precision: Any = None,
 ) -> Any:
     """``activation(x @ kernel + bias)`` with ``x`` and ``kernel`` in FP8 (e4m3) and, in the
     backward, the output gradient in e5m2: three FP8 GEMMs whose epilogues dequantise.
@@ -202,7 +204,11 @@ def fp8_dense(
     ``x`` is (..., K) and ``kernel`` (K, N), both bf16, fp16 or fp32 (the output takes ``x``'s
     dtype, ``kernel``'s gradient ``kernel``'s); ``bias`` (N,). ``meta=None`` scales each tensor
     by its amax this step; an :class:`Fp8Meta` scales by its amax histories (delayed scaling,
-    as Flax's FP8 ops) and its gradient is the updated meta.
+    as Flax's FP8 ops) and its gradient is the updated meta. ``precision`` is every GEMM's, as
+    ``efc.gemm`` takes it: by default partial sums are promoted into fp32;
+    ``jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM`` asks for the tensor cores' fast
+    accumulation (what XLA's FP8 dot, and so Flax's FP8 ops, use on large GEMMs: faster, fewer
+    bits over a long K).
 
     >>> import jax.numpy as jnp, jax_efc as efc
     >>> x, w = jnp.ones((4, 32)), jnp.full((32, 16), 0.25)
@@ -213,7 +219,8 @@ def fp8_dense(
     kernel, bias = _checked_layer("fp8_dense", "", x.shape[-1], f"x has shape {x.shape}", kernel, bias)
     lead, (k, n) = x.shape[:-1], kernel.shape
     meta = _checked_meta("meta", meta)
-    static = _Static(activations.resolve(activation), meta is not None, x.dtype, kernel.dtype)
+    static = _Static(activations.resolve(activation), meta is not None, x.dtype, kernel.dtype,
+                     arguments.precision(precision))
     rows = x.reshape(math.prod(lead), k)
     return _fp8_dense(static, rows, kernel, bias, meta).reshape(*lead, n)
 
@@ -295,6 +302,7 @@ class _MlpStatic:
     x_dtype: Any
     up_dtype: Any
     down_dtype: Any
+    precision: Any  # of every GEMM
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -312,10 +320,10 @@ def _fp8_mlp_fwd(static: _MlpStatic, x, up, down, metas):
     sh = _delayed_scale(E4M3, md.input_scale, md.input_amax_history)
     xq, wuq, wdq = _quantize(x, E4M3, sx), _quantize(up_k, E4M3, swu), _quantize(down_k, E4M3, swd)
     hq, amax_h, z = gemm(xq, wuq.T, _up_epilogue(static.activation, up_b is not None), *[b for b in (up_b,) if b is not None],
-                         transpose_b=True, s=(sx * swu)[0], inv_scale=1 / sh[0], out_dtypes=(E4M3, jnp.float32, static.x_dtype))
+                         precision=static.precision, transpose_b=True, s=(sx * swu)[0], inv_scale=1 / sh[0], out_dtypes=(E4M3, jnp.float32, static.x_dtype))
     hh = _pushed(md.input_amax_history, amax_h)
     y = gemm(hq, wdq.T, _forward_epilogue(activations.identity, down_b is not None, False),
-             *[b for b in (down_b,) if b is not None], transpose_b=True, s=(sh * swd)[0], out_dtypes=static.x_dtype)
+             *[b for b in (down_b,) if b is not None], precision=static.precision, transpose_b=True, s=(sh * swd)[0], out_dtypes=static.x_dtype)
     updates = ((sx, hx, swu, hwu), (sh, hh, swd, hwd))
     return y, (_transposed(xq), _transposed(hq), wuq, wdq, z, (sx, swu, sh, swd), updates, metas, up_b, down_b)
 
@@ -328,14 +336,14 @@ def _fp8_mlp_bwd(static: _MlpStatic, residuals, g):
     # quantised with its delayed scale, with its amax and the up bias's gradient
     sg = _delayed_scale(E5M2, mu.output_grad_scale, mu.output_grad_amax_history)
     gq, amax_g, *d_up_b = gemm(gyq, wdq, _hidden_grad_epilogue(static.activation, up_b is not None), z,
-                               transpose_b=True, s=(sgy * swd)[0], inv_scale=1 / sg[0],
+                               precision=static.precision, transpose_b=True, s=(sgy * swd)[0], inv_scale=1 / sg[0],
                                out_dtypes=(E5M2, jnp.float32, jnp.float32)[:2 + (up_b is not None)])
     hg = _pushed(mu.output_grad_amax_history, amax_g)
-    d_down = (gemm(hq_t, _transposed(gyq), _dequantize, transpose_b=True, s=(sh * sgy)[0], out_dtypes=static.down_dtype),
+    d_down = (gemm(hq_t, _transposed(gyq), _dequantize, precision=static.precision, transpose_b=True, s=(sh * sgy)[0], out_dtypes=static.down_dtype),
               None if down_b is None else jnp.sum(g, axis=0, dtype=jnp.float32).astype(down_b.dtype))
-    d_up = (gemm(xq_t, _transposed(gq), _dequantize, transpose_b=True, s=(sx * sg)[0], out_dtypes=static.up_dtype),
+    d_up = (gemm(xq_t, _transposed(gq), _dequantize, precision=static.precision, transpose_b=True, s=(sx * sg)[0], out_dtypes=static.up_dtype),
             None if up_b is None else d_up_b[0].astype(up_b.dtype))
-    dx = gemm(gq, wuq, _dequantize, transpose_b=True, s=(sg * swu)[0], out_dtypes=static.x_dtype)
+    dx = gemm(gq, wuq, _dequantize, precision=static.precision, transpose_b=True, s=(sg * swu)[0], out_dtypes=static.x_dtype)
     (u, d) = updates
     metas = (Fp8Meta(*u, sg, hg), Fp8Meta(*d, sgy, hgy))  # their gradients are their updates
     return dx, d_up, d_down, metas
@@ -354,6 +362,7 @@ def fp8_mlp(
     activation: str | Callable[[Any], Any] = "gelu_tanh",
     up_meta: Fp8Meta | None = None,
     down_meta: Fp8Meta | None = None,
+    precision: Any = None,
 ) -> Any:
     """``activation(x @ up_kernel + up_bias) @ down_kernel + down_bias`` with FP8 GEMMs, as two
     :func:`fp8_dense` layers compute it (biases may be None).
@@ -366,6 +375,7 @@ def fp8_mlp(
     The hidden tensors are never written in 16 bits, nor read again for an amax. Without metas
     (current scaling, whose scales need this step's amaxes first) it is the two layers composed.
     The metas' gradients are their updates (Flax's overwrite-with-gradient convention).
+    ``precision`` is :func:`fp8_dense`'s.
 
     >>> import jax.numpy as jnp, jax_efc as efc
     >>> x, up, down = jnp.ones((4, 32)), jnp.full((32, 64), 0.25), jnp.full((64, 16), 0.125)
@@ -381,9 +391,10 @@ def fp8_mlp(
     if (metas[0] is None) != (metas[1] is None):
         raise ValueError("give both up_meta and down_meta (delayed scaling) or neither (current scaling).")
     if metas[0] is None:
-        hidden = fp8_dense(x, *up, activation=activation)
-        return fp8_dense(hidden, *down)
-    static = _MlpStatic(activations.resolve(activation), x.dtype, up[0].dtype, down[0].dtype)
+        hidden = fp8_dense(x, *up, activation=activation, precision=precision)
+        return fp8_dense(hidden, *down, precision=precision)
+    static = _MlpStatic(activations.resolve(activation), x.dtype, up[0].dtype, down[0].dtype,
+                        arguments.precision(precision))
     lead, k = x.shape[:-1], x.shape[-1]
     y = _fp8_mlp(static, x.reshape(math.prod(lead), k), up, down, metas)
     return y.reshape(*lead, y.shape[-1])

@@ -186,6 +186,36 @@ def test_its_three_gemms_are_fp8_kernels_on_hopper():
     assert out["backends"] == ["kernel (sm_90a)"] * 3, out
 
 
+_FAST = jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM
+
+
+@pytest.mark.parametrize("precision", [None, _FAST], ids=["promoted", "fast"])
+def test_precision_reaches_every_fp8_gemm(rng, precision):
+    """fp8_dense's and fp8_mlp's ``precision`` is each of their GEMMs' (forward and backward),
+    through the Flax layer too; by default none asks for fast accumulation."""
+    from jax_efc.arguments import fast_accumulation
+    from jax_efc.flax import FusedMLP
+    from jax_efc.primitive import fused_gemm_eqns
+
+    x = jnp.asarray(rng.standard_normal((32, 16)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((16, 32)), jnp.bfloat16)
+    metas = _metas(rng)
+
+    def gemms(fn, *args):
+        eqns = fused_gemm_eqns(jax.make_jaxpr(jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(),
+                                                         range(len(args))))(*args))
+        return [fast_accumulation(e.params["precision"]) for e in eqns]
+
+    dense = gemms(lambda x, w: efc.fp8_dense(x, w, precision=precision), x, w)
+    mlp = gemms(lambda x, u, d: efc.fp8_mlp(x, u, None, d, None, up_meta=metas[0], down_meta=metas[1],
+                                            precision=precision), x, w, w.T)
+    layer = FusedMLP(32, fp8="delayed", precision=precision)
+    variables = layer.init(jax.random.key(0), x)
+    flax_mlp = gemms(lambda p: layer.apply({**variables, "params": p}, x), variables["params"])
+    want = precision is not None
+    assert dense == [want] * 3 and mlp == [want] * 6 and flax_mlp == [want] * 6
+
+
 def _metas(rng, length=4):
     """Two layers' delayed-scaling state mid-training: histories of plausible amaxes."""
     def one(x_amax, w_amax, g_amax):
@@ -267,8 +297,8 @@ print(json.dumps({"kernels": text.count("CuteDSLRT"), "backends": efc.backends(s
 
 def test_the_fused_fp8_mlps_six_gemms_are_fp8_kernels_on_hopper():
     """Its forward's two GEMMs and its backward's four each a Hopper FP8 kernel (the two with
-    epilogue reductions run unchecked here: JAX_EFC_UNVERIFIED_KERNELS=1)."""
-    out = json.loads(run_for_sm90(_MLP_SCRIPT, JAX_EFC_UNVERIFIED_KERNELS="1").strip().splitlines()[-1])
+    epilogue reductions too)."""
+    out = json.loads(run_for_sm90(_MLP_SCRIPT).strip().splitlines()[-1])
     assert out["kernels"] == 6 and out["backends"] == ["kernel (sm_90a)"] * 6, out
 
 

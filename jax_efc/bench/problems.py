@@ -49,9 +49,10 @@ EIGHT_BIT_EPILOGUES = tuple(f"{layout}{mode}:{e}" for mode in ("", "fast") for l
 # in one run, what the reduction costs the kernel (run only when asked)
 REDUCTION_EPILOGUES = ("bias+gelu_tanh+colsum",)
 # fp8_dense's training step (output, gradients of x, kernel and bias; delayed scaling from a
-# one-entry history): "fp8train:" against Flax's FP8 Dense on XLA with the same meta, and
-# "fp8train-bf16:" against the bf16 dense layer in plain JAX; measured only when asked for
-FP8_TRAIN_STEPS = ("fp8train:bias+gelu_tanh", "fp8train-bf16:bias+gelu_tanh")
+# one-entry history): "fp8train:" against Flax's FP8 Dense on XLA with the same meta,
+# "fp8train-fast:" the same with fast accumulation (as XLA's FP8 dot), and "fp8train-bf16:"
+# against the bf16 dense layer in plain JAX; measured only when asked for
+FP8_TRAIN_STEPS = ("fp8train:bias+gelu_tanh", "fp8train-fast:bias+gelu_tanh", "fp8train-bf16:bias+gelu_tanh")
 NAMED_EPILOGUES = (EPILOGUES + TRAIN_EPILOGUES + MLP_STEPS + SCAN_EPILOGUES + EIGHT_BIT_EPILOGUES
                    + REDUCTION_EPILOGUES + FP8_TRAIN_STEPS)  # every name --epilogues takes
 ALPHA_BETA_SCALARS = {"alpha": 2.0, "beta": 1.0, "x_factor": 3.0}
@@ -227,8 +228,11 @@ def fp8_train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
     amaxes = (5.0, 5.0 / k ** 0.5, 5.0)  # input, kernel, output gradient: ~5 standard deviations
     meta = Fp8Meta(*(v for a in amaxes for v in (jnp.ones((1,), jnp.float32), history.at[0].set(a))))
 
+    fast = epilogue.startswith("fp8train-fast:")
+    precision = jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM if fast else None
+
     def ours(x, kernel, bias):
-        return fp8_dense(x, kernel, bias, activation=act, meta=meta)
+        return fp8_dense(x, kernel, bias, activation=act, meta=meta, precision=precision)
 
     dense = nn.Dense(n, dtype=dtype, param_dtype=dtype, dot_general_cls=nn.Fp8DirectDotGeneralOp)
     fp8_vars = {"Fp8DirectDotGeneralOp_0": meta._asdict()}

@@ -63,7 +63,7 @@ def dense(
         if extra:
             raise TypeError(f"got {len(extra)} extra operand(s) but no epilogue= to take them.")
         if fp8 is not None:
-            return fp8_dense(inputs, kernel, bias, activation=activation, meta=meta)
+            return fp8_dense(inputs, kernel, bias, activation=activation, meta=meta, precision=precision)
         return fused_dense(inputs, kernel, bias, activation=activation, precision=precision)
     if activation is not None:
         raise ValueError("pass either activation= or epilogue=, not both; "
@@ -101,10 +101,10 @@ def mlp(
     up_meta, gate_meta, down_meta = metas
     if gate_kernel is None:
         return fp8_mlp(inputs, up_kernel, up_bias, down_kernel, down_bias, activation=activation, up_meta=up_meta,
-                       down_meta=down_meta)
-    hidden = (fp8_dense(inputs, gate_kernel, gate_bias, activation=activation, meta=gate_meta)
-              * fp8_dense(inputs, up_kernel, up_bias, meta=up_meta))
-    return fp8_dense(hidden, down_kernel, down_bias, meta=down_meta)
+                       down_meta=down_meta, precision=precision)
+    hidden = (fp8_dense(inputs, gate_kernel, gate_bias, activation=activation, meta=gate_meta, precision=precision)
+              * fp8_dense(inputs, up_kernel, up_bias, meta=up_meta, precision=precision))
+    return fp8_dense(hidden, down_kernel, down_bias, meta=down_meta, precision=precision)
 
 
 def check_activation(activation: str | Callable[[Any], Any] | None) -> None:

@@ -50,7 +50,7 @@ class FusedDense(nn.Module):
     - ``kernel_axes`` / ``bias_axes``: logical axis names for ``nn.with_logical_partitioning``
       (e.g. ``("embed", "mlp")`` and ``("mlp",)``); None adds no metadata.
     - ``fp8``: None (no FP8), ``"current"`` or ``"delayed"``: ``jax_efc.fp8_dense`` (FP8 GEMMs
-      with ``activation``; ``precision`` is then unused) scaling each tensor by its amax this
+      with ``activation``; ``precision`` is theirs, as ``fp8_dense`` takes it) scaling each tensor by its amax this
       step, or by amax histories of ``amax_history_length`` steps kept, as Flax's
       ``Fp8DirectDotGeneralOp`` keeps them, in the ``_overwrite_with_gradient`` collection
       under ``Fp8DirectDotGeneralOp_0``: the training step replaces them by their gradient.

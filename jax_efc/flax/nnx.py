@@ -68,7 +68,7 @@ class FusedLinear(nnx.Module):
     given at call time, ``layer(x, *extra)`` (see ``jax_efc.flax.linen.FusedDense``).
 
     ``fp8``: None (no FP8), ``"current"`` or ``"delayed"``, as ``FusedDense``'s (``precision``
-    is then unused); delayed scaling keeps ``Fp8Meta``'s fields (histories of
+    is the FP8 GEMMs', as ``fp8_dense`` takes it); delayed scaling keeps ``Fp8Meta``'s fields (histories of
     ``amax_history_length`` steps) as ``OverwriteWithGradient`` variables under ``fp8_meta``.
     """
 
