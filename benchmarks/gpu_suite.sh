@@ -2,7 +2,7 @@
 # What must be seen on a GPU, in parts that each fit a ten-minute run on an H100 or H200 from a
 # cold kernel cache (run them in this order; `all` runs every part). Logs go to LOGDIR (default
 # ./gpu-logs); each part prints its summary last.
-#   usage: benchmarks/gpu_suite.sh [LOGDIR] [verify|tests|examples|bench|model|all]
+#   usage: benchmarks/gpu_suite.sh [LOGDIR] [verify|tests|examples|bench|model|fp8|all]
 #
 #   verify    the newest paths: transposed outputs (not yet run on a GPU), the kernel's epilogue
 #             reductions and first-use checks, FP8 layers, TF32, the fused MLP's backward; the
@@ -11,8 +11,9 @@
 #   examples  each example at a GPU size, `jax-efc run`, info and selftest
 #   bench     the benchmark's shapes with both XLA baselines, the 8-bit epilogues, and autotuning's
 #             gain over the heuristic
-#   model     a GPT-style model's first step (compile time), its training step in bf16 and FP8,
-#             and the bound its GEMMs' share sets on any FP8 step's speedup
+#   model     a GPT-style model's first step (compile time), its training step in bf16 and FP8
+#   fp8       the bound that model's GEMM share sets on any FP8 step's speedup, and the FP8
+#             dense layer's training step against Flax's FP8 Dense
 set -uo pipefail
 logs=${1:-gpu-logs}
 part=${2:-all}
@@ -67,6 +68,8 @@ if want model; then
   step first-step python3 benchmarks/first_step.py
   step gpt-fp8 python3 examples/gpt_fp8.py --blocks 4 --width 2048 --heads 16 --batch 8 --seq 2048 --steps 60 \
     --layers dense,fp8,flax-fp8,fused --attention cudnn
+fi
+if want fp8; then
   step fp8-bound python3 benchmarks/fp8_bound.py --attention cudnn
   step fp8-layer python3 benchmarks/run.py --json "$logs/fp8-layer.json" --shapes 8192,14336,4096 8192,4096,14336 \
     --epilogues "$(python3 -c 'import jax_efc.bench as b; print(",".join(b.FP8_TRAIN_STEPS))')"
