@@ -38,7 +38,7 @@ from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_efc.kernels.gemm_base import ConsumerEpilogue, EpilogueTensors, FusedGemmBase
-from jax_efc.kernels.problem import EPI_STAGES, SMEM_ALIGN, KernelProblem
+from jax_efc.kernels.problem import SMEM_ALIGN, KernelProblem
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, cluster_tiles
 from jax_efc.kernels.sm100_int8 import mixed_int8_tiled_mma
 from jax_efc.kernels.sm100_policy import ACC_STAGES, EPI_THREADS, epilogue_blocks, pipeline_stages, tmem_columns

@@ -142,7 +142,7 @@ class Sm100Policy(ArchPolicy):
         return super().unsupported_reason(problem, mnkl)
 
     def accumulator_reason(self, problem: KernelProblem) -> str | None:
-        a, b = problem.ab_dtype, problem.b_dtype
+        a = problem.ab_dtype
         if problem.acc_dtype == "float16" and a != "float16":
             return f"float16 accumulation takes float16 inputs, not {a}; use float32."
         if (problem.acc_dtype == "int32") != (a in INT8):
