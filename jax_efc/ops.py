@@ -16,7 +16,7 @@ import numpy as np
 from . import activations, arguments
 from .config import GemmConfig
 from .epilogue import (EpilogueIR, Role, canonical_shape, evaluate, exact, identity_ir, output_shape,
-                       restructure, split_at_reductions, with_acc_output)
+                       restructure, split_at_reductions, with_acc_output, with_masked_stores)
 from .tracing import trace_epilogue
 from .primitive import fused_gemm, gemm_cotangents, match_varying, problem_shape
 
@@ -208,7 +208,8 @@ def _in_place(ir: EpilogueIR, inplace: Any, shapes: list[tuple[int, ...]], acc_s
         if int(j) in chosen.values():
             raise ValueError(f"inplace: two outputs are written over operand {j}.")
         chosen[name] = int(j)
-    return ir.with_outputs([dataclasses.replace(o, inplace=chosen.get(o.name)) for o in ir.outputs])
+    return with_masked_stores(ir.with_outputs([dataclasses.replace(o, inplace=chosen.get(o.name))
+                                               for o in ir.outputs]))
 
 
 def _transposed(ir: EpilogueIR, transposed: Any) -> EpilogueIR:
