@@ -59,3 +59,23 @@ def test_masked_output_is_stored_with_predicated_global_stores(compiled, name):
 @pytest.mark.matrix
 def test_masked_variants_do_not_spill(compiled, tmp_path_factory):
     check_spills(assemble_all(compiled, tmp_path_factory.mktemp("sass")))
+
+# Blackwell: the shared driver, its accumulators read from tensor memory
+SM100_MASKED_VARIANTS = {
+    "bf16_128x128_masked": ("bfloat16", False, False, None, (128, 128, 1, 1), "masked", (1000, 776, 256)),
+    "bf16_2cta_256x128_c2x1_masked_operand": ("bfloat16", False, True, None, (256, 128, 2, 1, {"use_2cta": True}),
+                                              "masked_operand", (1064, 776, 256)),
+}
+
+
+@pytest.mark.matrix
+def test_sm100_masked_output_is_stored_with_predicated_global_stores(tmp_path_factory):
+    compiled = compile_variants(tmp_path_factory, "test_kernel_compile_masked.SM100_MASKED_VARIANTS",
+                                arch="sm_100a", unverified=True)
+    for name, (*_, epilogue, _) in SM100_MASKED_VARIANTS.items():
+        result = compiled[name]
+        assert "error" not in result, (name, result.get("error"))
+        ptx = result["ptx"]
+        assert "tcgen05.mma" in ptx and re.search(r"@%?p\w*\s+st\.global\.b16", ptx), name
+        assert _tensor_maps(ptx) == (5 if epilogue == "masked_operand" else 3), name
+    check_spills(assemble_all(compiled, tmp_path_factory.mktemp("sass"), arch="sm_100a"))
