@@ -76,7 +76,9 @@ def gemm(
     ``recompute_acc=True`` recomputes ``op(a) @ op(b)`` in the backward pass instead of saving
     it as a residual. ``inplace`` writes outputs over tile operands of their shape and dtype: an
     operand's index for the one output, or ``{output: operand index}`` (by dict key or tuple
-    position); donated to ``jax.jit``, the operand's buffer is the output's, with no copy.
+    position); donated to ``jax.jit``, the operand's buffer is the output's, with no copy. An
+    output ``jnp.where(mask, new, c)`` over its operand ``c``, which nothing else reads, is stored
+    only where the mask holds (the kernel never reads ``c``).
     ``transposed_outputs`` returns outputs as their transposes, (N, M) or (L, N, M), which the
     kernel stores so (M contiguous; no transpose pass): an output's name (dict key or tuple
     index), a collection of them, or ``True`` for the one output. ``config`` pins the kernel's

@@ -5,7 +5,8 @@ A consumer runs a tile's epilogue one ``epi_m x epi_n`` subtile at a time
 architecture hook, :meth:`~FusedGemmBase._subtile_accumulators`: registers on Hopper, tensor
 memory on Blackwell), hands them with their coordinates to the :class:`EpilogueVisitor`,
 converts each output to its dtype, writes it to its own smem buffer and stores it with TMA
-(the TMA store clips the M/N edges). TILE operands come in through two smem buffers per
+(the TMA store clips the M/N edges); an output stored only where its mask holds
+(``KernelProblem.masked``) goes from registers to global memory by predicated stores instead. TILE operands come in through two smem buffers per
 operand, TMA-loaded two subtiles ahead, except on the CTA's last tile: the producer loads
 its TILE operands into the A/B ring's stages as that tile's mainloop frees them, and its
 outputs are staged in the ring too where they fit. Stream-K pieces that start past k = 0
@@ -588,7 +589,8 @@ class FusedGemmBase:
         operand's tensor, one value at a time where ``mask`` holds and inside the M/N edges.
         A TMA store writes a whole box, so it cannot leave the rest of the operand as it was:
         these are predicated global stores (a value's neighbour in its register pair may differ
-        in its mask, so none wider)."""
+        in its mask, so none wider). The output keeps its smem buffers and TMA atom, unused: the
+        register partition every output shares is built on them."""
         j = dict(self.aliased)[i]
         keep = cute.make_rmem_tensor(mask.shape, cutlass.Boolean)
         keep.store(mask)
