@@ -468,9 +468,9 @@ def _exactly_in(dtype: str, epi_dtype: str) -> bool:
     return bool(jnp.issubdtype(d, jnp.floating)) and d.itemsize < e.itemsize
 
 
-def _masked_store(ir: EpilogueIR, k: int) -> tuple[int, int, bool] | None:
-    """(mask, new, negated) where output ``k``, in place over operand c, is ``where(mask, new,
-    c)`` (``where(mask, c, new)`` if negated) and nothing else reads c; else None."""
+def _masked_store(ir: EpilogueIR, k: int) -> tuple[int, bool] | None:
+    """(mask, negated) where output ``k``, in place over operand c, is ``where(mask, new, c)``
+    (``where(mask, c, new)`` if negated) and nothing else reads c; else None."""
     out, n_in = ir.outputs[k], len(ir.inputs)
     if out.inplace is None or out.reduce or out.transposed or out.value < n_in:
         return None
@@ -483,7 +483,7 @@ def _masked_store(ir: EpilogueIR, k: int) -> tuple[int, int, bool] | None:
     new = on_true if on_false == c else on_false
     rest = ir.with_outputs([dataclasses.replace(o, value=new, mask=pred) if i == k else o
                             for i, o in enumerate(ir.outputs)])
-    return None if rest.uses(c) else (pred, new, on_true == c)
+    return None if rest.uses(c) else (pred, on_true == c)
 
 
 def with_masked_stores(ir: EpilogueIR) -> EpilogueIR:
@@ -498,7 +498,7 @@ def with_masked_stores(ir: EpilogueIR) -> EpilogueIR:
         found = _masked_store(ir, k)
         if found is None:
             continue
-        pred, _, negated = found
+        pred, negated = found
         if negated:
             instrs.append(Instr("not", (pred,), "bool"))
             pred = len(ir.inputs) + len(instrs) - 1

@@ -62,7 +62,7 @@ def store_if(tensor: cute.Tensor, coord: tuple, value, pred) -> None:
     """``tensor[coord] = value`` (a global tensor, values of 8 to 32 bits) where ``pred``
     holds: one predicated store. (A Python ``if`` around the store compiles to a branch per
     value, which ptxas may or may not turn back into predicates.)"""
-    width = value.dtype.width if hasattr(value, "dtype") else type(value).width
+    width = value.dtype.width
     bits = llvm.bitcast(T.i(width), value.ir_value())
     if width == 8:  # PTX has no 8-bit registers: st.b8 stores the low byte of a 16-bit one
         bits = llvm.zext(T.i16(), bits)

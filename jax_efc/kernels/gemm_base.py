@@ -6,10 +6,11 @@ architecture hook, :meth:`~FusedGemmBase._subtile_accumulators`: registers on Ho
 memory on Blackwell), hands them with their coordinates to the :class:`EpilogueVisitor`,
 converts each output to its dtype, writes it to its own smem buffer and stores it with TMA
 (the TMA store clips the M/N edges); an output stored only where its mask holds
-(``KernelProblem.masked``) goes from registers to global memory by predicated stores instead. TILE operands come in through two smem buffers per
-operand, TMA-loaded two subtiles ahead, except on the CTA's last tile: the producer loads
-its TILE operands into the A/B ring's stages as that tile's mainloop frees them, and its
-outputs are staged in the ring too where they fit. Stream-K pieces that start past k = 0
+(``KernelProblem.masked``) goes from registers to global memory by predicated stores instead.
+TILE operands come in through two smem buffers per operand, TMA-loaded two subtiles ahead,
+except on the CTA's last tile: the producer loads its TILE operands into the A/B ring's stages
+as that tile's mainloop frees them, and its outputs are staged in the ring too where they fit.
+Stream-K pieces that start past k = 0
 leave their partial sums in a workspace slot instead (:meth:`~FusedGemmBase._split_epilogue`);
 the tile's first piece adds them before its epilogue. Outputs that reduce are staged and
 reduced per subtile by ``reduction.py`` and leave one partial per tile.
