@@ -44,6 +44,9 @@ __all__ = [
     "with_acc_output",
     "after_reduction",
     "output_shape",
+    "renumbered",
+    "with_masked_stores",
+    "masked_stores",
     "Split",
     "split_at_reductions",
 ]
@@ -107,6 +110,9 @@ class Output:
     reduce: str | None = None  # "sum", "max" or "min" of ``value`` over the axes ``over``
     over: tuple[str, ...] = ()  # a subset of ("m", "n"): per batch, never over L
     inplace: int | None = None  # the operand (its index among the operands) it is written over
+    # an in-place output ``where(m, new, c)`` over its operand c, read nowhere else: the value
+    # of the bool where it is stored (c elsewhere is left as it is; ``masked_stores``)
+    mask: int | None = None
     transposed: bool = False  # stored as its transpose, (N, M) or (L, N, M): M contiguous
 
 
@@ -117,6 +123,11 @@ def output_shape(out: Output, tile_shape: tuple[int, ...]) -> tuple[int, ...]:
     names = AXES[-len(tile_shape):]
     shape = tuple(1 if a in out.over else d for a, d in zip(names, tile_shape))
     return (*shape[:-2], shape[-1], shape[-2]) if out.transposed else shape
+
+
+def renumbered(out: Output, new_id: Mapping[int, int]) -> Output:
+    """``out`` with its values moved by ``new_id``."""
+    return dataclasses.replace(out, value=new_id[out.value], mask=None if out.mask is None else new_id[out.mask])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +158,7 @@ class EpilogueIR:
 
     def live(self) -> set[int]:
         """The values some output depends on."""
-        live = {o.value for o in self.outputs}
+        live = {o.value for o in self.outputs} | {o.mask for o in self.outputs if o.mask is not None}
         base = len(self.inputs)
         for j in reversed(range(len(self.instrs))):
             if base + j in live:
@@ -167,8 +178,8 @@ class EpilogueIR:
             if n_in + j in live:
                 instrs.append(dataclasses.replace(ins, args=tuple(new_id[a] for a in ins.args)))
                 new_id[n_in + j] = n_in + len(instrs) - 1
-        return dataclasses.replace(self, instrs=tuple(instrs), outputs=tuple(
-            dataclasses.replace(o, value=new_id[o.value]) for o in self.outputs))
+        return dataclasses.replace(self, instrs=tuple(instrs), outputs=tuple(renumbered(o, new_id)
+                                                                            for o in self.outputs))
 
     @property
     def reduces(self) -> bool:
@@ -370,7 +381,7 @@ def split_at_reductions(ir: EpilogueIR) -> Split:
     for o in ir.outputs:
         direct.append(len(outputs) if in_gemm(o.value) else None)
         if in_gemm(o.value):
-            outputs.append(dataclasses.replace(output(o.name, o.value, o.dtype), inplace=o.inplace,
+            outputs.append(dataclasses.replace(output(o.name, o.value, o.dtype), inplace=o.inplace, mask=o.mask,
                                                transposed=o.transposed))
     given, stack, seen = set(), [o.value for o, d in zip(ir.outputs, direct) if d is None], set()
     while stack:
@@ -445,3 +456,64 @@ def with_acc_output(ir: EpilogueIR, dtype: Any) -> EpilogueIR:
     """``ir`` with the accumulator appended as an extra output in ``dtype`` (a residual that the
     backward pass reads)."""
     return ir.with_outputs(ir.outputs + (Output("__acc__", 0, np.dtype(dtype).name),))
+
+
+def _exactly_in(dtype: str, epi_dtype: str) -> bool:
+    """Whether every ``dtype`` value converts to ``epi_dtype`` and back unchanged."""
+    if dtype == epi_dtype:
+        return True
+    d, e = jnp.dtype(dtype), jnp.dtype(epi_dtype)
+    if jnp.issubdtype(d, jnp.integer) or d == jnp.bool_:
+        return d.itemsize * 8 <= jnp.finfo(e).nmant + 1
+    return bool(jnp.issubdtype(d, jnp.floating)) and d.itemsize < e.itemsize
+
+
+def _masked_store(ir: EpilogueIR, k: int) -> tuple[int, bool] | None:
+    """(mask, negated) where output ``k``, in place over operand c, is ``where(mask, new, c)``
+    (``where(mask, c, new)`` if negated) and nothing else reads c; else None."""
+    out, n_in = ir.outputs[k], len(ir.inputs)
+    if out.inplace is None or out.reduce or out.transposed or out.value < n_in:
+        return None
+    c, ins = out.inplace + 1, ir.instrs[out.value - n_in]
+    if ins.op != "select" or not _exactly_in(ir.inputs[c].dtype, ir.epi_dtype):
+        return None
+    pred, on_false, on_true = ins.args
+    if c not in (on_false, on_true) or on_false == on_true:
+        return None
+    new = on_true if on_false == c else on_false
+    rest = ir.with_outputs([dataclasses.replace(o, value=new, mask=pred) if i == k else o
+                            for i, o in enumerate(ir.outputs)])
+    return None if rest.uses(c) else (pred, on_true == c)
+
+
+def with_masked_stores(ir: EpilogueIR) -> EpilogueIR:
+    """``ir`` with each in-place output that is ``where(mask, new, c)`` over its operand c (or
+    ``where(mask, c, new)``), where nothing else reads c, marked with the mask under which it is
+    stored (``Output.mask``; a negated mask is added to the program). The program's values are
+    unchanged; a kernel stores such an output only where its mask holds and never reads c. An
+    operand read elsewhere too (by another output, by the mask, or by ``new``) is read and
+    written whole, as any in-place output's."""
+    instrs, outputs = list(ir.instrs), list(ir.outputs)
+    for k in range(len(outputs)):
+        found = _masked_store(ir, k)
+        if found is None:
+            continue
+        pred, negated = found
+        if negated:
+            instrs.append(Instr("not", (pred,), "bool"))
+            pred = len(ir.inputs) + len(instrs) - 1
+        outputs[k] = dataclasses.replace(outputs[k], mask=pred)
+    return dataclasses.replace(ir, instrs=tuple(instrs), outputs=tuple(outputs))
+
+
+def masked_stores(ir: EpilogueIR, kept: Sequence[int]) -> EpilogueIR:
+    """The program a kernel evaluates: each masked output of ``kept`` (indices among the
+    outputs) computes the new value its mask selects, and reads its operand no more; every
+    other output loses its mask (the kernel stores it whole)."""
+    n_in, outputs = len(ir.inputs), []
+    for k, o in enumerate(ir.outputs):
+        if o.mask is not None and k in kept:
+            pred, on_false, on_true = ir.instrs[o.value - n_in].args
+            o = dataclasses.replace(o, value=on_true if o.mask == pred else on_false)
+        outputs.append(dataclasses.replace(o, mask=None) if k not in kept else o)
+    return ir.with_outputs(outputs).pruned()

@@ -16,7 +16,7 @@ import numpy as np
 from . import activations, arguments
 from .config import GemmConfig
 from .epilogue import (EpilogueIR, Role, canonical_shape, evaluate, exact, identity_ir, output_shape,
-                       restructure, split_at_reductions, with_acc_output)
+                       restructure, split_at_reductions, with_acc_output, with_masked_stores)
 from .tracing import trace_epilogue
 from .primitive import fused_gemm, gemm_cotangents, match_varying, problem_shape
 
@@ -76,7 +76,9 @@ def gemm(
     ``recompute_acc=True`` recomputes ``op(a) @ op(b)`` in the backward pass instead of saving
     it as a residual. ``inplace`` writes outputs over tile operands of their shape and dtype: an
     operand's index for the one output, or ``{output: operand index}`` (by dict key or tuple
-    position); donated to ``jax.jit``, the operand's buffer is the output's, with no copy.
+    position); donated to ``jax.jit``, the operand's buffer is the output's, with no copy. An
+    output ``jnp.where(mask, new, c)`` over its operand ``c``, which nothing else reads, is stored
+    only where the mask holds (the kernel never reads ``c``).
     ``transposed_outputs`` returns outputs as their transposes, (N, M) or (L, N, M), which the
     kernel stores so (M contiguous; no transpose pass): an output's name (dict key or tuple
     index), a collection of them, or ``True`` for the one output. ``config`` pins the kernel's
@@ -208,7 +210,8 @@ def _in_place(ir: EpilogueIR, inplace: Any, shapes: list[tuple[int, ...]], acc_s
         if int(j) in chosen.values():
             raise ValueError(f"inplace: two outputs are written over operand {j}.")
         chosen[name] = int(j)
-    return ir.with_outputs([dataclasses.replace(o, inplace=chosen.get(o.name)) for o in ir.outputs])
+    return with_masked_stores(ir.with_outputs([dataclasses.replace(o, inplace=chosen.get(o.name))
+                                               for o in ir.outputs]))
 
 
 def _transposed(ir: EpilogueIR, transposed: Any) -> EpilogueIR:

@@ -219,7 +219,7 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
     import jax
     import jax.numpy as jnp
 
-    from jax_efc.epilogue import split_at_reductions
+    from jax_efc.epilogue import split_at_reductions, with_masked_stores
     from jax_efc.tracing import trace_epilogue
 
     name, _, transposed = name.partition("/")
@@ -267,6 +267,12 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
             y = acc + bias
             return (y, jnp.sum(y, axis=-2), jnp.min(y, axis=-1), jnp.max(y, axis=(-2, -1)))
         shapes, dtypes, outs = [(1, n)], [dtype], (out_dtype,) + (jnp.float32,) * 3
+    elif name == "masked":  # written over c only where the mask (from acc) holds
+        fn = lambda acc, c, bias: jnp.where(acc + bias > 0, acc + bias, c)  # noqa: E731
+        shapes, dtypes, outs = [acc_shape, (1, n)], [out_dtype, dtype], out_dtype
+    elif name == "masked_operand":  # where a mask operand is zero (a negated mask), beside a second output
+        fn = lambda acc, c, keep: {"D": jnp.where(keep != 0, c, acc * 0.5), "Y": acc}  # noqa: E731
+        shapes, dtypes, outs = [acc_shape, acc_shape], [out_dtype, dtype], {"D": out_dtype, "Y": dtype}
     else:  # tile + row + col + scalar operands, three outputs of three dtypes
         def fn(acc, c, bias, col, s, *, alpha):
             y = acc * alpha + c * s + bias
@@ -276,6 +282,10 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
         outs = {"D": out_dtype, "Y": jnp.float32, "Z": jnp.float16}
     static = {"alpha": 2.0} if name == "multi" else {"scale": 0.25} if name == "scaled_amax" else {}
     ir, *_ = trace_epilogue(fn, acc_shape, shapes, dtypes, static, {}, outs, out_dtype)
+    if name.startswith("masked"):  # the first output over operand 0
+        ir = with_masked_stores(ir.with_outputs([dataclasses.replace(o, inplace=0 if k == 0 else None)
+                                                 for k, o in enumerate(ir.outputs)]))
+        assert ir.outputs[0].mask is not None
     if transposed:
         ir = ir.with_outputs([dataclasses.replace(o, transposed=o.name in transposed.split(",")) for o in ir.outputs])
     split = split_at_reductions(ir)

@@ -16,7 +16,7 @@ from cutlass.cute import math as cmath
 from cutlass.cutlass_dsl import T
 
 __all__ = ["FLOAT_OPS", "BOOL_OPS", "PACE_CHAINS", "f32", "full", "opaque_zero", "tie", "take",
-           "integer_pow", "round_to", "convert"]
+           "integer_pow", "round_to", "convert", "store_if"]
 
 
 def f32(v: cute.TensorSSA) -> cute.TensorSSA:
@@ -56,6 +56,22 @@ def tie(value: cute.TensorSSA, link: cute.TensorSSA, zero: cutlass.Int32) -> cut
             "lop3.b32 $0, $1, $2, $3, 0xF8;", "=f,f,f,r", has_side_effects=False,
             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
     return tied.load()
+
+
+def store_if(tensor: cute.Tensor, coord: tuple, value, pred) -> None:
+    """``tensor[coord] = value`` (a global tensor, values of 8 to 32 bits) where ``pred``
+    holds: one predicated store. (A Python ``if`` around the store compiles to a branch per
+    value, which ptxas may or may not turn back into predicates.)"""
+    width = value.dtype.width
+    bits = llvm.bitcast(T.i(width), value.ir_value())
+    if width == 8:  # PTX has no 8-bit registers: st.b8 stores the low byte of a 16-bit one
+        bits = llvm.zext(T.i16(), bits)
+    ptr = (tensor.iterator + cute.crd2idx(coord, tensor.layout)).to_llvm_ptr()
+    llvm.inline_asm(
+        None, [ptr, bits, cutlass.Int32(pred).ir_value()],
+        f"{{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.b{width} [$0], $1; }}",
+        f"l,{'r' if width == 32 else 'h'},r,~{{memory}}", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 def take(v: cute.TensorSSA, start: int, size: int) -> cute.TensorSSA:

@@ -5,10 +5,12 @@ A consumer runs a tile's epilogue one ``epi_m x epi_n`` subtile at a time
 architecture hook, :meth:`~FusedGemmBase._subtile_accumulators`: registers on Hopper, tensor
 memory on Blackwell), hands them with their coordinates to the :class:`EpilogueVisitor`,
 converts each output to its dtype, writes it to its own smem buffer and stores it with TMA
-(the TMA store clips the M/N edges). TILE operands come in through two smem buffers per
-operand, TMA-loaded two subtiles ahead, except on the CTA's last tile: the producer loads
-its TILE operands into the A/B ring's stages as that tile's mainloop frees them, and its
-outputs are staged in the ring too where they fit. Stream-K pieces that start past k = 0
+(the TMA store clips the M/N edges); an output stored only where its mask holds
+(``KernelProblem.masked``) goes from registers to global memory by predicated stores instead.
+TILE operands come in through two smem buffers per operand, TMA-loaded two subtiles ahead,
+except on the CTA's last tile: the producer loads its TILE operands into the A/B ring's stages
+as that tile's mainloop frees them, and its outputs are staged in the ring too where they fit.
+Stream-K pieces that start past k = 0
 leave their partial sums in a workspace slot instead (:meth:`~FusedGemmBase._split_epilogue`);
 the tile's first piece adds them before its epilogue. Outputs that reduce are staged and
 reduced per subtile by ``reduction.py`` and leave one partial per tile.
@@ -30,6 +32,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from jax_efc.kernels.dtypes import cutlass_dtype
+from jax_efc.kernels.fragment_math import store_if
 from jax_efc.kernels.problem import (EPI_STAGES, SMEM_ALIGN, TIMELINE_EVENTS, TIMELINE_UNITS,
                                      KernelProblem, cta_tile, epilogue_tile, tile_operand_indices)
 from jax_efc.kernels.reduction import TileReduction
@@ -144,12 +147,13 @@ class FusedGemmBase:
         self.acc_dtype = cutlass_dtype(problem.acc_dtype)  # the MMA's; the epilogue reads it as fp32
         self.a_batched = problem.a_batched
         self.b_batched = problem.b_batched
-        self.visitor = EpilogueVisitor(problem.ir, problem.operand_batched)
+        self.visitor = EpilogueVisitor(problem.program, problem.operand_batched)
         self.n_operands = len(problem.ir.operands)
         self.out_dtypes = self.visitor.out_dtypes
         # outputs stored transposed: their smem subtiles and global tensors are M-major
         self.out_m_major = tuple(o.transposed for o in self.visitor.stored)
         self.aliased = problem.aliased  # outputs stored into their operand's tensor
+        self.masked = problem.masked  # of those, the ones stored only where their mask holds
         self.n_epi_groups = epi_groups
         self.n_epi_threads = epi_threads
         # fp32 accumulators per epilogue thread (a stream-K partial is written in this order)
@@ -163,7 +167,7 @@ class FusedGemmBase:
         self.subtile_elems = self.epi_tile[0] * self.epi_tile[1]
         # TILE operands that some output uses are staged through smem by TMA
         ops = problem.ir.operands
-        self.tile_ops = tile_operand_indices(problem.ir)
+        self.tile_ops = tile_operand_indices(problem.program)
         self.tile_op_dtypes = tuple(cutlass_dtype(ops[i].dtype) for i in self.tile_ops)
         self.tile_op_batched = tuple(problem.operand_batched[i] for i in self.tile_ops)
         # bytes one subtile of every TILE operand brings in (the TMA transaction count)
@@ -536,7 +540,11 @@ class FusedGemmBase:
                 out_smem = [epi.thr_r2s[i].partition_D(out_views[i]) for i in range(n_out)]
             for i in cutlass.range_constexpr(n_out):
                 epi.frag_out[i].store(outs[i])
-                cute.copy(epi.r2s[i], epi.frag_out[i], out_smem[i][(None, None, None, out_stage)])
+                if cutlass.const_expr(i in self.masked):
+                    self._store_masked(epi, i, outs[n_out + len(self.reductions) + self.masked.index(i)],
+                                       coords, l_idx)
+                else:
+                    cute.copy(epi.r2s[i], epi.frag_out[i], out_smem[i][(None, None, None, out_stage)])
             for r in cutlass.range_constexpr(len(self.reductions)):
                 epi.red_frag[r].store(outs[n_out + r])
                 self.reductions[r].stage(epi.red_smem[r], epi.red_frag[r], epi.tCcT, epi.acc_index[s], s)
@@ -545,9 +553,10 @@ class FusedGemmBase:
             epi.barrier.arrive_and_wait()
             if epi.is_store_warp:
                 for i in cutlass.range_constexpr(n_out):
-                    s_part, g_part = (self._subtile_tma(epi.tma_d[i], out_views[i], gD[i])
-                                      if out_in_ring else bSG[i])
-                    cute.copy(epi.tma_d[i], s_part[(None, out_stage)], g_part[(None, s)])
+                    if cutlass.const_expr(i not in self.masked):
+                        s_part, g_part = (self._subtile_tma(epi.tma_d[i], out_views[i], gD[i])
+                                          if out_in_ring else bSG[i])
+                        cute.copy(epi.tma_d[i], s_part[(None, out_stage)], g_part[(None, s)])
                 epi.store_pipe.producer_commit()
                 # every thread has read operand buffer `buf` (barrier above): refill it
                 if cutlass.const_expr(n_tc > 0 and not from_ring and s + EPI_STAGES < n_sub):
@@ -574,6 +583,23 @@ class FusedGemmBase:
             for k in cutlass.range_constexpr(len(self.ring_stage_bytes)):
                 mainloop.consumer_release(ring_states[k])
         return subtile_count
+
+    @cute.jit
+    def _store_masked(self, epi: ConsumerEpilogue, i: int, mask: cute.TensorSSA, coords: list, l_idx):
+        """Store masked output ``i`` (converted, in ``epi.frag_out[i]``) from registers into its
+        operand's tensor, one value at a time where ``mask`` holds and inside the M/N edges.
+        A TMA store writes a whole box, so it cannot leave the rest of the operand as it was:
+        these are predicated global stores (a value's neighbour in its register pair may differ
+        in its mask, so none wider). The output keeps its smem buffers and TMA atom, unused: the
+        register partition every output shares is built on them."""
+        j = dict(self.aliased)[i]
+        keep = cute.make_rmem_tensor(mask.shape, cutlass.Boolean)
+        keep.store(mask)
+        b = l_idx if cutlass.const_expr(self.visitor.operand_batched[j]) else 0
+        for k in cutlass.range_constexpr(len(coords)):
+            m, n = coords[k]
+            store_if(epi.operands[j], (m, n, b), epi.frag_out[i][k],
+                     keep[k] & (m < epi.mn_extent[0]) & (n < epi.mn_extent[1]))
 
     def _load_tile_ops(self, epi: ConsumerEpilogue, bSC, s, buf):
         """TMA-load subtile ``s`` of every TILE operand, through its (smem, gmem) partitions

@@ -49,6 +49,7 @@ class ArchPolicy:
     unverified_acc_dtypes: tuple[str, ...] = ()
     verified_reductions: bool = False
     verified_inplace: bool = False  # outputs stored over their operand (KernelProblem.aliased)
+    verified_masked_stores: bool = False  # of those, stored only where a mask holds (.masked)
     verified_transposed_outputs: bool = False  # outputs stored transposed, M contiguous (Output.transposed)
     # GEMMs the heuristic hands to XLA's GEMM (xla_faster_reason): at most this many rows per B
     # (None: none are), or more rows in 128x128 tiles that fill less than this share of the SMs
@@ -78,6 +79,8 @@ class ArchPolicy:
             return f"the {self.arch} kernel's epilogue reductions"
         if not self.verified_inplace and problem.aliased:
             return f"the {self.arch} kernel's outputs written over their operands"
+        if not self.verified_masked_stores and problem.masked:
+            return f"the {self.arch} kernel's outputs stored over their operands only where a mask holds"
         if not self.verified_transposed_outputs and any(o.transposed for o in problem.ir.outputs):
             return f"the {self.arch} kernel's outputs stored transposed"
         return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_efc.config import GemmConfig
-from jax_efc.epilogue import EpilogueIR, Role
+from jax_efc.epilogue import EpilogueIR, Role, masked_stores
 from jax_efc.kernels.dtypes import bits
 
 __all__ = ["KernelProblem", "tile_k", "EPI_STAGES", "SMEM_ALIGN", "TIMELINE_EVENTS", "TIMELINE_UNITS",
@@ -74,6 +74,20 @@ class KernelProblem:
         return tuple((i, o.inplace) for i, o in enumerate(stored)
                      if o.inplace is not None and self.operand_batched[o.inplace] == self.batched
                      and not o.transposed)
+
+    @property
+    def masked(self) -> tuple[int, ...]:
+        """Tile output indices of the aliased outputs stored only where their mask holds
+        (``Output.mask``): the kernel stores them from registers with a predicate per value."""
+        stored = [o for o in self.ir.outputs if not o.reduce]
+        return tuple(i for i, _ in self.aliased if stored[i].mask is not None)
+
+    @property
+    def program(self) -> EpilogueIR:
+        """The program the kernel evaluates: a masked output it stores over its operand
+        computes only the new value its mask selects (:func:`~jax_efc.epilogue.masked_stores`)."""
+        stored = [k for k, o in enumerate(self.ir.outputs) if not o.reduce]
+        return masked_stores(self.ir, [stored[i] for i, _ in self.aliased])
 
     @property
     def tile_k(self) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_efc.epilogue import EpilogueIR, Instr, exact
+from jax_efc.epilogue import EpilogueIR, Instr, exact, renumbered
 from jax_efc.tracing import trace_epilogue
 
 __all__ = ["rewrite"]
@@ -94,5 +94,4 @@ def rewrite(ir: EpilogueIR) -> EpilogueIR:
 
 def _renumbered(ir: EpilogueIR, instrs: list[Instr], new_id: dict[int, int]) -> EpilogueIR:
     """``ir`` with ``instrs`` (already renumbered) and its outputs moved by ``new_id``."""
-    return dataclasses.replace(ir, instrs=tuple(instrs), outputs=tuple(
-        dataclasses.replace(o, value=new_id[o.value]) for o in ir.outputs))
+    return dataclasses.replace(ir, instrs=tuple(instrs), outputs=tuple(renumbered(o, new_id) for o in ir.outputs))

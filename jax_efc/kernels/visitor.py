@@ -44,7 +44,10 @@ class EpilogueVisitor:
         self.stored = tuple(o for o in ir.outputs if not o.reduce)
         self.reduced = tuple(o for o in ir.outputs if o.reduce)
         self.out_dtypes = tuple(cutlass_dtype(o.dtype) for o in self.stored)
-        self.result_dtypes = self.out_dtypes + (cutlass.Float32,) * len(self.reduced)
+        # stored outputs with a mask (Output.mask): the kernel stores them where it holds
+        self.masked = tuple(o for o in self.stored if o.mask is not None)
+        self.result_dtypes = (self.out_dtypes + (cutlass.Float32,) * len(self.reduced)
+                              + (cutlass.Boolean,) * len(self.masked))
         # an operand no output depends on is never loaded
         self.live = tuple(ir.uses(i + 1) for i in range(len(ir.operands)))
         # a paced evaluation hands each group's last arithmetic result on to the next group;
@@ -85,7 +88,7 @@ class EpilogueVisitor:
                  operands: Sequence[cute.Tensor], extent_mn, batch,
                  preloaded: dict, paced: bool = False, raw: cute.TensorSSA | None = None) -> list[cute.TensorSSA]:
         """The outputs for one subtile: each stored output converted to its storage dtype,
-        then the fp32 value each reducing output reduces.
+        then the fp32 value each reducing output reduces, then each masked output's mask.
 
         ``acc``: fp32 accumulator fragment; ``coords``: the (m, n) output coordinate of each
         fragment value, in linear index order; ``operands``: the epilogue operand tensors,
@@ -142,7 +145,7 @@ class EpilogueVisitor:
     def _outputs(self, values: list, raw: cute.TensorSSA | None = None) -> list[cute.TensorSSA]:
         return ([convert(raw if raw is not None and o.value == 0 else values[o.value], dt)
                  for o, dt in zip(self.stored, self.out_dtypes)]
-                + [f32(values[o.value]) for o in self.reduced])
+                + [f32(values[o.value]) for o in self.reduced] + [values[o.mask] for o in self.masked])
 
     @staticmethod
     def _instr(ins, args, like):
