@@ -24,7 +24,7 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from gpt_fp8 import Gpt  # noqa: E402
+from gpt_fp8 import Gpt, training_step  # noqa: E402
 
 from jax_efc.bench.timing import time_interleaved  # noqa: E402
 
@@ -67,16 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     variables = model.init(jax.random.key(1), tokens[:, :-1])
     opt = optax.adamw(1e-4)
     opt_state = opt.init(variables["params"])
-
-    @jax.jit
-    def step(v, opt_state, tokens):
-        def loss_fn(v):
-            logits = model.apply(v, tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(v)
-        updates, opt_state = opt.update(grads["params"], opt_state, v["params"])
-        return {**v, "params": optax.apply_updates(v["params"], updates)}, opt_state, loss
+    step = training_step(model, opt)
 
     t = args.batch * args.seq
     keys = iter(jax.random.split(jax.random.key(2), 3 * (4 * args.blocks + 1)))

@@ -124,6 +124,25 @@ def batches(key, batch: int, seq: int, vocab: int):
         yield jnp.where(noise, jax.random.randint(k5, seqs.shape, 0, vocab), seqs)
 
 
+def training_step(model: nn.Module, opt: optax.GradientTransformation):
+    """The jitted step ``(variables, opt_state, tokens) -> (variables, opt_state, loss)``:
+    next-token cross-entropy, one optimizer update, FP8 state replaced by its gradient."""
+    def loss_fn(v, tokens):
+        logits = model.apply(v, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    @jax.jit
+    def step(v, opt_state, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(v, tokens)
+        updates, opt_state = opt.update(grads["params"], opt_state, v["params"])
+        new = {**v, "params": optax.apply_updates(v["params"], updates)}
+        if _OWG in v:  # FP8 state: its gradient is its next value
+            new[_OWG] = grads[_OWG]
+        return new, opt_state, loss
+
+    return step
+
+
 def train(layers: str, args, params0=None):
     """Train ``args.steps`` steps from ``params0`` (None: a fresh init); returns (losses, ms per
     step after the first two, the initial parameters)."""
@@ -138,19 +157,7 @@ def train(layers: str, args, params0=None):
     opt = optax.adamw(optax.linear_schedule(0.0, lr, max(1, args.steps // 10)))
     opt_state = opt.init(variables["params"])
 
-    def loss_fn(v, tokens):
-        logits = model.apply(v, tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-    @jax.jit
-    def step(v, opt_state, tokens):
-        loss, grads = jax.value_and_grad(loss_fn)(v, tokens)
-        updates, opt_state = opt.update(grads["params"], opt_state, v["params"])
-        new = {**v, "params": optax.apply_updates(v["params"], updates)}
-        if _OWG in v:  # FP8 state: its gradient is its next value
-            new[_OWG] = grads[_OWG]
-        return new, opt_state, loss
-
+    step = training_step(model, opt)
     losses, times = [], []
     tokens = first
     for i in range(args.steps):
