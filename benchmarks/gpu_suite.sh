@@ -4,7 +4,7 @@
 # ./gpu-logs); each part prints its summary last.
 #   usage: benchmarks/gpu_suite.sh [LOGDIR] [verify|tests|examples|bench|model|fp8|all]
 #
-#   verify    the newest paths: transposed and masked outputs (not yet run on a GPU), the epilogue
+#   verify    the newest paths: transposed and masked outputs, the epilogue
 #             reductions and first-use checks, FP8 layers, TF32, the fused MLP's backward; the
 #             reductions' cost and TF32's speed
 #   tests     the rest of the GPU tests (the compute-sanitizer runs, marked slow, apart)

@@ -48,7 +48,6 @@ class Case:
     tol: float = 2e-2
     config: Any = None
     transposed: Any = None
-    env: tuple[tuple[str, str], ...] = ()  # switches the case needs (as strings)
 
 
 def _cases() -> tuple[Case, ...]:
@@ -73,12 +72,11 @@ def _cases() -> tuple[Case, ...]:
         Case("fp8 e4m3 bias+gelu_tanh", "float8_e4m3fn", shape, *bias_gelu, operands=("row",), transpose_b=True,
              out_dtypes=jnp.bfloat16),
         Case("int8 gemm (exact)", "int8", shape, lambda acc: acc, lambda acc: acc, transpose_b=True, tol=0.0),
-        Case("bf16 column sums (unverified kernel)", "bfloat16", shape,
+        Case("bf16 column sums", "bfloat16", shape,
              lambda acc, b: (acc + b, jnp.sum(acc + b, axis=0)), lambda acc, b: (acc + b, (acc + b).sum(0)),
-             operands=("row",), env=(("JAX_EFC_UNVERIFIED_KERNELS", "1"),)),
-        Case("bf16 alpha-beta, D transposed (unverified kernel)", "bfloat16", shape, alpha_beta[0],
-             lambda acc, c: {"D": (2 * acc + c).T, "Y": acc}, operands=("tile",), transposed="D",
-             env=(("JAX_EFC_UNVERIFIED_KERNELS", "1"),)),
+             operands=("row",)),
+        Case("bf16 alpha-beta, D transposed", "bfloat16", shape, alpha_beta[0],
+             lambda acc, c: {"D": (2 * acc + c).T, "Y": acc}, operands=("tile",), transposed="D"),
     ]
     return tuple(cases)
 
@@ -111,8 +109,7 @@ def run_case(case: Case, strict: bool, seed: int = 0) -> dict[str, Any]:
     """One case's row: name, backend, worst error, bound, and PASS or FAIL (with why)."""
     import jax_efc as efc
 
-    saved = {k: os.environ.get(k) for k, _ in case.env + (("JAX_EFC_STRICT", ""),)}
-    os.environ.update(dict(case.env))
+    saved = os.environ.get("JAX_EFC_STRICT")
     if strict:
         os.environ["JAX_EFC_STRICT"] = "1"
     try:
@@ -141,11 +138,10 @@ def run_case(case: Case, strict: bool, seed: int = 0) -> dict[str, Any]:
         return dict(case=case.name, backend="-", error=math.inf, bound=case.tol, result="FAIL",
                     why=f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        if saved is None:
+            os.environ.pop("JAX_EFC_STRICT", None)
+        else:
+            os.environ["JAX_EFC_STRICT"] = saved
 
 
 def run(cases: tuple[Case, ...] = CASES, strict: bool | None = None) -> list[dict[str, Any]]:

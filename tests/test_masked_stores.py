@@ -125,20 +125,23 @@ def test_the_cotangent_of_c_flows_where_it_is_kept(rng):
         np.testing.assert_allclose(np.asarray(y), np.where(mask, acc * 2, np.asarray(cc)), rtol=1e-5, atol=1e-5)
 
 
-def test_masked_stores_are_checked_on_first_use_until_they_have_run(monkeypatch):
-    """No GPU has run the masked stores: every policy names them, so the plan checks them on
-    first use (jax_efc.self_check); an operand shared across a batch is not aliased, and its
-    output is stored whole."""
+def test_masked_stores_are_checked_on_first_use_where_they_have_not_run(monkeypatch):
+    """Hopper's masked stores have run on a GPU; Blackwell's have not, and a policy that does not
+    mark them verified names them, so the plan checks them on first use (jax_efc.self_check); an
+    operand shared across a batch is not aliased, and its output is stored whole."""
     pytest.importorskip("cutlass")
     from jax_efc.config import GemmConfig
     from jax_efc.kernels import policy
     from jax_efc.kernels.problem import KernelProblem
+    from jax_efc.kernels.sm90_policy import Sm90Policy
 
     ir = _ir(_relu_over, [(128, 128)])
     problem = KernelProblem(ir, "bfloat16", "float32", "k", "n", False, False, False, (False,), "sm_90a",
                             GemmConfig())
     assert problem.aliased == ((0, 0),) and problem.masked == (0,)
     assert not problem.program.uses(1)
+    assert policy("sm_90a").unverified_reason(problem) is None
+    monkeypatch.setattr(Sm90Policy, "verified_masked_stores", False)
     assert policy("sm_90a").unverified_reason(problem) == \
         "the sm_90a kernel's outputs stored over their operands only where a mask holds"
     assert policy("sm_100a").unverified_reason(problem) is not None
@@ -161,17 +164,12 @@ print(json.dumps({"backends": efc.backends(fn, a, b, c), "calls": len(call),
 """
 
 
-@pytest.mark.parametrize("unverified", ["0", "1"])
-def test_an_export_on_a_cpu_holds_the_kernel_only_when_unverified_kernels_are_allowed(unverified):
-    """Exported for sm_90a from a CPU machine: the reference, with the reason, since no first-use
-    check can run there; with JAX_EFC_UNVERIFIED_KERNELS=1 the kernel, its output aliasing c."""
+def test_an_export_from_a_cpu_holds_the_kernel():
+    """Hopper's masked stores have run on a GPU, so an export for sm_90a from a CPU machine holds
+    the kernel, its output aliasing c."""
     pytest.importorskip("cutlass.jax")
-    out = json.loads(run_for_sm90(_EXPORT, JAX_EFC_UNVERIFIED_KERNELS=unverified).strip().splitlines()[-1])
-    if unverified == "1":
-        assert out["backends"] == ["kernel (sm_90a)"] and out["calls"] == 1 and out["aliases"] == ["2"], out
-    else:
-        assert out["calls"] == 0, out
-        assert "only where a mask holds" in out["backends"][0], out
+    out = json.loads(run_for_sm90(_EXPORT, JAX_EFC_UNVERIFIED_KERNELS="0").strip().splitlines()[-1])
+    assert out["backends"] == ["kernel (sm_90a)"] and out["calls"] == 1 and out["aliases"] == ["2"], out
 
 
 @pytest.mark.gpu
@@ -184,7 +182,6 @@ def test_the_kernel_stores_only_where_the_mask_holds(rng, monkeypatch, config, m
     and a pattern the kernel would never compute), where it holds the new values; partial tiles
     and both schedules; the output is c's buffer."""
     monkeypatch.setenv("JAX_EFC_STRICT", "1")
-    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
     a = jnp.asarray(rng.standard_normal((m, k)) / np.sqrt(k), jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
     keep = jnp.asarray(rng.random((m, n)) < 0.5, jnp.bfloat16)

@@ -188,19 +188,22 @@ def test_the_primitive_refuses_a_transposed_reduction():
         fused_gemm(jnp.ones((64, 32)), jnp.ones((32, 48)), ir=ir)
 
 
-def test_transposed_outputs_are_checked_on_first_use_until_they_have_run():
-    """No GPU has run a kernel that stores an output transposed: the policies say so, and a
-    first-use check runs before one (jax_efc.self_check)."""
+def test_transposed_outputs_are_checked_on_first_use_where_they_have_not_run(monkeypatch):
+    """Hopper's transposed stores have run on a GPU; Blackwell's have not, and a policy that does
+    not mark them verified says so, so a first-use check runs before one (jax_efc.self_check)."""
     pytest.importorskip("cutlass")
     from jax_efc import autotune, self_check
     from jax_efc.config import GemmConfig
     from jax_efc.kernels import policy
     from jax_efc.kernels.problem import KernelProblem
+    from jax_efc.kernels.sm90_policy import Sm90Policy
     from jax_efc.tracing import trace_epilogue
 
     ir, *_ = trace_epilogue(lambda acc: acc, (256, 256), [], [], {}, {}, None, jnp.bfloat16)
     ir = ir.with_outputs([dataclasses.replace(ir.outputs[0], transposed=True)])
     problem = KernelProblem(ir, "bfloat16", "float32", "k", "n", False, False, False, (), "sm_90a", GemmConfig())
+    assert policy("sm_90a").unverified_reason(problem) is None
+    monkeypatch.setattr(Sm90Policy, "verified_transposed_outputs", False)
     assert policy("sm_90a").unverified_reason(problem) == "the sm_90a kernel's outputs stored transposed"
     assert policy("sm_100a").unverified_reason(dataclasses.replace(problem, arch="sm_100a")) is not None
     untransposed = KernelProblem(ir.untransposed(), "bfloat16", "float32", "k", "n", False, False, False, (),
@@ -228,16 +231,13 @@ print(json.dumps({"backends": efc.backends(f, a, b, bias), "shape": list(exporte
 """
 
 
-@pytest.mark.parametrize("unverified", ["0", "1"])
-def test_an_export_from_a_cpu_holds_the_kernel_only_unchecked(unverified):
-    """Exported for sm_90a from a machine without a GPU (nothing to check the kernel on): the
-    reference, saying why, unless JAX_EFC_UNVERIFIED_KERNELS=1; either way (N, M)."""
+def test_an_export_from_a_cpu_holds_the_kernel():
+    """Hopper's transposed stores have run on a GPU, so an export for sm_90a from a machine
+    without one holds the kernel (no first-use check needed), its output (N, M)."""
     pytest.importorskip("cutlass.jax")
-    out = json.loads(run_for_sm90(_EXPORT, JAX_EFC_UNVERIFIED_KERNELS=unverified).strip().splitlines()[-1])
+    out = json.loads(run_for_sm90(_EXPORT, JAX_EFC_UNVERIFIED_KERNELS="0").strip().splitlines()[-1])
     assert out["shape"] == [4096, 2048]
-    assert out["kernel"] == (unverified == "1"), out
-    if unverified == "0":
-        assert "the sm_90a kernel's outputs stored transposed" in out["backends"][0], out
+    assert out["kernel"] and out["backends"] == ["kernel (sm_90a)"], out
 
 
 @pytest.mark.gpu
@@ -249,12 +249,11 @@ def test_an_export_from_a_cpu_holds_the_kernel_only_unchecked(unverified):
 @pytest.mark.parametrize("m, n, k, l", [(4096, 4096, 1024, None), (1008, 3000, 520, None), (528, 776, 264, 3),
                                         (2304, 2824, 1288, None)])
 def test_the_kernel_stores_transposed_outputs(rng, monkeypatch, config, out_dtype, m, n, k, l):
-    """On the GPU, unchecked (JAX_EFC_UNVERIFIED_KERNELS=1) and strict: alpha-beta with D
+    """On the GPU, strict: alpha-beta with D
     transposed (16-bit: the transposing stmatrix; 8-bit: one value per store) and Y not, partial
     tiles along M and N, the CTA's last tile staged in the A/B ring, stream-K (the last shape in
     128x192 tiles), against a float64 oracle."""
     monkeypatch.setenv("JAX_EFC_STRICT", "1")
-    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
     lead = () if l is None else (l,)
     a = jnp.asarray(rng.standard_normal((*lead, m, k)) / np.sqrt(k), jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)

@@ -127,6 +127,10 @@ class Sm90Policy(ArchPolicy):
     verified_reductions = True
     # ran over donated operands on an H100 (tests/test_inplace.py), both schedules
     verified_inplace = True
+    # ran against the float64 oracle on an H100: masked in-place stores (tests/test_masked_stores.py)
+    # and transposed outputs (tests/test_transposed.py), both schedules, partial tiles, stream-K
+    verified_masked_stores = True
+    verified_transposed_outputs = True
 
     def accumulator_reason(self, problem: KernelProblem) -> str | None:
         if problem.acc_dtype == "float16" and problem.ab_dtype != "float16":
