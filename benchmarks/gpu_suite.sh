@@ -68,7 +68,7 @@ fi
 if want model; then
   step first-step python3 benchmarks/first_step.py
   step gpt-fp8 python3 examples/gpt_fp8.py --blocks 4 --width 2048 --heads 16 --batch 8 --seq 2048 --steps 60 \
-    --layers dense,fp8,flax-fp8,fused --attention cudnn
+    --layers dense,fp8,fp8-fast,flax-fp8 --attention cudnn
 fi
 if want fp8; then
   step fp8-bound python3 benchmarks/fp8_bound.py --attention cudnn

@@ -9,7 +9,9 @@ Layers (``--layers``, any of):
 - ``fp8``: the same with ``fp8="delayed"``: e4m3 activations and weights, e5m2 gradients,
   delayed scaling from amax histories, dequantisation and bias fused into each FP8 GEMM; the MLP
   (``jax_efc.fp8_mlp``) writes its hidden value and its gradient only in FP8, their amaxes taken
-  in the GEMMs' epilogues;
+  in the GEMMs' epilogues; partial sums promoted into fp32 every few k-blocks;
+- ``fp8-fast``: ``fp8`` with the tensor cores' fast FP8 accumulation (what XLA's FP8 dot, and so
+  ``flax-fp8``, runs);
 - ``flax-fp8``: ``nn.Dense(dot_general_cls=nn.Fp8DirectDotGeneralOp)``, Flax's FP8 recipe on XLA.
 
 The data is synthetic: each sequence follows ``t[i+1] = (a * t[i] + c) mod vocab`` with a
@@ -35,7 +37,14 @@ import optax
 import jax_efc as efc
 from jax_efc.flax import FusedDense, FusedMLP
 
-LAYERS = ("dense", "fused", "fp8", "flax-fp8")
+LAYERS = ("dense", "fused", "fp8", "fp8-fast", "flax-fp8")
+_FAST = jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM
+
+
+def _ours(layers: str) -> dict | None:
+    """FusedDense's and FusedMLP's FP8 arguments for our ``layers``; None for Flax's layers."""
+    return {"fused": {}, "fp8": {"fp8": "delayed"},
+            "fp8-fast": {"fp8": "delayed", "precision": _FAST}}.get(layers)
 _LR = 3e-3  # the peak learning rate at width 128
 _OWG = "_overwrite_with_gradient"  # Flax's collection for FP8 state: replaced by its gradient
 
@@ -44,9 +53,8 @@ def make_dense(layers: str):
     """``dense(features, name, activation=None)``: one projection of the chosen kind."""
 
     def dense(features: int, name: str, activation: str | None = None):
-        if layers in ("fused", "fp8"):
-            return FusedDense(features, dtype=jnp.bfloat16, activation=activation, name=name,
-                              fp8="delayed" if layers == "fp8" else None)
+        if (ours := _ours(layers)) is not None:
+            return FusedDense(features, dtype=jnp.bfloat16, activation=activation, name=name, **ours)
         extra = {"dot_general_cls": nn.Fp8DirectDotGeneralOp} if layers == "flax-fp8" else {}
         layer = nn.Dense(features, dtype=jnp.bfloat16, name=name, **extra)
         return layer if activation is None else lambda x: efc.ACTIVATIONS[activation](layer(x))
@@ -69,9 +77,8 @@ class Mlp(nn.Module):
 
 def make_mlp(layers: str, hidden: int):
     """The block's MLP: ``FusedMLP`` for our layers, else ``Mlp`` of the chosen ``nn.Dense``."""
-    if layers in ("fused", "fp8"):
-        return FusedMLP(hidden, activation="gelu_tanh", dtype=jnp.bfloat16, name="mlp",
-                        fp8="delayed" if layers == "fp8" else None)
+    if (ours := _ours(layers)) is not None:
+        return FusedMLP(hidden, activation="gelu_tanh", dtype=jnp.bfloat16, name="mlp", **ours)
     return Mlp(hidden, layers, name="mlp")
 
 

@@ -101,10 +101,20 @@ def _delayed(x: Any, dtype: Any, scale: Any, history: Any) -> tuple[Any, Any]:
 _ALIGN = 16
 
 
-def _transposed(q: Any) -> Any:
-    """``q`` (M, X) as (X, M') with M' the next multiple of ``_ALIGN``, zeros past M: the K-major
-    operand of the weight gradient, whose contraction runs over M."""
-    return jnp.pad(q, ((0, -q.shape[0] % _ALIGN), (0, 0))).T
+def _transposed(q: Any, align: int = _ALIGN) -> Any:
+    """``q`` (M, X) as (X, M') with M' the next multiple of ``align``, zeros past M: the K-major
+    copy of an 8-bit operand (of the weight gradient, which contracts over M; of a weight, with
+    ``align=1``). The transpose reads ``q`` as stored: the barrier keeps XLA from recomputing
+    ``q``'s producer inside the transposing pass (a second, slower pass over 16-bit inputs)."""
+    q = jax.lax.optimization_barrier(q)
+    return jnp.pad(q, ((0, -q.shape[0] % align), (0, 0))).T
+
+
+def _amax_and_column_sums(v: Any) -> tuple[Any, Any]:
+    """``_amax(v)`` and ``v``'s float32 column sums (a bias gradient) of ``v`` (M, N), from
+    reductions over M alone, which XLA runs as one pass over ``v``."""
+    cols = jnp.where(jnp.isnan(v).any(axis=0), jnp.nan, jnp.max(jnp.abs(v), axis=0))
+    return _amax(cols), jnp.sum(v, axis=0, dtype=jnp.float32)
 
 
 def _quantize(x: Any, dtype: Any, scale: Any) -> Any:
@@ -161,7 +171,7 @@ def _fp8_dense_fwd(static: _Static, x, kernel, bias, meta):
     wq = _quantize(kernel, E4M3, sw)  # (K, N): K-major as the data gradient's B
     keep_z = static.activation is not activations.identity
     ops = () if bias is None else (bias,)
-    out = gemm(xq, wq.T, _forward_epilogue(static.activation, bias is not None, keep_z), *ops,
+    out = gemm(xq, _transposed(wq, 1), _forward_epilogue(static.activation, bias is not None, keep_z), *ops,
                precision=static.precision, transpose_b=True, s=(sx * sw)[0], out_dtypes=x.dtype)
     y, z = out if keep_z else (out, None)
     return y, (_transposed(xq), wq, sx, sw, z, update, meta, bias)
@@ -172,17 +182,19 @@ def _fp8_dense_bwd(static: _Static, residuals, g):
     if z is not None:
         _, pullback = jax.vjp(static.activation, z.astype(jnp.float32))
         (g,) = pullback(g.astype(jnp.float32))
+    amax_g, db = _amax_and_column_sums(g)
     if static.delayed:
-        sg, hg = _delayed(g, E5M2, meta.output_grad_scale, meta.output_grad_amax_history)
+        sg = _delayed_scale(E5M2, meta.output_grad_scale, meta.output_grad_amax_history)
     else:
-        sg = _current_scale(_amax(g), E5M2)
+        sg = _current_scale(amax_g, E5M2)
     gq = _quantize(g, E5M2, sg)  # (M, N): K-major as the data gradient's A
     dx = gemm(gq, wq, _dequantize, precision=static.precision, transpose_b=True, s=(sg * sw)[0], out_dtypes=static.x_dtype)
     dw = gemm(xq_t, _transposed(gq), _dequantize, precision=static.precision, transpose_b=True, s=(sx * sg)[0], out_dtypes=static.kernel_dtype)
-    db = None if bias is None else jnp.sum(g, axis=0, dtype=jnp.float32).astype(bias.dtype)
+    db = None if bias is None else db.astype(bias.dtype)
     d_meta = None
     if static.delayed:  # the gradient of the meta is its update (overwrite with gradient)
-        d_meta = Fp8Meta(update[0], update[1], update[2], update[3], sg, hg)
+        d_meta = Fp8Meta(update[0], update[1], update[2], update[3], sg,
+                         _pushed(meta.output_grad_amax_history, amax_g))
     return dx, dw, db, d_meta
 
 
@@ -319,10 +331,10 @@ def _fp8_mlp_fwd(static: _MlpStatic, x, up, down, metas):
     # before the up GEMM; this step's amax comes out of that GEMM and enters the history after
     sh = _delayed_scale(E4M3, md.input_scale, md.input_amax_history)
     xq, wuq, wdq = _quantize(x, E4M3, sx), _quantize(up_k, E4M3, swu), _quantize(down_k, E4M3, swd)
-    hq, amax_h, z = gemm(xq, wuq.T, _up_epilogue(static.activation, up_b is not None), *[b for b in (up_b,) if b is not None],
+    hq, amax_h, z = gemm(xq, _transposed(wuq, 1), _up_epilogue(static.activation, up_b is not None), *[b for b in (up_b,) if b is not None],
                          precision=static.precision, transpose_b=True, s=(sx * swu)[0], inv_scale=1 / sh[0], out_dtypes=(E4M3, jnp.float32, static.x_dtype))
     hh = _pushed(md.input_amax_history, amax_h)
-    y = gemm(hq, wdq.T, _forward_epilogue(activations.identity, down_b is not None, False),
+    y = gemm(hq, _transposed(wdq, 1), _forward_epilogue(activations.identity, down_b is not None, False),
              *[b for b in (down_b,) if b is not None], precision=static.precision, transpose_b=True, s=(sh * swd)[0], out_dtypes=static.x_dtype)
     updates = ((sx, hx, swu, hwu), (sh, hh, swd, hwd))
     return y, (_transposed(xq), _transposed(hq), wuq, wdq, z, (sx, swu, sh, swd), updates, metas, up_b, down_b)
@@ -330,7 +342,9 @@ def _fp8_mlp_fwd(static: _MlpStatic, x, up, down, metas):
 
 def _fp8_mlp_bwd(static: _MlpStatic, residuals, g):
     xq_t, hq_t, wuq, wdq, z, (sx, swu, sh, swd), updates, (mu, md), up_b, down_b = residuals
-    sgy, hgy = _delayed(g, E5M2, md.output_grad_scale, md.output_grad_amax_history)
+    amax_gy, d_down_b = _amax_and_column_sums(g)
+    sgy = _delayed_scale(E5M2, md.output_grad_scale, md.output_grad_amax_history)
+    hgy = _pushed(md.output_grad_amax_history, amax_gy)
     gyq = _quantize(g, E5M2, sgy)
     # the up projection's output gradient leaves the down projection's data-gradient GEMM
     # quantised with its delayed scale, with its amax and the up bias's gradient
@@ -340,7 +354,7 @@ def _fp8_mlp_bwd(static: _MlpStatic, residuals, g):
                                out_dtypes=(E5M2, jnp.float32, jnp.float32)[:2 + (up_b is not None)])
     hg = _pushed(mu.output_grad_amax_history, amax_g)
     d_down = (gemm(hq_t, _transposed(gyq), _dequantize, precision=static.precision, transpose_b=True, s=(sh * sgy)[0], out_dtypes=static.down_dtype),
-              None if down_b is None else jnp.sum(g, axis=0, dtype=jnp.float32).astype(down_b.dtype))
+              None if down_b is None else d_down_b.astype(down_b.dtype))
     d_up = (gemm(xq_t, _transposed(gq), _dequantize, precision=static.precision, transpose_b=True, s=(sx * sg)[0], out_dtypes=static.up_dtype),
             None if up_b is None else d_up_b[0].astype(up_b.dtype))
     dx = gemm(gq, wuq, _dequantize, precision=static.precision, transpose_b=True, s=(sg * swu)[0], out_dtypes=static.x_dtype)

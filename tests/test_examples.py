@@ -15,7 +15,7 @@ CASES = {
     "complex_epilogue.py": ["--mnk", "128,64,32", "--dtype", "float16"],
     "flax_mlp.py": ["--steps", "5", "--batch", "32", "--features", "16,32,8"],
     "fp8_scaled.py": ["--mnk", "128,64,256"],
-    "gpt_fp8.py": ["--layers", "dense,fused,fp8,flax-fp8", "--blocks", "1", "--width", "64", "--seq", "32",
+    "gpt_fp8.py": ["--layers", "dense,fused,fp8,fp8-fast,flax-fp8", "--blocks", "1", "--width", "64", "--seq", "32",
                    "--steps", "40"],
     "moe.py": ["--steps", "20", "--tokens", "64", "--width", "16", "--hidden", "32", "--expert-parallel", "4",
                "--cpu-devices", "4"],
