@@ -1,22 +1,29 @@
 """Where a benchmark problem's time goes: every GPU kernel one call launches, with its duration.
 
     python benchmarks/breakdown.py --epilogues fp8train:bias+gelu_tanh --shapes 8192,14336,4096
-                                   [--traces DIR]
+                                   [--traces DIR] [--hlo DIR]
+    python benchmarks/breakdown.py --gpt dense,fp8,flax-fp8 [--attention cudnn] [--top 25]
 
 For each problem, each side (ours, then the baseline) is warmed up, then called a few times under
 JAX's profiler; the table lists the kernels of the last call in launch order with their durations,
 and the sum over the call. The sum leaves out the gaps between kernels: compare sides' times with
 ``benchmarks/run.py``, and use this for what each side spends its time on. ``--traces`` keeps the
-Perfetto traces (open them at ui.perfetto.dev).
+Perfetto traces (open them at ui.perfetto.dev); ``--hlo`` writes each side's optimised HLO, where
+the fusions the kernels are named for are spelt out. ``--gpt`` profiles the training step of
+``examples/gpt_fp8.py``'s benchmark model (4 blocks, width 2048, 8 x 2048 tokens) for each kind of
+layer instead, and sums its kernels by kind (GEMMs, attention, the rest) before listing the
+longest.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import gzip
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -42,13 +49,11 @@ def _gpu_kernels(trace: dict) -> list[tuple[float, float, str]]:
 
 
 def _last_call(kernels: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
-    """The kernels after the widest gap between kernels: the last of the profiled calls, which
-    are separated by a host-side sleep."""
-    if len(kernels) < 2:
-        return kernels
+    """The kernels of the last of the ``CALLS`` profiled calls: those after the last of the
+    ``CALLS - 1`` widest gaps between kernels (the calls are separated by a host-side sleep)."""
     gaps = [kernels[i + 1][0] - (kernels[i][0] + kernels[i][1]) for i in range(len(kernels) - 1)]
-    cut = max(range(len(gaps)), key=lambda i: (gaps[i], i))
-    return kernels[cut + 1:]
+    cuts = sorted(range(len(gaps)), key=lambda i: gaps[i])[-(CALLS - 1):]
+    return kernels[max(cuts) + 1:] if len(kernels) >= CALLS else kernels
 
 
 def profile(fn, inputs: tuple, log_dir: str) -> list[tuple[float, float, str]]:
@@ -64,25 +69,81 @@ def profile(fn, inputs: tuple, log_dir: str) -> list[tuple[float, float, str]]:
         return _last_call(_gpu_kernels(json.load(f)))
 
 
+def kind(name: str) -> str:
+    """The kind of work a kernel named ``name`` does."""
+    if "FusedGemm" in name or "Sm90" in name or "Sm100" in name:
+        return "jax_efc GEMMs"
+    if name.startswith(("nvjet", "sm90_xmma", "cutlass")) or "gemm" in name.lower():
+        return "cuBLAS / XLA GEMMs"
+    if "cudnn" in name.lower() or "flash" in name.lower() or "fmha" in name.lower():
+        return "attention"
+    return "elementwise, reductions, transposes"
+
+
+def gpt_step(layers: str, attention: str | None):
+    """(step, its arguments) of ``examples/gpt_fp8.py``'s benchmark model with ``layers``."""
+    import optax
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from gpt_fp8 import Gpt, training_step
+
+    model = Gpt(64, 4, 2048, 16, layers, attention)
+    tokens = jax.random.randint(jax.random.key(0), (8, 2049), 0, 64)
+    variables = model.init(jax.random.key(1), tokens[:, :-1])
+    opt = optax.adamw(1e-4)
+    return training_step(model, opt), (variables, opt.init(variables["params"]), tokens)
+
+
+def report(title: str, kernels: list, width: int, top: int | None = None) -> None:
+    """Print ``kernels``' total, the sums by kind and the ``top`` longest (all, in order, if None)."""
+    total = sum(d for _, d, _ in kernels)
+    print(f"\n{title}: {len(kernels)} kernels, {total:.1f} us", flush=True)
+    if top is None:
+        for _, d, name in kernels:
+            print(f"  {d:9.1f}  {name[:width]}")
+        return
+    by_kind = collections.Counter()
+    by_name = collections.Counter()
+    for _, d, name in kernels:
+        by_kind[kind(name)] += d
+        by_name[name] += d
+    for k, d in by_kind.most_common():
+        print(f"  {d:9.1f}  {d / total:4.0%}  {k}")
+    print(f"  the {top} longest (summed over launches):")
+    for name, d in by_name.most_common(top):
+        print(f"  {d:9.1f}  {name[:width]}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epilogues", required=True, help="comma-separated benchmark problem names")
-    p.add_argument("--shapes", nargs="+", required=True, help="M,N,K[,L] ...")
+    p.add_argument("--epilogues", help="comma-separated benchmark problem names")
+    p.add_argument("--shapes", nargs="+", help="M,N,K[,L] ...")
+    p.add_argument("--gpt", help="comma-separated layer kinds of examples/gpt_fp8.py")
+    p.add_argument("--attention", choices=("xla", "cudnn"), default=None, help="with --gpt: its attention")
+    p.add_argument("--top", type=int, default=25, help="with --gpt: how many of the longest kernels to list")
     p.add_argument("--traces", help="keep the traces under this folder (default: a temporary one)")
+    p.add_argument("--hlo", help="write each side's optimised HLO under this folder")
     p.add_argument("--width", type=int, default=100, help="kernel names are clipped to this width")
     args = p.parse_args(argv)
+    if not args.gpt and not (args.epilogues and args.shapes):
+        p.error("give --epilogues and --shapes, or --gpt")
     root = args.traces or tempfile.mkdtemp(prefix="jax_efc-breakdown-")
-    for epilogue in parse_epilogues(args.epilogues):
+    for layers in args.gpt.split(",") if args.gpt else ():
+        step, inputs = gpt_step(layers, args.attention)
+        report(f"GPT step, {layers}", profile(step, inputs, os.path.join(root, f"gpt-{layers}")), args.width, args.top)
+    for epilogue in parse_epilogues(args.epilogues) if args.epilogues else ():
         for shape in map(parse_shape, args.shapes):
             problem = bench_problem(epilogue, shape)
             inputs = random_inputs(problem.specs, jax.random.key(0), problem.stds)
             for side in ("ours", "baseline"):
                 tag = f"{epilogue}-{'x'.join(map(str, shape))}-{side}".replace(":", "_").replace("+", "_")
-                kernels = profile(getattr(problem, side), inputs, os.path.join(root, tag))
-                print(f"\n{epilogue} {'x'.join(map(str, shape))} {side}: {len(kernels)} kernels, "
-                      f"{sum(d for _, d, _ in kernels):.1f} us", flush=True)
-                for _, d, name in kernels:
-                    print(f"  {d:9.1f}  {name[:args.width]}")
+                fn = getattr(problem, side)
+                if args.hlo:
+                    os.makedirs(args.hlo, exist_ok=True)
+                    with open(os.path.join(args.hlo, tag + ".hlo.txt"), "w") as f:
+                        f.write(fn.lower(*inputs).compile().as_text())
+                report(f"{epilogue} {'x'.join(map(str, shape))} {side}", profile(fn, inputs, os.path.join(root, tag)),
+                       args.width)
 
 
 if __name__ == "__main__":
