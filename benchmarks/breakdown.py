@@ -23,6 +23,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -35,8 +36,11 @@ from jax_efc.bench.problems import bench_problem, random_inputs
 CALLS = 3  # profiled calls per side; the last one is listed
 
 
-def _gpu_kernels(trace: dict) -> list[tuple[float, float, str]]:
-    """(start us, duration us, name) of the kernels on the GPU's streams in a Perfetto trace."""
+Kernel = tuple[float, float, str, str]  # start (us), duration (us), kernel name, HLO op that launched it
+
+
+def _gpu_kernels(trace: dict) -> list[Kernel]:
+    """The kernels on the GPU's streams in a Perfetto trace, in launch order."""
     names = {}
     for e in trace["traceEvents"]:
         if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
@@ -44,11 +48,11 @@ def _gpu_kernels(trace: dict) -> list[tuple[float, float, str]]:
     gpu = {pid for (kind, pid, _), name in names.items() if kind == "process_name" and "GPU" in name}
     streams = {(pid, tid) for (kind, pid, tid), name in names.items()
                if kind == "thread_name" and pid in gpu and "Stream" in name}
-    return sorted((e["ts"], e["dur"], e["name"]) for e in trace["traceEvents"]
+    return sorted((e["ts"], e["dur"], e["name"], e.get("args", {}).get("hlo_op", "")) for e in trace["traceEvents"]
                   if e.get("ph") == "X" and (e["pid"], e["tid"]) in streams)
 
 
-def _last_call(kernels: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+def _last_call(kernels: list[Kernel]) -> list[Kernel]:
     """The kernels of the last of the ``CALLS`` profiled calls: those after the last of the
     ``CALLS - 1`` widest gaps between kernels (the calls are separated by a host-side sleep)."""
     gaps = [kernels[i + 1][0] - (kernels[i][0] + kernels[i][1]) for i in range(len(kernels) - 1)]
@@ -56,7 +60,7 @@ def _last_call(kernels: list[tuple[float, float, str]]) -> list[tuple[float, flo
     return kernels[max(cuts) + 1:] if len(kernels) >= CALLS else kernels
 
 
-def profile(fn, inputs: tuple, log_dir: str) -> list[tuple[float, float, str]]:
+def profile(fn, inputs: tuple, log_dir: str) -> list[Kernel]:
     """The kernels of one call of ``fn`` (warmed up first), from a profile kept in ``log_dir``."""
     for _ in range(2):
         jax.block_until_ready(fn(*inputs))
@@ -94,17 +98,29 @@ def gpt_step(layers: str, attention: str | None):
     return training_step(model, opt), (variables, opt.init(variables["params"]), tokens)
 
 
-def report(title: str, kernels: list, width: int, top: int | None = None) -> None:
-    """Print ``kernels``' total, the sums by kind and the ``top`` longest (all, in order, if None)."""
-    total = sum(d for _, d, _ in kernels)
+def custom_call_types(hlo: str) -> dict[str, str]:
+    """For each custom call of an optimised HLO module: "result <- operands" (types with shapes),
+    from which a GEMM's M, N and K read off."""
+    out = {}
+    layouts = re.compile(r"\{[0-9,]*\}")
+    for m in re.finditer(r"%(\S+) = (.+?) custom-call\(.*?operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}",
+                         hlo):
+        out[m[1]] = f"{layouts.sub('', m[2])} <- {layouts.sub('', m[3])}"
+    return out
+
+
+def report(title: str, kernels: list[Kernel], width: int, top: int | None = None, hlo: str | None = None) -> None:
+    """Print ``kernels``' total, then either each in launch order (``top`` None) or the sums by
+    kind, the ``top`` longest names summed over launches and each jax_efc GEMM launch (its
+    operands' types from ``hlo``, the optimised module, where given)."""
+    total = sum(k[1] for k in kernels)
     print(f"\n{title}: {len(kernels)} kernels, {total:.1f} us", flush=True)
     if top is None:
-        for _, d, name in kernels:
+        for _, d, name, _ in kernels:
             print(f"  {d:9.1f}  {name[:width]}")
         return
-    by_kind = collections.Counter()
-    by_name = collections.Counter()
-    for _, d, name in kernels:
+    by_kind, by_name = collections.Counter(), collections.Counter()
+    for _, d, name, _ in kernels:
         by_kind[kind(name)] += d
         by_name[name] += d
     for k, d in by_kind.most_common():
@@ -112,6 +128,11 @@ def report(title: str, kernels: list, width: int, top: int | None = None) -> Non
     print(f"  the {top} longest (summed over launches):")
     for name, d in by_name.most_common(top):
         print(f"  {d:9.1f}  {name[:width]}")
+    types = custom_call_types(hlo or "")
+    print("  jax_efc GEMMs in launch order:")
+    for _, d, name, op in kernels:
+        if kind(name) == "jax_efc GEMMs":
+            print(f"  {d:9.1f}  {op}  {types.get(op, '')[:2 * width]}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,7 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     root = args.traces or tempfile.mkdtemp(prefix="jax_efc-breakdown-")
     for layers in args.gpt.split(",") if args.gpt else ():
         step, inputs = gpt_step(layers, args.attention)
-        report(f"GPT step, {layers}", profile(step, inputs, os.path.join(root, f"gpt-{layers}")), args.width, args.top)
+        hlo = _optimised_hlo(step, inputs, args.hlo, f"gpt-{layers}")
+        report(f"GPT step, {layers}", profile(step, inputs, os.path.join(root, f"gpt-{layers}")), args.width,
+               args.top, hlo)
     for epilogue in parse_epilogues(args.epilogues) if args.epilogues else ():
         for shape in map(parse_shape, args.shapes):
             problem = bench_problem(epilogue, shape)
@@ -138,12 +161,21 @@ def main(argv: list[str] | None = None) -> None:
             for side in ("ours", "baseline"):
                 tag = f"{epilogue}-{'x'.join(map(str, shape))}-{side}".replace(":", "_").replace("+", "_")
                 fn = getattr(problem, side)
-                if args.hlo:
-                    os.makedirs(args.hlo, exist_ok=True)
-                    with open(os.path.join(args.hlo, tag + ".hlo.txt"), "w") as f:
-                        f.write(fn.lower(*inputs).compile().as_text())
+                _optimised_hlo(fn, inputs, args.hlo, tag)
                 report(f"{epilogue} {'x'.join(map(str, shape))} {side}", profile(fn, inputs, os.path.join(root, tag)),
                        args.width)
+
+
+def _optimised_hlo(fn, inputs: tuple, folder: str | None, tag: str) -> str | None:
+    """``fn``'s optimised HLO for ``inputs``, written to ``folder/tag.hlo.txt``; None without a
+    folder (compiling again for it takes as long as the first time)."""
+    if not folder:
+        return None
+    text = fn.lower(*inputs).compile().as_text()
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, tag + ".hlo.txt"), "w") as f:
+        f.write(text)
+    return text
 
 
 if __name__ == "__main__":
