@@ -4,11 +4,13 @@ Flax's FP8 ops.
 Forward, ``x`` and ``kernel`` are quantised to e4m3 with one scale each; the GEMM's epilogue
 dequantises (``acc * (sx * sw)``), adds the bias and applies the activation, so the only
 passes outside the GEMM are the quantisations themselves. Backward, the output's cotangent
-times the activation's derivative is quantised to e5m2, and the data and weight gradients are
-FP8 GEMMs whose epilogues dequantise. Each quantisation also writes the K-major copy its GEMM
-reads (Hopper's 8-bit WGMMA reads both operands K-major only), so no GEMM transposes an FP8
-operand: the weight is written both ways, the input and the gradient once more transposed (their
-rows padded with zeros to a multiple of 16, as TMA needs of the weight gradient's contraction).
+times the activation's derivative is quantised to e5m2 in one pass, the epilogue of a GEMM
+whose accumulator is zero (which also takes its amax and column sums, the bias gradient), and
+the data and weight gradients are FP8 GEMMs whose epilogues dequantise. Each quantisation also
+writes the K-major copy its GEMM reads (Hopper's 8-bit WGMMA reads both operands K-major only),
+so no GEMM transposes an FP8 operand: the weight is written both ways, the input and the
+gradient once more transposed (the gradient's by the pass's kernel itself; rows padded with
+zeros to a multiple of 16, as TMA needs of the weight gradient's contraction).
 
 Scaling: with ``meta=None``, *current* scaling (each tensor's scale is its amax over the
 format's largest finite value, this step); with an :class:`Fp8Meta`, *delayed* scaling exactly
@@ -110,13 +112,6 @@ def _transposed(q: Any, align: int = _ALIGN) -> Any:
     return jnp.pad(q, ((0, -q.shape[0] % align), (0, 0))).T
 
 
-def _amax_and_column_sums(v: Any) -> tuple[Any, Any]:
-    """``_amax(v)`` and ``v``'s float32 column sums (a bias gradient) of ``v`` (M, N), from
-    reductions over M alone, which XLA runs as one pass over ``v``."""
-    cols = jnp.where(jnp.isnan(v).any(axis=0), jnp.nan, jnp.max(jnp.abs(v), axis=0))
-    return _amax(cols), jnp.sum(v, axis=0, dtype=jnp.float32)
-
-
 def _quantize(x: Any, dtype: Any, scale: Any) -> Any:
     """``x / scale`` saturated to ``dtype``'s finite range and rounded to it (in float32)."""
     top = _fp8_max(dtype)
@@ -140,6 +135,57 @@ def _dequantize(acc, *, s):
 
 
 _dequantize.__efc_builtin__ = True
+
+
+def _output_gradient(activation: Callable[[Any], Any], g: Any, z: Any) -> Any:
+    """``g`` times ``activation``'s derivative at ``z`` (``z`` None: ``g``), in float32."""
+    g = g.astype(jnp.float32)
+    if z is None:
+        return g
+    _, pullback = jax.vjp(activation, z.astype(jnp.float32))
+    return pullback(g)[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _gradient_epilogue(activation: Callable[[Any], Any], has_z: bool, transposed: bool) -> Callable[..., Any]:
+    """The output gradient's pass as an epilogue (the accumulator unused): the gradient (times
+    the activation's derivative) over its scale, stored in e5m2 as is and, where ``transposed``,
+    again (the call stores that copy transposed); its amax; its column sums."""
+
+    def epilogue(acc, g, *z, inv_scale):
+        if has_z:
+            _, pullback = jax.vjp(activation, z[0])
+            (g,) = pullback(g)
+        q = g * inv_scale
+        return (q, *((q,) if transposed else ()), jnp.max(jnp.abs(g)), jnp.sum(g, axis=0))
+
+    epilogue.__efc_builtin__ = activations.is_builtin(activation)
+    return epilogue
+
+
+# K of the GEMM whose epilogue is the gradient's pass: the least a 16-bit WGMMA and a TMA row take
+_PASS_K = 16
+
+
+def _quantized_gradient(activation: Callable[[Any], Any], g: Any, z: Any, scale: Any) -> tuple[Any, Any, Any, Any]:
+    """(gq (M, N), gq transposed (N, M'), amax, float32 column sums) of the output gradient ``g``
+    (M, N) times ``activation``'s derivative at ``z`` (None: none), quantised to e5m2 with
+    ``scale``, in one pass over ``g`` and ``z``: the epilogue of a GEMM whose accumulator is zero
+    (K = 16, next to nothing to multiply), whose kernel stores the M-major copy the weight
+    gradient reads itself. Left to XLA, the transpose that copy needs turns the derivative's
+    whole computation around it into four passes in float32 (benchmarks/FINDINGS.md, third H100
+    sitting). Where M is not a multiple of ``_ALIGN`` the kernel cannot store that copy, and XLA
+    pads and transposes it."""
+    m, n = g.shape
+    transposed = m % _ALIGN == 0
+    zeros = jnp.zeros((m, _PASS_K), jnp.bfloat16), jnp.zeros((_PASS_K, n), jnp.bfloat16)
+    out = gemm(*zeros, _gradient_epilogue(activation, z is not None, transposed), g, *(() if z is None else (z,)),
+               inv_scale=1 / scale[0], transposed_outputs=1 if transposed else None,
+               out_dtypes=(E5M2, E5M2, jnp.float32, jnp.float32)[int(not transposed):])
+    if transposed:
+        return out
+    gq, amax, sums = out
+    return gq, _transposed(gq), amax, sums
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,17 +225,13 @@ def _fp8_dense_fwd(static: _Static, x, kernel, bias, meta):
 
 def _fp8_dense_bwd(static: _Static, residuals, g):
     xq_t, wq, sx, sw, z, update, meta, bias = residuals
-    if z is not None:
-        _, pullback = jax.vjp(static.activation, z.astype(jnp.float32))
-        (g,) = pullback(g.astype(jnp.float32))
-    amax_g, db = _amax_and_column_sums(g)
     if static.delayed:
         sg = _delayed_scale(E5M2, meta.output_grad_scale, meta.output_grad_amax_history)
     else:
-        sg = _current_scale(amax_g, E5M2)
-    gq = _quantize(g, E5M2, sg)  # (M, N): K-major as the data gradient's A
+        sg = _current_scale(_amax(_output_gradient(static.activation, g, z)), E5M2)
+    gq, gq_t, amax_g, db = _quantized_gradient(static.activation, g, z, sg)
     dx = gemm(gq, wq, _dequantize, precision=static.precision, transpose_b=True, s=(sg * sw)[0], out_dtypes=static.x_dtype)
-    dw = gemm(xq_t, _transposed(gq), _dequantize, precision=static.precision, transpose_b=True, s=(sx * sg)[0], out_dtypes=static.kernel_dtype)
+    dw = gemm(xq_t, gq_t, _dequantize, precision=static.precision, transpose_b=True, s=(sx * sg)[0], out_dtypes=static.kernel_dtype)
     db = None if bias is None else db.astype(bias.dtype)
     d_meta = None
     if static.delayed:  # the gradient of the meta is its update (overwrite with gradient)
@@ -342,10 +384,9 @@ def _fp8_mlp_fwd(static: _MlpStatic, x, up, down, metas):
 
 def _fp8_mlp_bwd(static: _MlpStatic, residuals, g):
     xq_t, hq_t, wuq, wdq, z, (sx, swu, sh, swd), updates, (mu, md), up_b, down_b = residuals
-    amax_gy, d_down_b = _amax_and_column_sums(g)
     sgy = _delayed_scale(E5M2, md.output_grad_scale, md.output_grad_amax_history)
+    gyq, gyq_t, amax_gy, d_down_b = _quantized_gradient(activations.identity, g, None, sgy)
     hgy = _pushed(md.output_grad_amax_history, amax_gy)
-    gyq = _quantize(g, E5M2, sgy)
     # the up projection's output gradient leaves the down projection's data-gradient GEMM
     # quantised with its delayed scale, with its amax and the up bias's gradient
     sg = _delayed_scale(E5M2, mu.output_grad_scale, mu.output_grad_amax_history)
@@ -353,7 +394,7 @@ def _fp8_mlp_bwd(static: _MlpStatic, residuals, g):
                                precision=static.precision, transpose_b=True, s=(sgy * swd)[0], inv_scale=1 / sg[0],
                                out_dtypes=(E5M2, jnp.float32, jnp.float32)[:2 + (up_b is not None)])
     hg = _pushed(mu.output_grad_amax_history, amax_g)
-    d_down = (gemm(hq_t, _transposed(gyq), _dequantize, precision=static.precision, transpose_b=True, s=(sh * sgy)[0], out_dtypes=static.down_dtype),
+    d_down = (gemm(hq_t, gyq_t, _dequantize, precision=static.precision, transpose_b=True, s=(sh * sgy)[0], out_dtypes=static.down_dtype),
               None if down_b is None else d_down_b.astype(down_b.dtype))
     d_up = (gemm(xq_t, _transposed(gq), _dequantize, precision=static.precision, transpose_b=True, s=(sx * sg)[0], out_dtypes=static.up_dtype),
             None if up_b is None else d_up_b[0].astype(up_b.dtype))
