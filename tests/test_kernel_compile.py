@@ -273,6 +273,10 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
     elif name == "masked_operand":  # where a mask operand is zero (a negated mask), beside a second output
         fn = lambda acc, c, keep: {"D": jnp.where(keep != 0, c, acc * 0.5), "Y": acc}  # noqa: E731
         shapes, dtypes, outs = [acc_shape, acc_shape], [out_dtype, dtype], {"D": out_dtype, "Y": dtype}
+    elif name == "fp8_grad_pass":  # fp8_dense's output-gradient pass: e5m2 twice, its amax and column sums
+        from jax_efc import activations, fp8
+        fn = fp8._gradient_epilogue(activations.resolve("gelu_tanh"), True, True)
+        shapes, dtypes, outs = [acc_shape, acc_shape], [dtype, dtype], (jnp.float8_e5m2,) * 2 + (jnp.float32,) * 2
     else:  # tile + row + col + scalar operands, three outputs of three dtypes
         def fn(acc, c, bias, col, s, *, alpha):
             y = acc * alpha + c * s + bias
@@ -280,7 +284,7 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
         shapes = [acc_shape, (batch, 1, n) if batch else (1, n), (m, 1), (batch, 1, 1) if batch else ()]
         dtypes = [dtype, jnp.float32, dtype, jnp.float32]
         outs = {"D": out_dtype, "Y": jnp.float32, "Z": jnp.float16}
-    static = {"alpha": 2.0} if name == "multi" else {"scale": 0.25} if name == "scaled_amax" else {}
+    static = {"multi": {"alpha": 2.0}, "scaled_amax": {"scale": 0.25}, "fp8_grad_pass": {"inv_scale": 0.5}}.get(name, {})
     ir, *_ = trace_epilogue(fn, acc_shape, shapes, dtypes, static, {}, outs, out_dtype)
     if name.startswith("masked"):  # the first output over operand 0
         ir = with_masked_stores(ir.with_outputs([dataclasses.replace(o, inplace=0 if k == 0 else None)
