@@ -50,6 +50,9 @@ class GemmConfig:
     # tile_m (128 or 256) rows, each CTA holding tile_m / 2 of them and half of the B tile, so
     # each loads half as much B into shared memory per multiply-add. Hopper has no such MMA.
     use_2cta: bool = False
+    # SMs the persistent grid leaves free for kernels that run beside it, such as a collective's
+    # (NCCL runs CTAs of its own, which wait for SMs a persistent GEMM holds to its end)
+    sm_margin: int = 0
 
     def __post_init__(self) -> None:
         reason = _field_error(self)
@@ -59,13 +62,15 @@ class GemmConfig:
 
 def _field_error(config: GemmConfig) -> str | None:
     """The first field outside its domain, as a sentence; the checks every kernel shares."""
-    for name in ("tile_m", "tile_n", "cluster_m", "cluster_n", "swizzle", "stages", "epi_n", "epi_m"):
+    for name in ("tile_m", "tile_n", "cluster_m", "cluster_n", "swizzle", "stages", "epi_n", "epi_m", "sm_margin"):
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool):
             return f"{name}={value!r} must be an int."
     for name in ("tile_m", "tile_n", "cluster_m", "cluster_n"):
         if getattr(config, name) < 1:
             return f"{name}={getattr(config, name)} must be positive."
+    if config.sm_margin < 0:
+        return f"sm_margin={config.sm_margin} must be 0 or more."
     if config.raster not in ("m", "n"):
         return f"raster={config.raster!r} must be 'm' or 'n'."
     if config.swizzle not in (1, 2, 4, 8):

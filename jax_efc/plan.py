@@ -78,12 +78,14 @@ def gemm_dims(a_shape, b_shape, transpose_a: bool, transpose_b: bool) -> tuple[i
 
 def plan_kernel(ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], *, transpose_a: bool,
                 transpose_b: bool, acc_dtype: Any, config: GemmConfig | None, arch: str | None,
-                devices: Sequence[int] | None = None, precision: Any = None) -> Plan:
+                devices: Sequence[int] | None = None, precision: Any = None, sm_margin: int = 0) -> Plan:
     """The kernel's plan for a call on ``arch``, or the reference's with the reason the kernel
     cannot run it. ``a``, ``b`` and ``operands`` are avals (``shape``/``dtype``) in the
     primitive's canonical shapes; ``devices``: the ordinals of the CUDA devices the call runs
     on (see :func:`jax_efc.device.residency`); ``precision`` as the primitive holds it (8-bit
-    float inputs promote partial sums into fp32 unless it asks for fast accumulation). Raises
+    float inputs promote partial sums into fp32 unless it asks for fast accumulation);
+    ``sm_margin``: the SMs the heuristic's config leaves free (a pinned config keeps its own
+    ``sm_margin``). Raises
     ``TypeError`` when ``a`` and ``b`` differ in dtype, unless they are the two 8-bit float
     formats."""
     if np.dtype(a.dtype) != np.dtype(b.dtype) and not mixes_8bit(a.dtype, b.dtype):
@@ -95,7 +97,7 @@ def plan_kernel(ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], *, tran
     promote = is_8bit_float(a.dtype) and not fast_accumulation(precision)
     return _plan_kernel(ir, _spec(a), _spec(b), tuple(_spec(x) for x in operands), bool(transpose_a),
                         bool(transpose_b), np.dtype(acc_dtype).name, config, arch,
-                        None if devices is None else tuple(devices), promote, _switches())
+                        None if devices is None else tuple(devices), promote, sm_margin, _switches())
 
 
 def _switches() -> tuple[str, str, str]:
@@ -108,7 +110,7 @@ def _switches() -> tuple[str, str, str]:
 
 @functools.lru_cache(maxsize=1024)
 def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch, devices, promote,
-                 switches) -> Plan:
+                 sm_margin, switches) -> Plan:
     reason = no_kernel_reason(arch) or device.dsl_reason()
     if reason:
         return _reference(reason, arch=arch)
@@ -134,13 +136,19 @@ def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config
         problem = dataclasses.replace(problem, a_major=need[0], b_major=need[1])
     sms = device.sm_count(pol.default_sm_count)
     if config is None:
-        problem = dataclasses.replace(problem, config=pol.choose_config(problem, *mnkl, sm_count=sms))
+        chosen = pol.choose_config(problem, *mnkl, sm_count=max(1, sms - sm_margin))
+        problem = dataclasses.replace(problem, config=dataclasses.replace(chosen, sm_margin=sm_margin))
+    cfg = problem.config
+    cluster_size = cfg.cluster_m * cfg.cluster_n
+    if sms - cfg.sm_margin < cluster_size:
+        return _reference(f"sm_margin={cfg.sm_margin} leaves fewer than a cluster's {cluster_size} of the GPU's "
+                          f"{sms} SMs to the kernel.", arch=arch)
     reason = pol.unsupported_reason(problem, mnkl)
     if reason:
         return _reference(reason, arch=arch)
-    cfg = problem.config
-    cluster_size = cfg.cluster_m * cfg.cluster_n
     clusters, resident = device.residency(cluster_size, devices, pol.assumed_max_clusters(cluster_size, sms))
+    if cfg.sm_margin:  # one CTA an SM: the grid's clusters on the SMs left
+        clusters = min(clusters, (sms - cfg.sm_margin) // cluster_size)
     # stream-K makes CTAs wait on one another: only where the whole grid is known resident
     split = resident and pol.splits_k(problem)
     schedule = plan_schedule(cfg if split else dataclasses.replace(cfg, stream_k=False), *mnkl, clusters,
@@ -156,6 +164,19 @@ def symbolic_reason(avals_in: Sequence[Any]) -> str | None:
         return None
     return (f"a and b have symbolic dimensions {shapes}; the kernel is compiled for static shapes "
             "(export with concrete M, N, K and batch sizes to run it).")
+
+
+# SMs the heuristic's config leaves free where a GEMM's results feed a collective (row-parallel
+# partial products summed across devices, a data-parallel step's weight gradients): NCCL's
+# collectives run a CTA per channel, and the one the next GEMM would overlap waits for SMs a
+# persistent grid holds to its end. On two H200s a margin of 16 left 0.64 ms of a data-parallel
+# step's all-reduce exposed, against 0.88 with none (benchmarks/FINDINGS.md, "Several GPUs")
+COLLECTIVE_SM_MARGIN = 16
+
+
+def sm_margin(params: dict[str, Any]) -> int:
+    """The SMs the heuristic's config leaves free for a call with ``params``."""
+    return COLLECTIVE_SM_MARGIN if params.get("feeds_collective") else 0
 
 
 def empty_reason(avals_in: Sequence[Any]) -> str | None:
@@ -194,7 +215,8 @@ def plan_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence
         return _reference("no CUDA device with a supported architecture was found.")
     a, b, *operands = avals_in
     kw = dict(transpose_a=params["transpose_a"], transpose_b=params["transpose_b"],
-              acc_dtype=params["acc_dtype"], arch=arch, devices=devices, precision=params["precision"])
+              acc_dtype=params["acc_dtype"], arch=arch, devices=devices, precision=params["precision"],
+              sm_margin=sm_margin(params))
     tune = autotune.requested(params["config"])
     pinned = None if tune else params["config"]
     plan = plan_kernel(params["ir"], a, b, operands, config=pinned, **kw)

@@ -59,7 +59,7 @@ def fused_gemm(
     """Bind the primitive; operands must already be in their canonical shapes."""
     return fused_gemm_p.bind(
         *match_varying((a, b, *operands)), ir=ir, transpose_a=bool(transpose_a), transpose_b=bool(transpose_b),
-        acc_dtype=np.dtype(acc_dtype), precision=precision, config=config, local=False,
+        acc_dtype=np.dtype(acc_dtype), precision=precision, config=config, local=False, feeds_collective=False,
     )
 
 
@@ -87,7 +87,7 @@ def problem_shape(a_shape: Sequence[int], b_shape: Sequence[int], transpose_a: b
 
 
 def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, precision, config,
-                   local):
+                   local, feeds_collective):
     if a.dtype != b.dtype and not mixes_8bit(a.dtype, b.dtype):
         raise TypeError(f"a is {a.dtype} but b is {b.dtype}; the fused GEMM takes A and B of one "
                         "dtype (or two 8-bit float formats): cast one of them.")
@@ -117,7 +117,7 @@ def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, pre
     tile = (m, n) if batch is None else (batch, m, n)
     compile_ahead.speculate([a, b, *operands], dict(ir=ir, transpose_a=transpose_a, transpose_b=transpose_b,
                                                      acc_dtype=acc_dtype, precision=precision, config=config,
-                                                     local=local))
+                                                     local=local, feeds_collective=feeds_collective))
     if _out_sharding(a, b, transpose_a, transpose_b, ()) is None:
         return [jax.core.ShapedArray(output_shape(o, tile), jnp.dtype(o.dtype)) for o in ir.outputs]
     # ``a`` carries the mesh and (under shard_map) the manual axes every input varies over
@@ -316,11 +316,12 @@ def gemm_cotangents(ct, a, b, need_a: bool, need_b: bool, *, epi_dtype: Any, tra
     return da, db
 
 
-def _jvp_rule(primals, tangents, *, ir, transpose_a, transpose_b, acc_dtype, precision, config, local):
+def _jvp_rule(primals, tangents, *, ir, transpose_a, transpose_b, acc_dtype, precision, config, local,
+              feeds_collective):
     a, b, *operands = primals
     ta, tb, *t_ops = tangents
     params = dict(transpose_a=transpose_a, transpose_b=transpose_b, acc_dtype=acc_dtype,
-                  precision=precision, config=config, local=local)
+                  precision=precision, config=config, local=local, feeds_collective=feeds_collective)
     epi = ir.epi_dtype
     *outs, acc = fused_gemm_p.bind(a, b, *operands, ir=with_acc_output(ir, epi), **params)
     plain = dict(params, ir=identity_ir(epi, epi))
@@ -334,10 +335,10 @@ def _jvp_rule(primals, tangents, *, ir, transpose_a, transpose_b, acc_dtype, pre
 
 
 def _transpose_rule(cts, a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, precision,
-                    config, local):
+                    config, local, feeds_collective):
     """Only the plain GEMMs of a JVP are linear (the accumulator converted, nothing else), in
     whichever of ``a`` and ``b`` is the tangent."""
-    del local
+    del local, feeds_collective
     if operands or ir.instrs or len(ir.outputs) != 1 or ir.outputs[0].value != 0:
         raise NotImplementedError("jax_efc: only a plain fused GEMM is linear, and transposable.")
     (ct,) = cts

@@ -31,11 +31,12 @@ def fused_gemm_reference(
     acc_dtype: Any,
     precision: Any = None,
     config: Any = None,
+    feeds_collective: bool = False,
 ) -> list[Any]:
     """``epilogue(op(a) @ op(b), *operands)``: one dot in ``acc_dtype``, then the epilogue
     program in its epilogue dtype; outputs are (M, N) or (L, M, N), transposed ones (N, M) /
     (L, N, M)."""
-    del config  # a kernel setting; the reference has none
+    del config, feeds_collective  # kernel settings; the reference has none
     m_axis = a.ndim - 1 if transpose_a else a.ndim - 2
     one_row = a.shape[m_axis] == 1
     if one_row:

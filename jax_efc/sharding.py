@@ -9,7 +9,8 @@ and a partition function:
   of every row vector and tile operand;
 - K sharded on both ``a`` and ``b`` (row-parallel): each device computes a partial product,
   the partials are summed with ``psum`` and only then is the epilogue applied, in XLA,
-  because a nonlinear epilogue cannot run on partial sums. The partials travel in the
+  because a nonlinear epilogue cannot run on partial sums. The partial products' GEMM leaves
+  SMs to the collectives that run beside it (``plan.COLLECTIVE_SM_MARGIN``). The partials travel in the
   outputs' dtype where they all share one 16-bit float, as XLA sums a dot's partial
   products in the dot's output dtype (bf16 outputs: half the bytes of fp32); otherwise in
   the accumulator's;
@@ -148,7 +149,7 @@ def _partition(key, mesh, arg_shapes, result_shape):
         if plan.k is None:
             return _local(primitive, {**params, "ir": local_ir}, a, b, ops)
         plain = identity_ir(_partial_sum_dtype(params), ir.epi_dtype)
-        (part,) = _local(primitive, {**params, "ir": plain}, a, b, ())
+        (part,) = _local(primitive, {**params, "ir": plain, "feeds_collective": True}, a, b, ())
         return evaluate(local_ir, lax.psum(part, plan.k), ops)
 
     def partitioned(a, b, ops):

@@ -9,6 +9,7 @@ record keeps the heuristic's config unless another was faster by more than
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -34,17 +35,19 @@ def tune_call(specs: Sequence[tuple], params: dict[str, Any]) -> tuple[Any, list
     from jax_efc.bench.timing import ROUNDS, time_interleaved
     from jax_efc.ffi import kernel_cache
     from jax_efc.kernels import policy
-    from jax_efc.plan import plan_kernel
+    from jax_efc.plan import plan_kernel, sm_margin
 
     avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs]
     a, b, *operands = avals
     kw = dict(transpose_a=params["transpose_a"], transpose_b=params["transpose_b"], acc_dtype=params["acc_dtype"],
-              arch=device.arch(), precision=params["precision"])
+              arch=device.arch(), precision=params["precision"], sm_margin=sm_margin(params))
     heuristic = plan_kernel(params["ir"], a, b, operands, config=None, **kw)
     if heuristic.backend != "kernel":
         raise ValueError(f"no kernel to tune: {heuristic.reason}")
     pol = policy(heuristic.arch)
-    configs = pol.candidate_configs(heuristic.problem, *heuristic.mnkl, sm_count=device.sm_count(pol.default_sm_count))
+    margin = heuristic.config.sm_margin  # the candidates leave the SMs the heuristic's does
+    configs = [dataclasses.replace(c, sm_margin=margin) for c in pol.candidate_configs(
+        heuristic.problem, *heuristic.mnkl, sm_count=device.sm_count(pol.default_sm_count) - margin)]
     plans = [plan_kernel(params["ir"], a, b, operands, config=c, **kw) for c in configs]
     kept = [(c, p) for c, p in zip(configs, plans) if p.backend == "kernel"]
     configs = [c for c, _ in kept]

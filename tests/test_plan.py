@@ -61,6 +61,30 @@ def test_a_plan_is_memoised_on_what_decides_it(monkeypatch):
     assert len(calls) == 4
 
 
+def test_an_sm_margin_shrinks_the_grid_and_is_the_kernels_own(monkeypatch):
+    """A call whose results feed a collective plans the heuristic's config for the SMs the
+    margin leaves and a grid that fits them; the margin is part of the config (so of every key
+    the config is in); a pinned config keeps its own margin, and one that leaves less than a
+    cluster falls back with the reason."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    big = _S((8192, 8192), jnp.bfloat16)
+    full = plan.plan_call([big, big], _params())
+    spared = plan.plan_call([big, big], {**_params(), "feeds_collective": True})
+    sms = Sm90Policy.default_sm_count
+    assert full.config.sm_margin == 0 and spared.config.sm_margin == plan.COLLECTIVE_SM_MARGIN
+    cluster = spared.config.cluster_m * spared.config.cluster_n
+    assert spared.schedule.clusters * cluster <= sms - plan.COLLECTIVE_SM_MARGIN < full.schedule.clusters * cluster
+    assert spared.problem.compile_key != full.problem.compile_key
+    pinned = efc.GemmConfig(128, 256, 2, 1, sm_margin=32)
+    kept = plan.plan_call([big, big], {**_params(pinned), "feeds_collective": True})
+    assert kept.config.sm_margin == 32 and kept.schedule.clusters * 2 <= sms - 32
+    with pytest.raises(ValueError, match="sm_margin=200 leaves fewer than a cluster"):
+        plan.plan_call([big, big], _params(efc.GemmConfig(128, 256, 2, 1, sm_margin=200)))
+    with pytest.raises(ValueError, match="sm_margin=-1 must be 0 or more"):
+        efc.GemmConfig(sm_margin=-1)
+
+
 def test_an_architecture_is_a_registry_line(monkeypatch):
     """A policy registered for a new architecture decides its calls' plans, and its kernel class
     is the one the launch builds, with nothing else changed."""

@@ -238,3 +238,27 @@ def test_sharded_training_example():
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "forward all-gathers an activation: False" in out.stdout
+
+
+def test_row_parallel_partial_products_leave_sms_to_the_all_reduce(rng, mesh, monkeypatch):
+    """The GEMM of the partial products a psum adds up is bound with ``feeds_collective``, whose
+    plan leaves ``COLLECTIVE_SM_MARGIN`` SMs free; the column-parallel GEMM (no collective after
+    it) takes every SM."""
+    from jax_efc import plan, sharding
+
+    seen = []
+    local = sharding._local
+
+    def spy(primitive, params, a, b, ops):
+        seen.append(params["feeds_collective"])
+        return local(primitive, params, a, b, ops)
+
+    monkeypatch.setattr(sharding, "_local", spy)
+    args = data(rng)
+    for specs, want in (((P(None, "model"), P("model", None), P(None), P(None, None)), True),
+                        ((P(None, None), P(None, "model"), P("model"), P(None, "model")), False)):
+        seen.clear()
+        sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+        jax.jit(layer).lower(*sharded).compile()
+        assert (True in seen) == want, (specs, seen)
+        assert plan.sm_margin({"feeds_collective": want}) == (plan.COLLECTIVE_SM_MARGIN if want else 0)
