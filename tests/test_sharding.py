@@ -254,7 +254,7 @@ def test_row_parallel_partial_products_leave_sms_to_the_all_reduce(rng, mesh, mo
         return local(primitive, params, a, b, ops)
 
     monkeypatch.setattr(sharding, "_local", spy)
-    args = data(rng)
+    args = data(rng, m=48, k=64, n=24)  # shapes no other test compiles: the partitioner runs anew
     for specs, want in (((P(None, "model"), P("model", None), P(None), P(None, None)), True),
                         ((P(None, None), P(None, "model"), P("model"), P(None, "model")), False)):
         seen.clear()
