@@ -235,7 +235,8 @@ def in_cache(plan: Plan, avals) -> bool:
 def _finished(problem, results: list) -> list:
     """The kernel's results in the order of the epilogue's outputs and in their shapes: the
     tile outputs as they are, the reducing ones from their per-tile partials (reduced here,
-    in XLA, then converted to their dtype as the reference converts them)."""
+    in XLA; folded by atomics, already whole), then converted to their dtype as the reference
+    converts them."""
     import jax.numpy as jnp
 
     from jax_efc.epilogue import store_as
