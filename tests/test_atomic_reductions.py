@@ -190,3 +190,44 @@ def test_the_launch_starts_each_result_at_its_identity(monkeypatch):
     outs = ffi._finished(fast.problem, results)
     assert [o.shape for o in outs] == [(m, n), (1, n), (m, 1), (1, 1)]
     assert [float(o.ravel()[0]) for o in outs[1:]] == [2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("over", [("m",), ("n",), ("m", "n")])
+@pytest.mark.parametrize("cfg, m, n, k", [
+    ((128, 128, 1, 2, {"pingpong": True, "epi_m": 64, "epi_n": 16}), 2296, 2824, 1288),  # 23 tile columns in 1x2
+    ((256, 128, 2, 1, {"epi_m": 128}), 2296, 1000, 640),  # 9 tile rows in 2x1
+    ((128, 256, 2, 1, {}), 8192, 8192, 8192),  # stream-K: only a tile's first piece runs its epilogue
+])
+def test_every_tile_folds_into_each_result_once(over, cfg, m, n, k):
+    """Over the grid's walk (clusters cover a tile count rounded up to the cluster, so some tiles
+    lie wholly past an edge; stream-K splits tiles into pieces), each value of a result folded by
+    atomics receives exactly one fold from every tile along the axes it reduces, and nothing
+    lands outside it."""
+    pytest.importorskip("cutlass")
+    from collections import Counter
+
+    from test_schedule import _walks
+
+    from jax_efc.config import GemmConfig
+    from jax_efc.kernels.problem import epilogue_tile
+    from jax_efc.kernels.reduction import TileReduction
+
+    config = GemmConfig(*cfg[:4], **cfg[4])
+    threads = 128 * (1 if config.pingpong else min(config.tile_m // 64, 2))
+    red = TileReduction("sum", over, epilogue_tile(config), (config.tile_m, config.tile_n), threads, atomic=True)
+    tiles_m, tiles_n = -(-m // config.tile_m), -(-n // config.tile_n)
+    shape = (1 if "m" in over else m, 1 if "n" in over else n)
+    folds = Counter()
+    for ctas in _walks(config, m, n, k, 1, 66)[1].values():
+        for run in ctas.values():
+            for u in run:
+                if u.k_begin:  # a stream-K piece past k = 0 leaves its sums to the first piece
+                    continue
+                for s in (s for s in range(red.n_sub) if red.closes(s)):
+                    for ctid in range(threads):
+                        at, writes = red.target(s, ctid % red.lanes, ctid // red.lanes, u.m, u.n, (m, n))
+                        if writes:
+                            assert 0 <= at[0] < shape[0] and 0 <= at[1] < shape[1], (u, s, ctid, at, shape)
+                            folds[at] += 1
+    per_value = (tiles_m if "m" in over else 1) * (tiles_n if "n" in over else 1)
+    assert len(folds) == shape[0] * shape[1] and set(folds.values()) == {per_value}
