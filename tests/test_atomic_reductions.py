@@ -193,12 +193,12 @@ def test_the_launch_starts_each_result_at_its_identity(monkeypatch):
 
 
 @pytest.mark.parametrize("over", [("m",), ("n",), ("m", "n")])
-@pytest.mark.parametrize("cfg, m, n, k", [
-    ((128, 128, 1, 2, {"pingpong": True, "epi_m": 64, "epi_n": 16}), 2296, 2824, 1288),  # 23 tile columns in 1x2
-    ((256, 128, 2, 1, {"epi_m": 128}), 2296, 1000, 640),  # 9 tile rows in 2x1
-    ((128, 256, 2, 1, {}), 8192, 8192, 8192),  # stream-K: only a tile's first piece runs its epilogue
+@pytest.mark.parametrize("cfg, m, n, k, split", [
+    ((128, 128, 1, 2, {"pingpong": True, "epi_m": 64, "epi_n": 16}), 2296, 2824, 1288, False),  # 23 tile columns in 1x2
+    ((256, 128, 2, 1, {"epi_m": 128}), 2296, 1000, 640, False),  # 9 tile rows in 2x1
+    ((128, 256, 2, 1, {"swizzle": 8}), 8192, 7936, 8192, True),  # stream-K: a tile's first piece runs its epilogue
 ])
-def test_every_tile_folds_into_each_result_once(over, cfg, m, n, k):
+def test_every_tile_folds_into_each_result_once(over, cfg, m, n, k, split):
     """Over the grid's walk (clusters cover a tile count rounded up to the cluster, so some tiles
     lie wholly past an edge; stream-K splits tiles into pieces), each value of a result folded by
     atomics receives exactly one fold from every tile along the axes it reduces, and nothing
@@ -217,11 +217,12 @@ def test_every_tile_folds_into_each_result_once(over, cfg, m, n, k):
     red = TileReduction("sum", over, epilogue_tile(config), (config.tile_m, config.tile_n), threads, atomic=True)
     tiles_m, tiles_n = -(-m // config.tile_m), -(-n // config.tile_n)
     shape = (1 if "m" in over else m, 1 if "n" in over else n)
-    folds = Counter()
+    folds, pieces = Counter(), 0
     for ctas in _walks(config, m, n, k, 1, 66)[1].values():
         for run in ctas.values():
             for u in run:
                 if u.k_begin:  # a stream-K piece past k = 0 leaves its sums to the first piece
+                    pieces += 1
                     continue
                 for s in (s for s in range(red.n_sub) if red.closes(s)):
                     for ctid in range(threads):
@@ -229,5 +230,6 @@ def test_every_tile_folds_into_each_result_once(over, cfg, m, n, k):
                         if writes:
                             assert 0 <= at[0] < shape[0] and 0 <= at[1] < shape[1], (u, s, ctid, at, shape)
                             folds[at] += 1
+    assert (pieces > 0) == split
     per_value = (tiles_m if "m" in over else 1) * (tiles_n if "n" in over else 1)
     assert len(folds) == shape[0] * shape[1] and set(folds.values()) == {per_value}
