@@ -114,6 +114,9 @@ class Output:
     # of the bool where it is stored (c elsewhere is left as it is; ``masked_stores``)
     mask: int | None = None
     transposed: bool = False  # stored as its transpose, (N, M) or (L, N, M): M contiguous
+    # a reduction the kernel's tiles fold into the result by global atomics, in no fixed order,
+    # rather than leave per-tile partials for XLA (``gemm(deterministic=False)``)
+    atomic: bool = False
 
 
 def output_shape(out: Output, tile_shape: tuple[int, ...]) -> tuple[int, ...]:

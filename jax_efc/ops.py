@@ -58,6 +58,7 @@ def gemm(
     config: GemmConfig | str | None = None,
     inplace: int | Mapping[Any, int] | None = None,
     transposed_outputs: bool | str | int | Collection[str | int] | None = None,
+    deterministic: bool = True,
     **scalars: Any,
 ) -> Any:
     """``epilogue(op(a) @ op(b), *operands, **scalars)`` as one fused op.
@@ -81,7 +82,11 @@ def gemm(
     only where the mask holds (the kernel never reads ``c``).
     ``transposed_outputs`` returns outputs as their transposes, (N, M) or (L, N, M), which the
     kernel stores so (M contiguous; no transpose pass): an output's name (dict key or tuple
-    index), a collection of them, or ``True`` for the one output. ``config`` pins the kernel's
+    index), a collection of them, or ``True`` for the one output. ``deterministic=False`` lets
+    the kernel fold each tile's part of a reduction into the result with global atomics instead
+    of leaving per-tile partials for a final pass: faster, but sums are rounded in whatever order
+    the tiles finish, so they may differ from run to run in the last bits (max and min do not).
+    ``config`` pins the kernel's
     ``GemmConfig``; ``"autotune"`` times the heuristic's candidates on the GPU at first use (each
     GEMM of the backward too) and keeps the fastest on disk (``jax_efc.autotune``).
 
@@ -95,9 +100,10 @@ def gemm(
     """
     a, b = arguments.array("a", a), arguments.array("b", b)
     arguments.inputs("gemm", "a", a, "b", b)
-    transpose_a, transpose_b, recompute_acc = (
+    transpose_a, transpose_b, recompute_acc, deterministic = (
         arguments.flag(name, v) for name, v in
-        (("transpose_a", transpose_a), ("transpose_b", transpose_b), ("recompute_acc", recompute_acc)))
+        (("transpose_a", transpose_a), ("transpose_b", transpose_b), ("recompute_acc", recompute_acc),
+         ("deterministic", deterministic)))
     acc_dtype = arguments.acc_dtype(acc_dtype, a.dtype)
     epi_dtype = arguments.dtype("epi_dtype", epi_dtype or jnp.promote_types(acc_dtype, jnp.float32),
                                 floating=True)
@@ -121,7 +127,9 @@ def gemm(
             if asked and not stored:
                 raise ValueError(f"{what}: output {o.name!r} is a reduction, or computed after one by XLA: only "
                                  f"a tile the GEMM stores can be {done}.")
-    static = _Static(split.gemm, transpose_a, transpose_b, acc_dtype, precision, config, recompute_acc,
+    gemm_ir = split.gemm if deterministic else split.gemm.with_outputs(
+        [dataclasses.replace(o, atomic=bool(o.reduce)) for o in split.gemm.outputs])
+    static = _Static(gemm_ir, transpose_a, transpose_b, acc_dtype, precision, config, recompute_acc,
                      _backward_reads_acc(split.gemm.untransposed(), acc_shape))
     a, b, gemm_arrays, unfold = _fold_batch(a, b, arrays, static, batch)
     # under shard_map, differentiable inputs are made alike outside the VJP, so that the

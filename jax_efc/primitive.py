@@ -114,6 +114,9 @@ def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, pre
         if o.reduce and o.transposed:
             raise ValueError(f"output {o.name!r} is a reduction and marked transposed; only tile outputs "
                              "are stored transposed.")
+        if o.atomic and not o.reduce:
+            raise ValueError(f"output {o.name!r} is marked atomic but does not reduce; only reductions "
+                             "are combined by atomics.")
     tile = (m, n) if batch is None else (batch, m, n)
     compile_ahead.speculate([a, b, *operands], dict(ir=ir, transpose_a=transpose_a, transpose_b=transpose_b,
                                                      acc_dtype=acc_dtype, precision=precision, config=config,

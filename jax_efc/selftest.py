@@ -33,8 +33,8 @@ class Case:
     """One call: ``epilogue`` and its float64 ``oracle`` of (acc, *operands), inputs of
     ``dtype`` (M, K) x (K, N) (B stored (N, K) with ``transpose_b``), operands by shape
     ("row": (N,), "tile": (M, N)), the outputs stored transposed (``efc.gemm``'s
-    ``transposed_outputs``), and the bound on the largest error relative to the largest
-    magnitude of each output."""
+    ``transposed_outputs``), whether reductions keep their fixed order (``deterministic``), and
+    the bound on the largest error relative to the largest magnitude of each output."""
 
     name: str
     dtype: str
@@ -48,6 +48,7 @@ class Case:
     tol: float = 2e-2
     config: Any = None
     transposed: Any = None
+    deterministic: bool = True
 
 
 def _cases() -> tuple[Case, ...]:
@@ -75,6 +76,9 @@ def _cases() -> tuple[Case, ...]:
         Case("bf16 column sums", "bfloat16", shape,
              lambda acc, b: (acc + b, jnp.sum(acc + b, axis=0)), lambda acc, b: (acc + b, (acc + b).sum(0)),
              operands=("row",)),
+        Case("bf16 column sums and row maxes by atomics", "bfloat16", shape,
+             lambda acc, b: (acc + b, jnp.sum(acc + b, axis=0), jnp.max(acc + b, axis=1)),
+             lambda acc, b: (acc + b, (acc + b).sum(0), (acc + b).max(1)), operands=("row",), deterministic=False),
         Case("bf16 alpha-beta, D transposed", "bfloat16", shape, alpha_beta[0],
              lambda acc, c: {"D": (2 * acc + c).T, "Y": acc}, operands=("tile",), transposed="D"),
     ]
@@ -117,7 +121,8 @@ def run_case(case: Case, strict: bool, seed: int = 0) -> dict[str, Any]:
 
         def call(a, b, *ops):
             return efc.gemm(a, b, case.epilogue, *ops, transpose_b=case.transpose_b, out_dtypes=case.out_dtypes,
-                            config=case.config, transposed_outputs=case.transposed)
+                            config=case.config, transposed_outputs=case.transposed,
+                            deterministic=case.deterministic)
 
         backend = "; ".join(sorted(set(efc.backends(call, *arrays))))
         got = _leaves(jax.jit(call)(*arrays))

@@ -46,8 +46,9 @@ EIGHT_BIT_EPILOGUES = tuple(f"{layout}{mode}:{e}" for mode in ("", "fast") for l
 ) + ("int8:gemm",)
 # an epilogue with a reduction beside its tile: bias+gelu_tanh and the column sums of its output
 # (a bias gradient's shape, in fp32), against plain JAX's gelu and sum; set against bias+gelu_tanh
-# in one run, what the reduction costs the kernel (run only when asked)
-REDUCTION_EPILOGUES = ("bias+gelu_tanh+colsum",)
+# in one run, what the reduction costs the kernel (run only when asked); "-atomic": the sums
+# folded across tiles by atomics (gemm(deterministic=False))
+REDUCTION_EPILOGUES = ("bias+gelu_tanh+colsum", "bias+gelu_tanh+colsum-atomic")
 # fp8_dense's training step (output, gradients of x, kernel and bias; delayed scaling from a
 # one-entry history): "fp8train:" against Flax's FP8 Dense on XLA with the same meta,
 # "fp8train-fast:" the same with fast accumulation (as XLA's FP8 dot), and "fp8train-bf16:"
@@ -343,8 +344,14 @@ def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
             y = layer(acc, bias)
             return y, jnp.sum(y, axis=-2)
 
+        atomic = None
+        if epilogue.endswith("-atomic"):
+            def atomic(a, b, bias):
+                return gemm(a, b, with_colsum, bias, out_dtypes=(dtype, jnp.float32), config=config,
+                            deterministic=False)
+
         return epilogue_problem(epilogue, with_colsum, shape, dtype, [("row", dtype)],
-                                out_dtypes=(dtype, jnp.float32), config=config)
+                                out_dtypes=(dtype, jnp.float32), config=config, ours=atomic)
     if epilogue.startswith("bias+"):
         act = epilogue[len("bias+"):]
         fn = _bias_activation(act)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from jax_efc.kernels import TIMELINE_EVENTS, TIMELINE_UNITS, policy
-from jax_efc.kernels.problem import cta_tile
+from jax_efc.kernels.problem import REDUCTION_IDENTITY, cta_tile
 from jax_efc.log import log_once
 from jax_efc.plan import Plan, gemm_dims
 
@@ -181,15 +181,22 @@ def _assemble(plan: Plan, a, b, operands, timeline: bool) -> _Call:
     stored = [o for o in problem.ir.outputs if not o.reduce]
     # a transposed output is (L, N, M): its swapped view is the kernel's (M, N, L), M contiguous
     out_shapes = [jax.ShapeDtypeStruct((batch, n, m) if o.transposed else (batch, m, n), o.dtype) for o in stored]
-    # each reducing output's fp32 partials, one per tile along the axes it reduces
-    tile_m, tile_n = cta_tile(problem.config)
-    tiles = {"m": -(-m // tile_m), "n": -(-n // tile_n)}
-    out_shapes += [jax.ShapeDtypeStruct((batch, tiles["m"] if "m" in o.over else m, tiles["n"] if "n" in o.over else n),
-                                        jnp.float32) for o in problem.ir.outputs if o.reduce]
-    out_specs = [swap if o.transposed else keep for o in stored] + [keep] * (len(out_shapes) - len(stored))
     # outputs written over a tile operand: each CTA reads a subtile of the operand before it
     # stores the output's subtile there, and no CTA touches another's tile
     aliases = {2 + j: i for i, j in problem.aliased}
+    # each reducing output's fp32 values along the axes it reduces: one partial per tile, or,
+    # folded by atomics, the result itself, which starts at the reduction's identity (an input
+    # aliased to it: the kernel's CTAs cannot know which of them comes first)
+    tile_m, tile_n = cta_tile(problem.config)
+    for o in (o for o in problem.ir.outputs if o.reduce):
+        tiles = {"m": 1 if o.atomic else -(-m // tile_m), "n": 1 if o.atomic else -(-n // tile_n)}
+        shape = (batch, tiles["m"] if "m" in o.over else m, tiles["n"] if "n" in o.over else n)
+        if o.atomic:
+            aliases[len(inputs)] = len(out_shapes)
+            inputs.append(jnp.full(shape, REDUCTION_IDENTITY[o.reduce], jnp.float32))
+            in_specs.append(keep)
+        out_shapes.append(jax.ShapeDtypeStruct(shape, jnp.float32))
+    out_specs = [swap if o.transposed else keep for o in stored] + [keep] * (len(out_shapes) - len(stored))
     slots = kernel.schedule.slots
     if slots:
         # stream-K: one flag per CTA, zeroed for every call (the kernel raises them, so they
@@ -228,7 +235,8 @@ def in_cache(plan: Plan, avals) -> bool:
 def _finished(problem, results: list) -> list:
     """The kernel's results in the order of the epilogue's outputs and in their shapes: the
     tile outputs as they are, the reducing ones from their per-tile partials (reduced here,
-    in XLA, then converted to their dtype as the reference converts them)."""
+    in XLA; folded by atomics, already whole), then converted to their dtype as the reference
+    converts them."""
     import jax.numpy as jnp
 
     from jax_efc.epilogue import store_as

@@ -13,7 +13,8 @@ as that tile's mainloop frees them, and its outputs are staged in the ring too w
 Stream-K pieces that start past k = 0
 leave their partial sums in a workspace slot instead (:meth:`~FusedGemmBase._split_epilogue`);
 the tile's first piece adds them before its epilogue. Outputs that reduce are staged and
-reduced per subtile by ``reduction.py`` and leave one partial per tile.
+reduced per subtile by ``reduction.py`` and leave one partial per tile (or fold it into the
+result by atomics).
 
 The mainloop, the warp roles and the launch are the architecture's (``sm90.py``,
 ``sm100.py``), and so is the set-up the driver's helpers below share between them.
@@ -52,7 +53,7 @@ class CallArguments(NamedTuple):
     flags: object  # stream-K: one int32 flag per CTA; else None
     stamps: tuple  # a timeline build's (stamps,); else ()
     outputs: tuple  # the tile outputs, (M, N, L)
-    partials: tuple  # per reducing output, its per-tile fp32 partials
+    partials: tuple  # per reducing output, its per-tile fp32 partials (or its result: Output.atomic)
     workspace: object  # stream-K: one fp32 partial tile per CTA; else None
 
 
@@ -161,7 +162,7 @@ class FusedGemmBase:
         self.epi_tile = epilogue_tile(cfg)
         self.epi_blocks = epi_blocks
         self.reductions = tuple(TileReduction(o.reduce, o.over, self.epi_tile, (tile_m, tile_n), epi_threads,
-                                              epi_blocks) for o in self.visitor.reduced)
+                                              epi_blocks, atomic=o.atomic) for o in self.visitor.reduced)
         # subtiles a tile, numbered down M first; values in one subtile of one tensor
         self.n_sub = (tile_m // self.epi_tile[0]) * (tile_n // self.epi_tile[1])
         self.subtile_elems = self.epi_tile[0] * self.epi_tile[1]
@@ -276,21 +277,26 @@ class FusedGemmBase:
 
     # ---------------------------------------------------------------- shared set-up
     def _call_arguments(self, rest: tuple) -> CallArguments:
-        """Split a launch's tensors after A and B: the operands, stream-K's flags, a timeline's
-        stamps, the outputs, the reductions' partials and stream-K's workspace. An output
-        written over its operand (``KernelProblem.aliased``) is not passed apart: it is the
-        operand's tensor."""
+        """Split a launch's tensors after A and B: the operands, the results of the reductions
+        folded by atomics, stream-K's flags, a timeline's stamps, the outputs, the other
+        reductions' partials and stream-K's workspace. An output written over its operand
+        (``KernelProblem.aliased``) is not passed apart: it is the operand's tensor; nor is a
+        reduction's result: it is the input that holds its identity."""
         operands = rest[: self.n_operands]
-        rest = rest[self.n_operands:]
+        n_atomic = sum(r.atomic for r in self.reductions)
+        folded = iter(rest[self.n_operands: self.n_operands + n_atomic])
+        rest = rest[self.n_operands + n_atomic:]
         aliased = dict(self.aliased)
         n_out = len(self.out_dtypes) - len(aliased)
         split = self.schedule.stream_k is not None
         n_extra = int(split) + int(self.timeline)  # inputs between the operands and the outputs
-        end = n_extra + n_out + len(self.reductions)
+        end = n_extra + n_out + len(self.reductions) - n_atomic
         passed = iter(rest[n_extra: n_extra + n_out])
         outputs = tuple(operands[aliased[i]] if i in aliased else next(passed) for i in range(len(self.out_dtypes)))
+        partials = iter(rest[n_extra + n_out: end])
+        reduced = tuple(next(folded) if r.atomic else next(partials) for r in self.reductions)
         return CallArguments(operands, rest[0] if split else None, (rest[int(split)],) if self.timeline else (),
-                             outputs, rest[n_extra + n_out: end], rest[end] if split else None)
+                             outputs, reduced, rest[end] if split else None)
 
     def _epilogue_tma(self, operands: tuple, outputs: tuple) -> tuple:
         """The epilogue's TMA: per output a store and per TILE operand a load of one subtile,

@@ -48,6 +48,7 @@ class ArchPolicy:
     unverified_ab_dtypes: tuple[str, ...] = ()
     unverified_acc_dtypes: tuple[str, ...] = ()
     verified_reductions: bool = False
+    verified_atomic_reductions: bool = False  # of those, folded across tiles by atomics (Output.atomic)
     verified_inplace: bool = False  # outputs stored over their operand (KernelProblem.aliased)
     verified_masked_stores: bool = False  # of those, stored only where a mask holds (.masked)
     verified_transposed_outputs: bool = False  # outputs stored transposed, M contiguous (Output.transposed)
@@ -68,8 +69,8 @@ class ArchPolicy:
 
     def unverified_reason(self, problem: KernelProblem) -> str | None:
         """What of ``problem``'s kernel has not yet run on a GPU of this architecture (its input
-        or accumulator type, its epilogue reductions, in-place or transposed outputs), as a
-        phrase; ``None``: all has."""
+        or accumulator type, its epilogue reductions, by partials or by atomics, in-place or
+        transposed outputs), as a phrase; ``None``: all has."""
         for dtype in (problem.ab_dtype, problem.b_dtype):
             if dtype in self.unverified_ab_dtypes:
                 return f"the {self.arch} kernel with {dtype} inputs"
@@ -77,6 +78,8 @@ class ArchPolicy:
             return f"the {self.arch} kernel with {problem.acc_dtype} accumulation"
         if not self.verified_reductions and any(o.reduce for o in problem.ir.outputs):
             return f"the {self.arch} kernel's epilogue reductions"
+        if not self.verified_atomic_reductions and any(o.atomic for o in problem.ir.outputs):
+            return f"the {self.arch} kernel's epilogue reductions folded across tiles by atomics"
         if not self.verified_inplace and problem.aliased:
             return f"the {self.arch} kernel's outputs written over their operands"
         if not self.verified_masked_stores and problem.masked:

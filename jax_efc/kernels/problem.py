@@ -11,8 +11,8 @@ from jax_efc.epilogue import EpilogueIR, Role, masked_stores
 from jax_efc.kernels.dtypes import bits
 
 __all__ = ["KernelProblem", "tile_k", "EPI_STAGES", "SMEM_ALIGN", "TIMELINE_EVENTS", "TIMELINE_UNITS",
-           "cta_tile", "epilogue_tile", "epilogue_smem_bytes", "tile_operand_indices", "reduction_lanes",
-           "reduction_reason", "reduction_smem_floats", "round_up"]
+           "REDUCTION_IDENTITY", "cta_tile", "epilogue_tile", "epilogue_smem_bytes", "tile_operand_indices",
+           "reduction_lanes", "reduction_reason", "reduction_smem_floats", "round_up"]
 
 # A pipeline stage's k-tile is 128 bytes of a K-major row, exactly one 128-byte swizzle atom:
 # 64 16-bit values (four 16-deep MMA steps), 128 8-bit ones (four 32-deep steps).
@@ -29,6 +29,8 @@ SMEM_ALIGN = 1024
 # complete, starts its epilogue, ends it; for at most TIMELINE_UNITS units a group.
 TIMELINE_EVENTS = ("reached", "mainloop", "issued", "complete", "epilogue", "end")
 TIMELINE_UNITS = 256
+# what a reduction of each kind starts from
+REDUCTION_IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,10 @@ row of N per tile row ((tiles_m, N, L)), over N a column of M per tile column ((
 L)), over both one value per tile ((tiles_m, tiles_n, L)); XLA reduces those (``ffi``). Every
 partial is written by the one CTA that runs its tile's epilogue (stream-K pieces meet before
 it), in a fixed order: the result is the same bit for bit on every run, with no atomics and no
-zeroed workspace.
+zeroed workspace. An output marked ``atomic`` has no partials: that CTA folds its tile's value
+straight into the result ((1 | M, N | 1, L), fp32, which starts at the reduction's identity) by
+a global atomic, the tiles in whatever order they finish: a sum's rounding depends on it, a max
+or min does not.
 
 Within a tile, per subtile: every thread writes its values to a staging subtile in shared
 memory (fp32, rows padded by one value so that a warp reading a row's lanes hits 32 banks);
@@ -28,21 +31,28 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
 
-from jax_efc.kernels.problem import reduction_lanes
+from jax_efc.kernels.problem import REDUCTION_IDENTITY, reduction_lanes
 
 __all__ = ["TileReduction"]
 
-_IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 _UNROLL = 4  # loads in flight per lane loop
+# the bits of the NaN a max (positive: above every other value's as a signed integer) and a min
+# (negative: above every other negative value's as an unsigned one) fold in by atomics, and the
+# integer atomics that fold values of each sign in
+_NAN_BITS = {"max": 0x7FC00000, "min": -0x00400000}
+_SIGNED_OPS = {"max": ("umin", "max"), "min": ("umax", "min")}  # (sign bit set, clear)
 
 
 class TileReduction:
     """One reducing output's trace-time geometry and its per-subtile steps."""
 
     def __init__(self, kind: str, over: tuple[str, ...], epi_tile: tuple[int, int],
-                 tile_mn: tuple[int, int], threads: int, blocks: int = 1):
+                 tile_mn: tuple[int, int], threads: int, blocks: int = 1, atomic: bool = False):
         self.kind, self.over = kind, tuple(over)
+        self.atomic = atomic
         self.epi_m, self.epi_n = epi_tile
         self.blocks = blocks
         self.run = self.epi_n // blocks  # columns of one block; the step between subtiles along N
@@ -96,7 +106,7 @@ class TileReduction:
         return stage, cute.make_layout(self.threads), cute.make_layout(self.lanes)
 
     def identity(self):
-        return cutlass.Float32(_IDENTITY[self.kind])
+        return cutlass.Float32(REDUCTION_IDENTITY[self.kind])
 
     def combine(self, a, b):
         """``a`` and ``b`` combined; max and min keep a NaN of either."""
@@ -158,28 +168,53 @@ class TileReduction:
             running[self.slot(s)] = self.combine(running[self.slot(s)], total)
 
     def target(self, s: int, lane, group, m_idx, n_idx, extent: tuple) -> tuple:
-        """((row, column) in the partials, whether to write) for the running value the thread of
-        ``lane`` and ``group`` closes after subtile ``s`` of tile (m_idx, n_idx) (Python or device
-        integers). One thread a lane writes, only inside the M and N edges; a tile that lies
-        wholly past an edge (a cluster's padding: a grid of 2-CTA clusters covers an odd tile
-        count with one tile more) writes nothing, since its partial has no place."""
+        """((row, column) in the partials, or in the result where the output is ``atomic``,
+        whether to write) for the running value the thread of ``lane`` and ``group`` closes after
+        subtile ``s`` of tile (m_idx, n_idx) (Python or device integers). One thread a lane
+        writes, only inside the M and N edges; a tile that lies wholly past an edge (a cluster's
+        padding: a grid of 2-CTA clusters covers an odd tile count with one tile more) writes
+        nothing, since its partial has no place (and would add its identity to a result)."""
         inside = (m_idx * self.tile_mn[0] < extent[0]) & (n_idx * self.tile_mn[1] < extent[1])
         first = group == 0
+        row, col = (0, 0) if self.atomic else (m_idx, n_idx)  # the reduced axes' index
         if len(self.over) == 2:
-            return (m_idx, n_idx), inside & first & (lane == 0)
+            return (row, col), inside & first & (lane == 0)
         if self.over == ("m",):
             n = n_idx * self.tile_mn[1] + self.offset(s, lane)
-            return (m_idx, n), inside & first & (n < extent[1])
+            return (row, n), inside & first & (n < extent[1])
         m = m_idx * self.tile_mn[0] + self.offset(s, lane)
-        return (m, n_idx), inside & first & (m < extent[0])
+        return (m, col), inside & first & (m < extent[0])
 
     @cute.jit
     def flush(self, out: cute.Tensor, running: cute.Tensor, s: int, m_idx, n_idx, l_idx, extent: tuple, ctid):
         """After subtile ``s``: if it closed its running value, write that to ``out`` ((tiles_m
-        | M, N | tiles_n, L), fp32) where :meth:`target` says, and start it again."""
+        | M, N | tiles_n, L), fp32) where :meth:`target` says, or fold it into ``out`` ((1 | M,
+        N | 1, L)) there where the output is ``atomic``, and start it again."""
         if cutlass.const_expr(self.closes(s)):
             slot = self.slot(s)
             (row, col), writes = self.target(s, ctid % self.lanes, ctid // self.lanes, m_idx, n_idx, extent)
             if writes:
-                out[(row, col, l_idx)] = running[slot]
+                if cutlass.const_expr(self.atomic):
+                    self.fold(out, (row, col, l_idx), running[slot])
+                else:
+                    out[(row, col, l_idx)] = running[slot]
             running[slot] = self.identity()
+
+    @cute.jit
+    def fold(self, out: cute.Tensor, coord: tuple, value):
+        """``out[coord] = combine(out[coord], value)`` by one global atomic: a sum by a float
+        reduction; a max or min by an integer one on the value's bits, which order as the floats
+        do as signed integers where the sign bit is clear and the other way round as unsigned
+        ones where it is set. A NaN folds in as the one that wins (``_NAN_BITS``), so it
+        propagates as :meth:`combine` makes it."""
+        at = out.iterator + cute.crd2idx(coord, out.layout)
+        if cutlass.const_expr(self.kind == "sum"):
+            cute.arch.red(at, value, op="add", dtype=cutlass.Float32, sem="relaxed", scope="gpu")
+        else:
+            negative, positive = _SIGNED_OPS[self.kind]
+            bits = cutlass.select_(value != value, cutlass.Int32(_NAN_BITS[self.kind]),
+                                   cutlass.Int32(llvm.bitcast(T.i32(), value.ir_value())))
+            if bits < 0:
+                cute.arch.red(at, bits, op=negative, dtype=cutlass.Uint32, sem="relaxed", scope="gpu")
+            else:
+                cute.arch.red(at, bits, op=positive, dtype=cutlass.Int32, sem="relaxed", scope="gpu")

@@ -73,8 +73,9 @@ class TmemAccumulator(NamedTuple):
 
 class Sm100FusedGemm(FusedGemmBase):
     """One compiled kernel variant; call it (inside ``cute.jit``) as
-    ``kernel(stream, a, b, *operands, *outputs, *partials)``; with ``timeline``, a ``stamps``
-    tensor follows the operands."""
+    ``kernel(stream, a, b, *operands, *outputs, *partials)``; the results of reductions folded
+    by atomics follow the operands, and with ``timeline`` a ``stamps`` tensor follows those
+    (:meth:`~jax_efc.kernels.gemm_base.FusedGemmBase._call_arguments`)."""
 
     def __init__(self, problem: KernelProblem, schedule: TileSchedule, timeline: bool = False):
         """See :class:`~jax_efc.kernels.gemm_base.FusedGemmBase`."""

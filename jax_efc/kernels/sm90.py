@@ -70,8 +70,10 @@ _EPI_ORDER_ID = 5
 class Sm90FusedGemm(FusedGemmBase):
     """One compiled kernel variant; call it (inside ``cute.jit``) as
     ``kernel(stream, a, b, *operands, *outputs)``, or with stream-K
-    ``kernel(stream, a, b, *operands, flags, *outputs, workspace)``; with ``timeline``, a
-    ``stamps`` tensor follows the operands (and ``flags``)."""
+    ``kernel(stream, a, b, *operands, flags, *outputs, workspace)`` (``outputs`` with the
+    reductions' partials last); the results of reductions folded by atomics come right after the
+    operands, and with ``timeline`` a ``stamps`` tensor follows the operands (and ``flags``)
+    (:meth:`~jax_efc.kernels.gemm_base.FusedGemmBase._call_arguments`)."""
 
     def __init__(self, problem: KernelProblem, schedule: TileSchedule, timeline: bool = False):
         """See :class:`~jax_efc.kernels.gemm_base.FusedGemmBase`."""
