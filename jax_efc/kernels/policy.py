@@ -51,6 +51,7 @@ class ArchPolicy:
     verified_inplace: bool = False  # outputs stored over their operand (KernelProblem.aliased)
     verified_masked_stores: bool = False  # of those, stored only where a mask holds (.masked)
     verified_transposed_outputs: bool = False  # outputs stored transposed, M contiguous (Output.transposed)
+    gated_kernel: bool = False  # whether the kernel pairs a gated GEMM's gate and up columns (EpilogueIR.gated)
     # GEMMs the heuristic hands to XLA's GEMM (xla_faster_reason): at most this many rows per B
     # (None: none are), or more rows in 128x128 tiles that fill less than this share of the SMs
     xla_rows: int | None = None
@@ -147,6 +148,8 @@ class ArchPolicy:
         return self._shape_reason(problem, mnkl)
 
     def _ir_reason(self, ir: EpilogueIR) -> str | None:
+        if ir.gated and not self.gated_kernel:
+            return f"the {self.arch} kernel does not pair a gated GEMM's gate and up columns."
         if ir.epi_dtype != "float32":
             return f"the epilogue dtype is {ir.epi_dtype}; the kernels evaluate epilogues in float32."
         for inp in ir.operands:

@@ -49,7 +49,7 @@ class EpilogueVisitor:
         self.result_dtypes = (self.out_dtypes + (cutlass.Float32,) * len(self.reduced)
                               + (cutlass.Boolean,) * len(self.masked))
         # an operand no output depends on is never loaded
-        self.live = tuple(ir.uses(i + 1) for i in range(len(ir.operands)))
+        self.live = tuple(ir.uses(i + ir.n_acc) for i in range(len(ir.operands)))
         # a paced evaluation hands each group's last arithmetic result on to the next group;
         # None where the program does no arithmetic, so pacing has nothing to spread
         arithmetic = [k for k, ins in enumerate(ir.instrs) if ins.op not in ("const", "convert")]
