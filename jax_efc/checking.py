@@ -86,6 +86,11 @@ def check_call(specs: Sequence[tuple], params: dict[str, Any]) -> tuple[bool, st
     ir = params["ir"]
     ab_dtype = np.dtype(a.dtype).name
     m, n, k, l = check_shapes(params["config"], tile_k(ab_dtype), 3 in (len(a.shape), len(b.shape)))
+    if ir.gated:
+        # whole (gate, up) pairs: one past twice the cluster's tiles, a partial tile where a tile
+        # holds several
+        n = 2 * params["config"].cluster_n * params["config"].tile_n + 2 * ir.gated
+    out_n = n // 2 if ir.gated else n
     fast = arguments.fast_accumulation(params["precision"])
     tolerances = [_tolerance(o.dtype, ab_dtype, fast) for o in ir.outputs]
     names = [o.name for o in ir.outputs]
@@ -95,7 +100,7 @@ def check_call(specs: Sequence[tuple], params: dict[str, Any]) -> tuple[bool, st
 
     check_a = shaped(a, (k, m) if params["transpose_a"] else (m, k))
     check_b = shaped(b, (n, k) if params["transpose_b"] else (k, n))
-    check_ops = [jax.ShapeDtypeStruct(canonical_shape(role.role, l if len(x.shape) == 3 else None, m, n), x.dtype)
+    check_ops = [jax.ShapeDtypeStruct(canonical_shape(role.role, l if len(x.shape) == 3 else None, m, out_n), x.dtype)
                  for role, x in zip(ir.operands, operands)]
     keys = jax.random.split(jax.random.key(0), 2 + len(check_ops))
     inputs = [_random(s, kk) for s, kk in zip([check_a, check_b, *check_ops], keys)]
