@@ -194,3 +194,48 @@ def test_block_width_is_part_of_the_program_key():
     assert irs[0].gated == 32 and irs[1].gated == 64
     assert irs[0].fingerprint != irs[1].fingerprint
     assert irs[0] != irs[1]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_mlp_on_interleaved_weights(rng, bias):
+    """``fused_mlp(..., gated=B)``: one gated GEMM for gate and up; values and every gradient
+    (in the interleaved layout) as the three-matrix formulation's."""
+    k, h, d, block = 32, 64, 24, 16
+    x = jnp.asarray(rng.standard_normal((2, 40, k)), jnp.float32)
+    wg, wu, wd = (jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32) for s in ((k, h), (k, h), (h, d)))
+    bg, bu, bd = (jnp.asarray(rng.standard_normal(s), jnp.float32) if bias else None for s in ((h,), (h,), (d,)))
+    ct = jnp.asarray(rng.standard_normal((2, 40, d)), jnp.float32)
+
+    def plain(x, wg, wu, wd, bg, bu, bd):
+        gate, up = x @ wg, x @ wu
+        if bias:
+            gate, up = gate + bg, up + bu
+        y = (jax.nn.silu(gate) * up) @ wd
+        return jnp.sum((y + bd if bias else y) * ct)
+
+    def fused(x, w, wd, b, bd):
+        return jnp.sum(efc.fused_mlp(x, w, b, wd, bd, activation="silu", gated=block) * ct)
+
+    w = efc.interleave_gated(wg, wu, block)
+    b = efc.interleave_gated(bg, bu, block) if bias else None
+    assert rel_err(fused(x, w, wd, b, bd), plain(x, wg, wu, wd, bg, bu, bd)) < 1e-5
+    argnums = (0, 1, 2, 3, 4) if bias else (0, 1, 2)
+    got = jax.grad(fused, argnums=argnums)(x, w, wd, b, bd)
+    want = jax.grad(plain, argnums=tuple(range(7)) if bias else (0, 1, 2, 3))(x, wg, wu, wd, bg, bu, bd)
+    assert rel_err(got[0], want[0]) < 1e-5
+    assert rel_err(got[1], efc.interleave_gated(want[1], want[2], block)) < 1e-5
+    assert rel_err(got[2], want[3]) < 1e-5
+    if bias:
+        assert rel_err(got[3], efc.interleave_gated(want[4], want[5], block)) < 1e-5
+        assert rel_err(got[4], want[6]) < 1e-5
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(gated=16, gate_kernel=np.zeros((32, 32), np.float32)), "not both"),
+    (dict(gated=48), r"gated=48: up_kernel has 64 columns, not a multiple of 96"),
+    (dict(gated=4), r"gated=4"),
+])
+def test_fused_mlp_gated_errors(kw, match):
+    x, w, wd = np.zeros((4, 32), np.float32), np.zeros((32, 64), np.float32), np.zeros((32, 8), np.float32)
+    with pytest.raises(ValueError, match=match):
+        efc.fused_mlp(x, w, None, wd, None, **kw)
