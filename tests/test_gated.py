@@ -239,3 +239,37 @@ def test_fused_mlp_gated_errors(kw, match):
     x, w, wd = np.zeros((4, 32), np.float32), np.zeros((32, 64), np.float32), np.zeros((32, 8), np.float32)
     with pytest.raises(ValueError, match=match):
         efc.fused_mlp(x, w, None, wd, None, **kw)
+
+
+def test_flax_modules_with_one_gate_up_layer(rng):
+    """``FusedMLP(gated=True, gated_block=B)`` (linen and nnx) keeps gate and up as one
+    interleaved layer and computes what the two-layer module computes on the split weights."""
+    from flax import nnx
+
+    from jax_efc.flax import nnx as efc_nnx
+    from jax_efc.flax.linen import FusedMLP
+
+    x = jnp.asarray(rng.standard_normal((4, 8, 32)), jnp.float32)
+    module = FusedMLP(64, activation="silu", gated=True, gated_block=16)
+    params = module.init(jax.random.key(0), x)
+    gate_up = params["params"]["gate_up"]
+    assert gate_up["kernel"].shape == (32, 128) and gate_up["bias"].shape == (128,)
+    (gk, uk), (gb, ub) = efc.split_gated(gate_up["kernel"], 16), efc.split_gated(gate_up["bias"], 16)
+    two = {"params": {"gate": {"kernel": gk, "bias": gb}, "up": {"kernel": uk, "bias": ub},
+                      "down": params["params"]["down"]}}
+    want = FusedMLP(64, activation="silu", gated=True).apply(two, x)
+    assert rel_err(module.apply(params, x), want) < 1e-6
+    grads = jax.grad(lambda p: jnp.sum(module.apply(p, x) ** 2))(params)
+    assert grads["params"]["gate_up"]["kernel"].shape == (32, 128)
+
+    mlp = efc_nnx.FusedMLP(32, 64, activation="silu", gated=True, gated_block=16, rngs=nnx.Rngs(0))
+    assert mlp.gate_up.kernel[...].shape == (32, 128) and mlp(x).shape == (4, 8, 32)
+
+
+@pytest.mark.parametrize("kw", [dict(gated_block=16), dict(gated=True, gated_block=16, fp8="delayed"),
+                                dict(gated=True, gated_block=12)])
+def test_flax_gated_block_is_checked_at_construction(kw):
+    from jax_efc.flax.linen import FusedMLP
+
+    with pytest.raises(ValueError, match="gated_block"):
+        FusedMLP(64, **kw)
