@@ -4,7 +4,7 @@
 # ./gpu-logs); each part prints its summary last.
 #   usage: benchmarks/gpu_suite.sh [LOGDIR] [verify|tests|examples|bench|model|fp8|all]
 #
-#   verify    the newest paths: transposed and masked outputs, the epilogue
+#   verify    the newest paths: transposed and masked outputs, gated GEMMs, the epilogue
 #             reductions and first-use checks, FP8 layers, TF32, the fused MLP's backward; the
 #             reductions' cost and TF32's speed
 #   tests     the rest of the GPU tests (the compute-sanitizer runs, marked slow, apart)
@@ -32,6 +32,9 @@ want() { [[ $part == all || $part == "$1" ]]; }
 if want verify; then
   step transposed python3 -m pytest -q -m gpu tests/test_transposed.py
   step masked python3 -m pytest -q -m gpu tests/test_masked_stores.py
+  step gated python3 -m pytest -q -m gpu tests/test_gpu_gated.py
+  step bench-gated python3 benchmarks/run.py --json "$logs/bench-gated.json" --epilogues gated:swiglu \
+    --shapes 8192,14336,4096 4096,14336,4096
   step verify-tests python3 -m pytest -q -m gpu tests/test_gpu_reductions.py tests/test_gpu_self_check.py \
     tests/test_gpu_fp8_dense.py tests/test_gpu_low_precision.py tests/test_gpu.py -k \
     "reductions or first_use or fp8 or float32 or full_range or fused_mlp"
@@ -42,7 +45,7 @@ if want verify; then
 fi
 if want tests; then
   step gpu-tests python3 -m pytest -q -m "gpu and not slow" tests --deselect tests/test_gpu_reductions.py \
-    --deselect tests/test_transposed.py --deselect tests/test_masked_stores.py
+    --deselect tests/test_transposed.py --deselect tests/test_masked_stores.py --deselect tests/test_gpu_gated.py
 fi
 if want examples; then
   step jax-efc-run python3 -m jax_efc run --mnkl 8192,8192,8192,1 --ab_dtype Float16 --c_dtype Float16 \

@@ -368,7 +368,8 @@ def trace_epilogue(
         if leaf is None:
             raise EpilogueError(f"epilogue output {name!r} is None; every output must be an array.")
     builder = _Builder(inputs, tuple(acc_shape))
-    in_axes = [builder.aligned(tuple(acc_shape))] * n_acc + [builder.aligned(tuple(a.shape)) for a in avals + scalar_avals]
+    in_axes = ([builder.aligned(tuple(acc_shape))] * n_acc
+               + [builder.aligned(tuple(a.shape)) for a in avals + scalar_avals])
     flat_out = builder.run(closed.jaxpr, closed.consts, list(zip(range(len(inputs)), in_axes)))
     ir = EpilogueIR(tuple(inputs), tuple(builder.instrs), (), epi.name, gated)
     reduced = after_reduction(ir)

@@ -74,7 +74,8 @@ def _gated_problem(block: int, config, reduce: bool = False):
         return (g * u, jnp.sum(g, axis=-2)) if reduce else g * u
 
     ir, *_ = trace_epilogue(fn, (256, 512), [], [], {}, {}, None, jnp.bfloat16, gated=block)
-    return KernelProblem(ir=split_at_reductions(ir).gemm, ab_dtype="bfloat16", acc_dtype="float32", a_major="k", b_major="n", batched=False,
+    return KernelProblem(ir=split_at_reductions(ir).gemm, ab_dtype="bfloat16", acc_dtype="float32", a_major="k",
+                         b_major="n", batched=False,
                          a_batched=False, b_batched=False, operand_batched=(), arch="sm_90a", config=config)
 
 

@@ -269,7 +269,7 @@ class FusedGemmBase:
         and how many columns left of the gate's its output columns lie (trace-time integers).
         The output's column c of the tile lies in block pair c // B at c % B; that pair's gate
         block starts at accumulator column 2B (c // B), its up block B columns further."""
-        sub_m, (epi_m, epi_n), block = self.tile_mnk[0] // self.epi_tile[0], self.epi_tile, self.gated
+        sub_m, epi_n, block = self.tile_mnk[0] // self.epi_tile[0], self.epi_tile[1], self.gated
         col = s // sub_m * epi_n
         gate_col = col + col // block * block
         gate = s % sub_m + sub_m * (gate_col // epi_n)
