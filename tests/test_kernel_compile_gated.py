@@ -163,3 +163,18 @@ def test_an_export_from_a_cpu(unverified):
         assert out["kernel"] and out["backends"] == ["kernel (sm_90a)"], out
     else:
         assert not out["kernel"] and "gated epilogue" in out["backends"][0], out
+
+
+@pytest.mark.parametrize("block", [32, 64])
+def test_first_use_check_problems_hold_whole_pairs(block):
+    """The first-use check of a gated kernel runs whole (gate, up) pairs past twice the cluster's
+    tiles: a tile count the cluster does not divide, and a partial tile where one holds several."""
+    from jax_efc import checking
+    from jax_efc.config import GemmConfig
+
+    for cfg in (GemmConfig(128, 128, 1, 2, pingpong=True), GemmConfig(128, 256, 2, 1)):
+        _, n, _, _ = checking.check_shapes(cfg, 64, batched=False, gated=block)
+        assert n % (2 * block) == 0
+        tiles = -(-n // cfg.tile_n)
+        assert tiles > 2 * cfg.cluster_n and (cfg.cluster_n == 1 or tiles % cfg.cluster_n)
+        assert (n % cfg.tile_n != 0) == (cfg.tile_n > 2 * block)
