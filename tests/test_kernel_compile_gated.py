@@ -178,3 +178,34 @@ def test_first_use_check_problems_hold_whole_pairs(block):
         tiles = -(-n // cfg.tile_n)
         assert tiles > 2 * cfg.cluster_n and (cfg.cluster_n == 1 or tiles % cfg.cluster_n)
         assert (n % cfg.tile_n != 0) == (cfg.tile_n > 2 * block)
+
+
+@pytest.mark.parametrize("tile, epi, block", [((128, 128), (128, 32), 64), ((128, 256), (64, 64), 64),
+                                              ((128, 256), (128, 16), 32), ((192, 128), (64, 16), 16),
+                                              ((128, 256), (128, 32), 128)])
+def test_the_gated_walk_pairs_every_output_column_once(tile, epi, block):
+    """The driver's map from an output subtile to its gate and up accumulator subtiles
+    (``FusedGemmBase._gated_subtiles``): output column c of the tile reads the gate's column
+    2B (c // B) + c % B and the up column B further, and the walk reads every accumulator
+    subtile of the tile exactly once."""
+    pytest.importorskip("cutlass")
+    from types import SimpleNamespace
+
+    from jax_efc.kernels.gemm_base import FusedGemmBase
+
+    (tile_m, tile_n), (epi_m, epi_n) = tile, epi
+    walk = SimpleNamespace(tile_mnk=(tile_m, tile_n, 64), epi_tile=epi, gated=block)
+    sub_m = tile_m // epi_m
+    n_out_sub = sub_m * (tile_n // 2 // epi_n)
+    read = []
+    for s in range(n_out_sub):
+        gate, up, shift = FusedGemmBase._gated_subtiles(walk, s)
+        assert gate % sub_m == up % sub_m == s % sub_m  # the same rows
+        for c in range(epi_n):
+            out_col = s // sub_m * epi_n + c
+            gate_col = gate // sub_m * epi_n + c
+            assert gate_col - shift == out_col
+            assert gate_col == 2 * block * (out_col // block) + out_col % block
+            assert up // sub_m * epi_n + c == gate_col + block
+        read += [gate, up]
+    assert sorted(read) == list(range(sub_m * (tile_n // epi_n)))
