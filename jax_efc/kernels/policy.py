@@ -188,10 +188,11 @@ class ArchPolicy:
         crowded = config.pingpong and config.tile_m * config.tile_n > 128 * 128
         if cta_tile(config)[1] % (2 * block) == 0 and not crowded:
             return config
-        if 128 % (2 * block) == 0:
+        if 128 % (2 * block) == 0 and not config.pingpong:
+            return dataclasses.replace(config, tile_n=128, cluster_n=1, raster="m")
+        if 128 % (2 * block) == 0:  # ping-pong 128x128 (64x128) in 1x2 clusters, as the heuristic runs them
             tile_m = min(config.tile_m, 128)
-            return dataclasses.replace(config, tile_m=tile_m, tile_n=128, cluster_m=1,
-                                       cluster_n=2 if config.pingpong else 1, raster="m",
+            return dataclasses.replace(config, tile_m=tile_m, tile_n=128, cluster_m=1, cluster_n=2, raster="m",
                                        epi_m=config.epi_m if config.epi_m and tile_m % config.epi_m == 0 else 0)
         return dataclasses.replace(config, tile_m=128, tile_n=256, pingpong=False, cluster_m=2, cluster_n=1,
                                    raster="m", epi_m=0)
