@@ -93,11 +93,14 @@ def test_configs_that_split_pairs_are_refused(block, change, needle):
     assert needle in POLICY.unsupported_reason(problem)
 
 
-def test_gated_reductions_and_blackwell_are_refused():
+def test_gated_reductions_integers_and_blackwell_are_refused():
     from jax_efc.config import GemmConfig
     from jax_efc.kernels import policy
 
     assert "does not reduce" in policy("sm_90a").unsupported_reason(_gated_problem(64, GemmConfig(), reduce=True))
+    int8 = dataclasses.replace(_gated_problem(64, GemmConfig()), ab_dtype="int8", b_dtype="int8", acc_dtype="int32",
+                               b_major="k")
+    assert "integer accumulators" in policy("sm_90a").unsupported_reason(int8)
     problem = dataclasses.replace(_gated_problem(64, GemmConfig()), arch="sm_100a")
     assert "does not pair a gated GEMM" in policy("sm_100a").unsupported_reason(problem)
 

@@ -171,6 +171,9 @@ class ArchPolicy:
                     "use an epi_n that does (16, 32 or 64), or a block that is a multiple of 16.")
         if any(o.reduce for o in problem.ir.outputs):
             return "the gated epilogue does not reduce; XLA computes gated GEMMs with reductions."
+        if problem.acc_dtype == "int32":
+            # (the up projection's bare accumulator would be stored from its fp32 copy)
+            return "the gated epilogue reads integer accumulators as fp32 only; XLA computes 8-bit integer ones."
         return None
 
     def gated_fit(self, problem: KernelProblem, config: GemmConfig) -> GemmConfig:
