@@ -4,9 +4,10 @@
 # ./gpu-logs); each part prints its summary last.
 #   usage: benchmarks/gpu_suite.sh [LOGDIR] [verify|tests|examples|bench|model|fp8|all]
 #
-#   verify    the newest paths: reductions folded by atomics, transposed and masked outputs,
-#             the epilogue reductions and first-use checks, FP8 layers, TF32, the fused MLP's
-#             backward; the reductions' cost (deterministic and by atomics) and TF32's speed
+#   verify    the newest paths: reductions folded by atomics, gated GEMMs, transposed and
+#             masked outputs, the epilogue reductions and first-use checks, FP8 layers, TF32,
+#             the fused MLP's backward; the reductions' cost (deterministic and by atomics)
+#             and TF32's speed
 #   tests     the rest of the GPU tests (the compute-sanitizer runs, marked slow, apart)
 #   examples  each example at a GPU size, `jax-efc run`, info and selftest
 #   bench     the benchmark's shapes with both XLA baselines, the 8-bit epilogues, and autotuning's
@@ -33,6 +34,9 @@ if want verify; then
   step atomic python3 -m pytest -q -m gpu tests/test_gpu_atomic_reductions.py
   step transposed python3 -m pytest -q -m gpu tests/test_transposed.py
   step masked python3 -m pytest -q -m gpu tests/test_masked_stores.py
+  step gated python3 -m pytest -q -m gpu tests/test_gpu_gated.py
+  step bench-gated python3 benchmarks/run.py --json "$logs/bench-gated.json" --epilogues gated:swiglu \
+    --shapes 8192,14336,4096 4096,14336,4096
   step verify-tests python3 -m pytest -q -m gpu tests/test_gpu_reductions.py tests/test_gpu_self_check.py \
     tests/test_gpu_fp8_dense.py tests/test_gpu_low_precision.py tests/test_gpu.py -k \
     "reductions or first_use or fp8 or float32 or full_range or fused_mlp"
@@ -44,7 +48,7 @@ fi
 if want tests; then
   step gpu-tests python3 -m pytest -q -m "gpu and not slow" tests --deselect tests/test_gpu_reductions.py \
     --deselect tests/test_transposed.py --deselect tests/test_masked_stores.py \
-    --deselect tests/test_gpu_atomic_reductions.py
+    --deselect tests/test_gpu_atomic_reductions.py --deselect tests/test_gpu_gated.py
 fi
 if want examples; then
   step jax-efc-run python3 -m jax_efc run --mnkl 8192,8192,8192,1 --ab_dtype Float16 --c_dtype Float16 \

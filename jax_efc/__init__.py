@@ -12,6 +12,7 @@ from .device import set_target_arch
 from .epilogue import EpilogueError
 from .ffi import export_checks
 from .fp8 import Fp8Meta, fp8_dense, fp8_mlp
+from .gated import interleave_gated, split_gated
 from .grouped import grouped_gemm
 from .mlp import fused_mlp
 from .ops import fused_dense, gemm
@@ -21,4 +22,4 @@ from .ahead_of_time import warmup
 __version__ = "0.1.0"
 __all__ = ["gemm", "fused_dense", "fused_mlp", "GemmConfig", "ACTIVATIONS", "EpilogueError",
            "FallbackError", "backends", "checkpoint_policies", "set_target_arch", "export_checks", "warmup", "grouped_gemm",
-           "fp8_dense", "fp8_mlp", "Fp8Meta"]
+           "fp8_dense", "fp8_mlp", "Fp8Meta", "interleave_gated", "split_gated"]

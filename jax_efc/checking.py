@@ -15,16 +15,18 @@ import numpy as np
 __all__ = ["check_shapes", "compare", "check_call"]
 
 
-def check_shapes(config: Any, tile_k: int, batched: bool) -> tuple[int, int, int, int]:
+def check_shapes(config: Any, tile_k: int, batched: bool, gated: int = 0) -> tuple[int, int, int, int]:
     """(M, N, K, L) of the problems a kernel of ``config`` is checked on: along M and N one tile
     more than twice the cluster (a count the cluster does not divide) with the last one partial,
     K of eleven and a half k-tiles (the ring wraps, the last k-tile is partial), two batches where
-    the call has a batch. Each a multiple of 16 (every input's TMA alignment)."""
+    the call has a batch. Each a multiple of 16 (every input's TMA alignment). A gated GEMM's N
+    (the product's) is one (gate, up) pair of ``gated``-column blocks past twice the cluster's
+    tiles: the last tile partial where a tile holds several pairs."""
     def edge(tile: int, cluster: int) -> int:
         return 2 * cluster * tile + tile // 2 + 16
 
-    return (edge(config.tile_m, config.cluster_m), edge(config.tile_n, config.cluster_n),
-            11 * tile_k + tile_k // 2, 2 if batched else 1)
+    n = 2 * config.cluster_n * config.tile_n + 2 * gated if gated else edge(config.tile_n, config.cluster_n)
+    return edge(config.tile_m, config.cluster_m), n, 11 * tile_k + tile_k // 2, 2 if batched else 1
 
 
 def _tolerance(out_dtype: str, ab_dtype: str, fast: bool) -> float:
@@ -85,7 +87,8 @@ def check_call(specs: Sequence[tuple], params: dict[str, Any]) -> tuple[bool, st
               arch=device.arch(), precision=params["precision"])
     ir = params["ir"]
     ab_dtype = np.dtype(a.dtype).name
-    m, n, k, l = check_shapes(params["config"], tile_k(ab_dtype), 3 in (len(a.shape), len(b.shape)))
+    m, n, k, l = check_shapes(params["config"], tile_k(ab_dtype), 3 in (len(a.shape), len(b.shape)), ir.gated)
+    out_n = n // 2 if ir.gated else n
     fast = arguments.fast_accumulation(params["precision"])
     tolerances = [_tolerance(o.dtype, ab_dtype, fast) for o in ir.outputs]
     names = [o.name for o in ir.outputs]
@@ -95,7 +98,7 @@ def check_call(specs: Sequence[tuple], params: dict[str, Any]) -> tuple[bool, st
 
     check_a = shaped(a, (k, m) if params["transpose_a"] else (m, k))
     check_b = shaped(b, (n, k) if params["transpose_b"] else (k, n))
-    check_ops = [jax.ShapeDtypeStruct(canonical_shape(role.role, l if len(x.shape) == 3 else None, m, n), x.dtype)
+    check_ops = [jax.ShapeDtypeStruct(canonical_shape(role.role, l if len(x.shape) == 3 else None, m, out_n), x.dtype)
                  for role, x in zip(ir.operands, operands)]
     keys = jax.random.split(jax.random.key(0), 2 + len(check_ops))
     inputs = [_random(s, kk) for s, kk in zip([check_a, check_b, *check_ops], keys)]

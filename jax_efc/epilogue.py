@@ -1,7 +1,8 @@
 """Epilogue IR: a user's epilogue as a flat, hashable SSA program (``tracing`` builds it).
 
 An :class:`EpilogueIR`'s value ``i < len(inputs)`` is an
-input (the accumulator, then each operand, each already converted to the epilogue dtype),
+input (the accumulator, or for a gated GEMM the gate's and the up projection's, then each
+operand, each already converted to the epilogue dtype),
 value ``len(inputs) + j`` is the result of ``instrs[j]``. Every value is held in its canonical
 shape: broadcast against the (L, M, N) tile, with size 1 along the axes it does not vary
 over (a sum over M is (1, N)). The reference evaluates the program with ``jax.numpy``; the
@@ -28,6 +29,7 @@ import numpy as np
 from jax import lax
 
 from .arguments import is_8bit_float
+from .gated import split_gated
 
 __all__ = [
     "Role",
@@ -38,10 +40,12 @@ __all__ = [
     "EpilogueError",
     "OPS",
     "evaluate",
+    "evaluate_product",
     "canonical_shape",
     "identity_ir",
     "exact",
     "with_acc_output",
+    "accumulators",
     "after_reduction",
     "output_shape",
     "renumbered",
@@ -139,16 +143,26 @@ class EpilogueIR:
     instrs: tuple[Instr, ...]
     outputs: tuple[Output, ...]
     epi_dtype: str
+    # a gated GEMM's block width (``jax_efc.gated``): the product has 2N columns, gate and up
+    # blocks of this width in turn, and the program reads two accumulators of N columns, the
+    # gate's and the up projection's (inputs 0 and 1); 0 for a plain GEMM
+    gated: int = 0
+
+    @property
+    def n_acc(self) -> int:
+        """How many accumulator inputs lead the inputs: 2 for a gated GEMM, else 1."""
+        return 2 if self.gated else 1
 
     @property
     def operands(self) -> tuple[Input, ...]:
-        """The inputs after the accumulator, in the order the primitive takes them."""
-        return self.inputs[1:]
+        """The inputs after the accumulators, in the order the primitive takes them."""
+        return self.inputs[self.n_acc:]
 
     @property
     def fingerprint(self) -> str:
         """A stable key: the same program gives the same key in every process."""
-        text = repr((self.epi_dtype, self.inputs, self.instrs, self.outputs))
+        gated = (self.gated,) if self.gated else ()  # plain programs keep the keys they had
+        text = repr((self.epi_dtype, self.inputs, self.instrs, self.outputs, *gated))
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def with_outputs(self, outputs: Sequence[Output]) -> EpilogueIR:
@@ -284,7 +298,7 @@ def evaluate(ir: EpilogueIR, acc: Any, operands: Sequence[Any], *, given: Mappin
     tile's (by default the inputs' broadcast shape)."""
     epi = jnp.dtype(ir.epi_dtype)
     n_in = len(ir.inputs)
-    inputs = [acc, *operands]
+    inputs = [*accumulators(ir, acc), *operands]
     if shape is None:
         shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in inputs))
     values: dict[int, Any] = dict(given or {})
@@ -315,7 +329,7 @@ def evaluate(ir: EpilogueIR, acc: Any, operands: Sequence[Any], *, given: Mappin
     for o in ir.outputs:
         # an output that is the accumulator itself is stored from it, not from its epilogue-dtype
         # copy: an int32 accumulator stays exact past float32's 24 bits
-        v = acc if o.value == 0 and acc is not None else values[o.value]
+        v = inputs[o.value] if o.value < ir.n_acc and inputs[o.value] is not None else values[o.value]
         if o.reduce:
             v = _reduced(v, o.reduce, o.over, shape, _accumulation_dtype(v))
         elif reduced[o.value] or o.value in (given or {}):
@@ -325,6 +339,20 @@ def evaluate(ir: EpilogueIR, acc: Any, operands: Sequence[Any], *, given: Mappin
         v = store_as(v, o.dtype)
         outs.append(jnp.swapaxes(v, -1, -2) if o.transposed else v)
     return outs
+
+
+def evaluate_product(ir: EpilogueIR, product: Any, operands: Sequence[Any]) -> list[Any]:
+    """:func:`evaluate` on the GEMM's product: for a gated program, (..., M, 2N) in the gated
+    layout, split into its gate and up halves first."""
+    return evaluate(ir, split_gated(product, ir.gated) if ir.gated else product, operands)
+
+
+def accumulators(ir: EpilogueIR, acc: Any) -> tuple[Any, ...]:
+    """``acc`` as the program's accumulator inputs: for a gated program the pair (gate, up)
+    it is (or None for both), else ``acc`` alone."""
+    if not ir.gated:
+        return (acc,)
+    return (None, None) if acc is None else tuple(acc)
 
 
 def _accumulation_dtype(x: Any) -> Any:
@@ -362,7 +390,7 @@ def split_at_reductions(ir: EpilogueIR) -> Split:
     if not any(i.op == "reduce" for i in ir.instrs):
         return Split(ir, tuple(range(len(ir.outputs))), ())
     after = after_reduction(ir)
-    heavy = [i == 0 or x.role is Role.TILE for i, x in enumerate(ir.inputs)]
+    heavy = [i < ir.n_acc or x.role is Role.TILE for i, x in enumerate(ir.inputs)]
     first: dict[int, tuple[str, tuple[str, ...], int]] = {}
     for j, ins in enumerate(ir.instrs):
         heavy.append(any(heavy[a] for a in ins.args))
@@ -456,9 +484,10 @@ def identity_ir(out_dtype: Any, epi_dtype: Any = jnp.float32) -> EpilogueIR:
 
 
 def with_acc_output(ir: EpilogueIR, dtype: Any) -> EpilogueIR:
-    """``ir`` with the accumulator appended as an extra output in ``dtype`` (a residual that the
-    backward pass reads)."""
-    return ir.with_outputs(ir.outputs + (Output("__acc__", 0, np.dtype(dtype).name),))
+    """``ir`` with the accumulator (a gated program's two) appended as extra outputs in
+    ``dtype`` (a residual that the backward pass reads)."""
+    names = ("__acc__", "__up__")[: ir.n_acc]
+    return ir.with_outputs(ir.outputs + tuple(Output(nm, i, np.dtype(dtype).name) for i, nm in enumerate(names)))
 
 
 def _exactly_in(dtype: str, epi_dtype: str) -> bool:
@@ -477,7 +506,7 @@ def _masked_store(ir: EpilogueIR, k: int) -> tuple[int, bool] | None:
     out, n_in = ir.outputs[k], len(ir.inputs)
     if out.inplace is None or out.reduce or out.transposed or out.value < n_in:
         return None
-    c, ins = out.inplace + 1, ir.instrs[out.value - n_in]
+    c, ins = out.inplace + ir.n_acc, ir.instrs[out.value - n_in]
     if ins.op != "select" or not _exactly_in(ir.inputs[c].dtype, ir.epi_dtype):
         return None
     pred, on_false, on_true = ins.args

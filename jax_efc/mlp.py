@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from . import activations
 from .epilogue import EpilogueError
+from .gated import check_block, interleave_gated, split_gated
 from .ops import fused_dense, gemm
 from .log import log_once
 
@@ -33,6 +34,7 @@ class _Mlp:
 
     activation: Callable[[Any], Any]
     precision: Any
+    block: int = 0  # the first layer holds gate and up interleaved in blocks of this width (jax_efc.gated)
 
 
 @functools.lru_cache(maxsize=256)
@@ -77,6 +79,20 @@ def _backward_epilogue(activation: Callable[[Any], Any], bias: bool, gated: bool
     return epilogue
 
 
+@functools.lru_cache(maxsize=256)
+def _gated_forward_epilogue(activation: Callable[[Any], Any], bias: bool) -> Callable[..., Any]:
+    """The gated GEMM's epilogue: the hidden value, the gate's accumulator and the up projection
+    (the backward's residuals, as the two-GEMM form keeps them)."""
+    h = _hidden(activation, bias, True)
+
+    def epilogue(g, u, *biases):
+        up = u + biases[1] if bias else u
+        return h(g, *biases[:1], up), g, up
+
+    epilogue.__efc_builtin__ = activations.is_builtin(activation)
+    return epilogue
+
+
 def _accumulate(acc, partial):
     return acc + partial
 
@@ -109,9 +125,15 @@ def _mlp(static: _Mlp, x, first, up, down):
 
 
 def _mlp_fwd(static: _Mlp, x, first, up, down):
-    """``first`` is the activation's layer (kernel, bias or None), ``up`` the gated form's
-    other layer (None when not gated), ``down`` the output layer."""
+    """``first`` is the activation's layer (kernel, bias or None; with ``static.block``, gate and
+    up interleaved), ``up`` the gated form's other layer (None when not gated, or interleaved),
+    ``down`` the output layer."""
     p, gated, bias = static.precision, up is not None, first[1] is not None
+    if static.block:
+        biases = split_gated(first[1], static.block) if bias else ()
+        hidden, acc, up_value = gemm(x, first[0], _gated_forward_epilogue(static.activation, bias), *biases,
+                                     gated=static.block, precision=p)
+        return fused_dense(hidden, *down, precision=p), (x, first, up, down, hidden, acc, (up_value,))
     up_value = (fused_dense(x, *up, precision=p),) if gated else ()
     ops = [first[1]] * bias + list(up_value)
     hidden, acc = gemm(x, first[0], _forward_epilogue(static.activation, bias, gated), *ops, precision=p)
@@ -120,8 +142,20 @@ def _mlp_fwd(static: _Mlp, x, first, up, down):
 
 def _mlp_bwd(static: _Mlp, residuals, ct):
     x, first, up, down, hidden, acc, up_value = residuals
-    p, gated, bias = static.precision, up is not None, first[1] is not None
+    p, bias = static.precision, first[1] is not None
+    gated = up is not None or bool(static.block)
     d_down = (gemm(hidden, ct, transpose_a=True, precision=p), _column_sum(ct, down[1]))
+    if static.block:
+        # the gate's and the up projection's cotangents from one GEMM (the gated derivative its
+        # epilogue), then, interleaved, each of the first layer's gradients from one GEMM
+        gate_bias = None if first[1] is None else split_gated(first[1], static.block)[0]
+        d_gate, d_up, *sums = _hidden_cotangents(
+            _backward_epilogue(static.activation, bias, True, (bias, bias)), ct, down[0], acc,
+            [gate_bias] * bias + list(up_value), p)
+        d_pair = interleave_gated(d_gate, d_up, static.block)
+        d_bias = interleave_gated(*sums, static.block).astype(first[1].dtype) if bias else None
+        d_first = (gemm(x, d_pair, transpose_a=True, precision=p), d_bias)
+        return gemm(d_pair, first[0], transpose_b=True, precision=p), d_first, None, d_down
     layers = (first, up) if gated else (first,)
     summed = tuple(layer[1] is not None for layer in layers)
     outs = _hidden_cotangents(_backward_epilogue(static.activation, bias, gated, summed), ct, down[0],
@@ -160,6 +194,7 @@ def fused_mlp(
     activation: str | Callable[[Any], Any] = "gelu_tanh",
     gate_kernel: Any = None,
     gate_bias: Any = None,
+    gated: int | None = None,
     precision: Any = None,
 ) -> Any:
     """``activation(x @ up_kernel + up_bias) @ down_kernel + down_bias``, or with a gate
@@ -169,6 +204,11 @@ def fused_mlp(
     ``x`` is (..., K), ``up_kernel`` and ``gate_kernel`` (K, H), ``down_kernel`` (H, D). The
     activation (and the gate's product) is fused into the first GEMM; in the backward, its
     derivative is fused into the down projection's data-gradient GEMM.
+
+    ``gated=B``: ``up_kernel`` (K, 2H) and ``up_bias`` (2H,) hold the gate and the up projection
+    interleaved in blocks of ``B`` columns (``jax_efc.interleave_gated``), and one gated GEMM
+    computes both (``gemm(..., gated=B)``); the gradients come back in that layout. With
+    ``gate_kernel`` instead, the up projection is a GEMM of its own, read by the gate's.
 
     >>> import jax.numpy as jnp, jax_efc as efc
     >>> x = jnp.ones((4, 16))
@@ -183,11 +223,21 @@ def fused_mlp(
     lead, k = x.shape[:-1], x.shape[-1]
     up = _check_layer("up", up_kernel, up_bias, k, None)
     hidden = up[0].shape[1]
+    block = 0
+    if gated is not None:
+        block = check_block(gated, "gated")
+        if gate_kernel is not None or gate_bias is not None:
+            raise ValueError("gated: up_kernel holds the gate already; give gate_kernel and gate_bias, or gated, "
+                             "not both.")
+        if hidden % (2 * block):
+            raise ValueError(f"gated={block}: up_kernel has {hidden} columns, not a multiple of {2 * block} (whole "
+                             "gate and up blocks; jax_efc.interleave_gated builds the layout).")
+        hidden //= 2
     gate = None if gate_kernel is None else _check_layer("gate", gate_kernel, gate_bias, k, hidden)
     if gate is None and gate_bias is not None:
         raise ValueError("gate_bias given without gate_kernel.")
     down = _check_layer("down", down_kernel, down_bias, hidden, None)
     first, other = (up, None) if gate is None else (gate, up)
     rows = x.reshape(math.prod(lead), k)  # not -1: a reshape cannot infer it when K is 0
-    y = _mlp(_Mlp(activations.resolve(activation), precision), rows, first, other, down)
+    y = _mlp(_Mlp(activations.resolve(activation), precision, block), rows, first, other, down)
     return y.reshape(*lead, y.shape[-1])

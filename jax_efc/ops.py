@@ -15,8 +15,9 @@ import numpy as np
 
 from . import activations, arguments
 from .config import GemmConfig
-from .epilogue import (EpilogueIR, Role, canonical_shape, evaluate, exact, identity_ir, output_shape,
-                       restructure, split_at_reductions, with_acc_output, with_masked_stores)
+from .epilogue import (EpilogueIR, Role, accumulators, canonical_shape, evaluate, exact, identity_ir,
+                       output_shape, restructure, split_at_reductions, with_acc_output, with_masked_stores)
+from .gated import check_block, interleave_gated, split_gated
 from .tracing import trace_epilogue
 from .primitive import fused_gemm, gemm_cotangents, match_varying, problem_shape
 
@@ -59,6 +60,7 @@ def gemm(
     inplace: int | Mapping[Any, int] | None = None,
     transposed_outputs: bool | str | int | Collection[str | int] | None = None,
     deterministic: bool = True,
+    gated: int | None = None,
     **scalars: Any,
 ) -> Any:
     """``epilogue(op(a) @ op(b), *operands, **scalars)`` as one fused op.
@@ -90,6 +92,11 @@ def gemm(
     ``GemmConfig``; ``"autotune"`` times the heuristic's candidates on the GPU at first use (each
     GEMM of the backward too) and keeps the fastest on disk (``jax_efc.autotune``).
 
+    ``gated=B`` makes it a gated GEMM: ``b`` holds a gate and an up matrix interleaved in blocks
+    of ``B`` columns (``jax_efc.interleave_gated``), so ``op(b)`` is (K, 2N), and the epilogue is
+    ``epilogue(gate_acc, up_acc, *operands, **scalars)`` with both accumulators, the operands
+    and the outputs (M, N), e.g. ``lambda g, u, bg, bu: jax.nn.silu(g + bg) * (u + bu)``.
+
     >>> import jax.numpy as jnp, jax_efc as efc
     >>> a, b = jnp.ones((256, 4), jnp.bfloat16), jnp.ones((4, 64), jnp.bfloat16)
     >>> c = jnp.full((256, 64), 0.5, jnp.bfloat16)
@@ -111,10 +118,19 @@ def gemm(
     arguments.check_config(config)
     precision = arguments.precision(precision)
     batch, m, n, _ = problem_shape(*_batched_shapes(a.shape, b.shape), transpose_a, transpose_b)
+    if gated is not None:
+        gated = check_block(gated, "gated")
+        if n % (2 * gated):
+            raise ValueError(f"gated={gated}: op(b) has {n} columns, not a multiple of {2 * gated} (whole gate "
+                             "and up blocks; jax_efc.interleave_gated builds the layout).")
+        if epilogue is None:
+            raise ValueError("gated: give an epilogue (gate_acc, up_acc, *operands) that combines the two.")
+        n //= 2
     acc_shape = (m, n) if batch is None else (batch, m, n)
 
     ir, structure, arrays = prepare_epilogue(epilogue, acc_shape, operands, scalars, out_dtypes,
-                                             arguments.default_out_dtype(a.dtype, acc_dtype), acc_dtype, epi_dtype)
+                                             arguments.default_out_dtype(a.dtype, acc_dtype), acc_dtype, epi_dtype,
+                                             gated=gated or 0)
     if inplace is not None:
         ir = _in_place(ir, inplace, [x.shape for x in arrays], acc_shape)
     if transposed_outputs is not None:
@@ -153,10 +169,11 @@ _NO_FORWARD_MODE = (
 
 def prepare_epilogue(epilogue: Callable[..., Any] | None, acc_shape: tuple[int, ...], operands: Any,
                      scalars: dict[str, Any], out_dtypes: Any, default_out_dtype: Any, acc_dtype: Any,
-                     epi_dtype: Any) -> tuple[EpilogueIR, Any, list[Any]]:
-    """An epilogue of an accumulator shaped ``acc_shape`` ((M, N) or (L, M, N)) traced into its
-    IR, with its output structure and its array inputs (the operands, then the dynamic scalars
-    by name) in canonical shapes: the part every op with a fused epilogue shares."""
+                     epi_dtype: Any, gated: int = 0) -> tuple[EpilogueIR, Any, list[Any]]:
+    """An epilogue of an accumulator shaped ``acc_shape`` ((M, N) or (L, M, N); with ``gated``,
+    of two) traced into its IR, with its output structure and its array inputs (the operands,
+    then the dynamic scalars by name) in canonical shapes: the part every op with a fused
+    epilogue shares."""
     batch = acc_shape[0] if len(acc_shape) == 3 else None
     m, n = acc_shape[-2:]
     static_kw, dynamic_kw = {}, {}
@@ -183,7 +200,7 @@ def prepare_epilogue(epilogue: Callable[..., Any] | None, acc_shape: tuple[int, 
         epilogue, acc_shape, tuple(x.shape for x in operands), tuple(x.dtype for x in operands),
         tuple((k, exact(v), v) for k, v in sorted(static_kw.items())),
         tuple((k, jnp.shape(v), jnp.result_type(v).name) for k, v in sorted(dynamic_kw.items())),
-        out_dtypes, np.dtype(default_out_dtype).name, epi_dtype.name,
+        out_dtypes, np.dtype(default_out_dtype).name, epi_dtype.name, gated,
     )
     arguments.check_x64(acc_dtype, epi_dtype, *(o.dtype for o in ir.outputs))
     arrays = operands + [_as_float(dynamic_kw[k], ir.epi_dtype) for k in sorted(dynamic_kw)]
@@ -272,14 +289,14 @@ def _as_float(x: Any, dtype: str) -> Any:
 
 @functools.lru_cache(maxsize=512)
 def _trace(fn, acc_shape, shapes, dtypes, static_items, dyn_scalars, out_dtypes,
-           default_dtype, epi_dtype):
+           default_dtype, epi_dtype, gated):
     if isinstance(out_dtypes, tuple):
         kind, items = out_dtypes
         out_dtypes = dict(items) if kind == "dict" else list(items)
     dynamic = {k: jax.ShapeDtypeStruct(shape, dt) for k, shape, dt in dyn_scalars}
     static = {k: v for k, _, v in static_items}
     return trace_epilogue(fn, acc_shape, shapes, dtypes, static, dynamic, out_dtypes,
-                          default_dtype, epi_dtype)
+                          default_dtype, epi_dtype, gated)
 
 
 def _batched_shapes(a_shape: tuple, b_shape: tuple) -> tuple[tuple, tuple]:
@@ -322,19 +339,27 @@ def _backward_reads_acc(ir: EpilogueIR, acc_shape: tuple[int, ...]) -> bool:
     affine in it, e.g. ``alpha * acc + beta * c``); if not, nothing is saved for it."""
     shapes = [acc_shape] * len(ir.operands)
 
-    def vjp(acc, *args):
-        ops, cts = args[: len(shapes)], args[len(shapes):]
-        return jax.vjp(lambda acc, *ops: evaluate(ir, acc, ops), acc, *ops)[1](list(cts))
+    n_acc = ir.n_acc
+
+    def vjp(*args):
+        accs, ops, cts = args[:n_acc], args[n_acc: n_acc + len(shapes)], args[n_acc + len(shapes):]
+        return jax.vjp(lambda *x: evaluate(ir, _packed(ir, x[:n_acc]), x[n_acc:]), *accs, *ops)[1](list(cts))
 
     try:
         grads, _, _, _ = trace_epilogue(
             vjp, acc_shape, shapes + [output_shape(o, acc_shape) for o in ir.outputs],
             [ir.epi_dtype] * (len(shapes) + len(ir.outputs)), {}, {}, None, ir.epi_dtype,
-            ir.epi_dtype,
+            ir.epi_dtype, ir.gated,
         )
     except Exception:  # anything unusual in the derivative: keep the accumulator, to be safe
         return True
-    return grads.uses(0)
+    return any(grads.uses(i) for i in range(n_acc))
+
+
+def _packed(ir: EpilogueIR, accs: Any) -> Any:
+    """The accumulator inputs ``accs`` as :func:`evaluate` takes them: a gated program's pair, or
+    the one accumulator."""
+    return tuple(accs) if ir.gated else accs[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -347,7 +372,8 @@ def _fused_fwd(static: _Static, a, b, ops):
         # kept in the inputs' dtype, or for 8-bit inputs (which would clip or wrap it) the
         # accumulator's
         keep = static.acc_dtype if a.dtype.itemsize == 1 else a.dtype
-        *outs, acc = static.bind(a, b, ops, ir=with_acc_output(static.ir, keep))
+        outs = static.bind(a, b, ops, ir=with_acc_output(static.ir, keep))
+        outs, acc = outs[: -static.ir.n_acc], _packed(static.ir, outs[-static.ir.n_acc:])
     else:
         outs, acc = static.bind(a, b, ops), None
     return outs, (a, b, ops, acc)
@@ -356,12 +382,17 @@ def _fused_fwd(static: _Static, a, b, ops):
 def _fused_bwd(static: _Static, residuals, cts):
     a, b, ops, acc = residuals
     epi = static.ir.epi_dtype
+    gated = static.ir.gated
     if acc is None and static.save_acc:
         (acc,) = static.bind(a, b, (), ir=identity_ir(epi, epi))
-    tile = (*a.shape[:-2], *problem_shape(a.shape, b.shape, static.transpose_a, static.transpose_b)[1:3])
+        acc = split_gated(acc, gated) if gated else acc
+    _, m, n, _ = problem_shape(a.shape, b.shape, static.transpose_a, static.transpose_b)
+    tile = (*a.shape[:-2], m, n // 2 if gated else n)
     # a transposed output's cotangent, (N, M), back in the tile's layout
     cts = [jnp.swapaxes(c, -1, -2) if o.transposed else c for o, c in zip(static.ir.outputs, cts)]
     d_acc, d_ops = _epilogue_vjp(static.ir.untransposed(), acc, ops, cts, tile)
+    # a gated GEMM's two cotangents, interleaved back into the product's
+    d_acc = interleave_gated(*d_acc, block=gated) if gated else d_acc
     if jnp.issubdtype(a.dtype, jnp.integer):  # integer inputs have no gradient
         da, db = (np.zeros(x.shape, jax.dtypes.float0) for x in (a, b))
     else:
@@ -396,8 +427,9 @@ def _rows_per_partial(m: int) -> int | None:
 
 def _epilogue_vjp(ir: EpilogueIR, acc: Any, ops: tuple, cts: list,
                   tile: tuple[int, ...]) -> tuple[Any, list[Any]]:
-    """The epilogue's cotangents: the accumulator's and each operand's. ``acc`` is as stored
-    (converted here), or None where the VJP does not read it; ``tile`` is its shape.
+    """The epilogue's cotangents: the accumulator's (a gated program's pair) and each operand's.
+    ``acc`` is as stored (converted here), or None where the VJP does not read it; ``tile`` is its
+    shape.
 
     A row, column or scalar operand's cotangent is a sum over the tile. Taken from the
     accumulator's VJP, that sum shares the full-size derivative with the accumulator's
@@ -412,18 +444,23 @@ def _epilogue_vjp(ir: EpilogueIR, acc: Any, ops: tuple, cts: list,
     tiles = [i for i, x in enumerate(ir.operands) if x.role is Role.TILE]
     summed = [i for i, x in enumerate(ir.operands) if x.role is not Role.TILE]
 
-    def pullback(wrt: list[int], acc: Any, ops: tuple, cts: list) -> list[Any]:
-        """Cotangents of the operands ``wrt`` (-1: the accumulator); the others held fixed."""
-        acc = jnp.zeros(tile, ir.epi_dtype) if acc is None else acc.astype(ir.epi_dtype)
+    acc_ids = [-1 - k for k in range(ir.n_acc)]
+
+    def pullback(wrt: list[int], accs: tuple, ops: tuple, cts: list) -> list[Any]:
+        """Cotangents of the operands ``wrt`` (-1 - k: accumulator k of ``accs``); the others
+        held fixed."""
+        accs = [jnp.zeros(tile, ir.epi_dtype) if x is None else x.astype(ir.epi_dtype) for x in accs]
 
         def epilogue(*args):
             given = dict(zip(wrt, args))
-            return evaluate(ir, given.get(-1, acc), [given.get(i, x) for i, x in enumerate(ops)])
+            return evaluate(ir, _packed(ir, [given.get(-1 - k, x) for k, x in enumerate(accs)]),
+                            [given.get(i, x) for i, x in enumerate(ops)])
 
-        _, vjp = jax.vjp(epilogue, *[acc if i == -1 else ops[i] for i in wrt])
+        _, vjp = jax.vjp(epilogue, *[accs[-1 - i] if i < 0 else ops[i] for i in wrt])
         return list(vjp(cts))
 
-    d_acc, *d_tiles = pullback([-1, *tiles], acc, ops, cts)
+    d_accs = pullback([*acc_ids, *tiles], accumulators(ir, acc), ops, cts)
+    d_acc, d_tiles = _packed(ir, d_accs[: ir.n_acc]), d_accs[ir.n_acc:]
     d_sums = []
     if summed:
         # the small operands stay outside the barrier: shared, they let XLA fuse both VJPs
@@ -432,16 +469,16 @@ def _epilogue_vjp(ir: EpilogueIR, acc: Any, ops: tuple, cts: list,
         # (an output reduced over rows has no rows to split)
         r = None if any(o.reduce for o in ir.outputs) else _rows_per_partial(tile[-2])
         if r is None:
-            d_sums = pullback(summed, acc2, ops2, cts2)
+            d_sums = pullback(summed, accumulators(ir, acc2), ops2, cts2)
         else:
-            d_sums = _partial_sums(pullback, summed, acc2, ops2, cts2, ir.epi_dtype, r)
+            d_sums = _partial_sums(pullback, summed, accumulators(ir, acc2), ops2, cts2, ir.epi_dtype, r)
     by_index = dict(zip(tiles, d_tiles)) | dict(zip(summed, d_sums))
     return d_acc, [by_index[i] for i in range(len(ops))]
 
 
-def _partial_sums(pullback: Callable[..., list[Any]], summed: list[int], acc: Any, ops: tuple,
+def _partial_sums(pullback: Callable[..., list[Any]], summed: list[int], accs: tuple, ops: tuple,
                   cts: list, epi_dtype: Any, r: int) -> list[Any]:
-    """``pullback(summed, acc, ops, cts)``, its sums over rows taken in two steps: the M rows
+    """``pullback(summed, accs, ops, cts)``, its sums over rows taken in two steps: the M rows
     split into chunks of ``r``, each summed operand without rows copied per chunk (its
     cotangent then holds a partial sum per chunk, in fp32), and the partials summed behind a
     barrier, which keeps XLA from merging the two sums back into one."""
@@ -461,8 +498,9 @@ def _partial_sums(pullback: Callable[..., list[Any]], summed: list[int], acc: An
         return jnp.broadcast_to(x, (*x.shape[:-3], m // r, *x.shape[-2:]))
 
     chunked = tuple(per_chunk(x) if i in summed else split(x) for i, x in enumerate(ops))
-    acc = jnp.zeros(cts[0].shape, epi_dtype) if acc is None else acc  # read only if the VJP does
-    partials = pullback(summed, split(acc), chunked, [split(c) for c in cts])
+    # (zeros are read only if the VJP does)
+    accs = tuple(split(jnp.zeros(cts[0].shape, epi_dtype) if x is None else x) for x in accs)
+    partials = pullback(summed, accs, chunked, [split(c) for c in cts])
     partials = jax.lax.optimization_barrier(partials)
     return [(p if has_rows(ops[i]) else p.sum(-3)).reshape(ops[i].shape)
             for i, p in zip(summed, partials)]

@@ -29,6 +29,7 @@ from . import config as _config
 from . import device
 from .arguments import allowed_acc_dtypes, mixes_8bit
 from .epilogue import EpilogueIR, Role, canonical_shape, evaluate, identity_ir, output_shape, with_acc_output
+from .gated import split_gated
 from .log import log_once
 from .plan import plan_call
 from .reference import fused_gemm_reference
@@ -98,6 +99,12 @@ def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, pre
         raise TypeError(f"acc_dtype={np.dtype(acc_dtype).name} cannot accumulate {a.dtype} inputs; "
                         f"allowed: {', '.join(allowed)}.")
     batch, m, n, _ = problem_shape(a.shape, b.shape, transpose_a, transpose_b)
+    if ir.gated:
+        if n % (2 * ir.gated):
+            raise ValueError(f"b has {n} columns; a gated GEMM of block {ir.gated} needs a multiple of "
+                             f"{2 * ir.gated}: whole (gate, up) block pairs (a b sharded along N must "
+                             "keep each shard's columns in whole pairs).")
+        n //= 2
     if len(operands) != len(ir.operands):
         raise ValueError(f"the epilogue takes {len(ir.operands)} operands, got {len(operands)}.")
     for spec, x in zip(ir.operands, operands):
@@ -326,14 +333,24 @@ def _jvp_rule(primals, tangents, *, ir, transpose_a, transpose_b, acc_dtype, pre
     params = dict(transpose_a=transpose_a, transpose_b=transpose_b, acc_dtype=acc_dtype,
                   precision=precision, config=config, local=local, feeds_collective=feeds_collective)
     epi = ir.epi_dtype
-    *outs, acc = fused_gemm_p.bind(a, b, *operands, ir=with_acc_output(ir, epi), **params)
+    outs = fused_gemm_p.bind(a, b, *operands, ir=with_acc_output(ir, epi), **params)
+    outs, accs = outs[: -ir.n_acc], outs[-ir.n_acc:]
     plain = dict(params, ir=identity_ir(epi, epi))
     # the accumulator's tangent: op(ta) @ op(b) + op(a) @ op(tb), each a plain GEMM
     terms = [fused_gemm_p.bind(*match_varying(pair), **plain)[0]
              for pair, tangent in (((ta, b), ta), ((a, tb), tb)) if type(tangent) is not ad.Zero]
-    t_acc = sum(terms[1:], terms[0]) if terms else jnp.zeros_like(acc)
+    if terms:
+        t_acc = sum(terms[1:], terms[0])
+        t_accs = split_gated(t_acc, ir.gated) if ir.gated else (t_acc,)
+    else:
+        t_accs = tuple(jnp.zeros_like(x) for x in accs)
     t_ops = [jnp.zeros(x.shape, x.dtype) if type(t) is ad.Zero else t for x, t in zip(operands, t_ops)]
-    _, t_outs = jax.jvp(lambda acc, *ops: evaluate(ir, acc, ops), (acc, *operands), (t_acc, *t_ops))
+
+    def epilogue(*args):
+        n = ir.n_acc
+        return evaluate(ir, args[:n] if ir.gated else args[0], args[n:])
+
+    _, t_outs = jax.jvp(epilogue, (*accs, *operands), (*t_accs, *t_ops))
     return outs, list(t_outs)
 
 
@@ -342,7 +359,7 @@ def _transpose_rule(cts, a, b, *operands, ir, transpose_a, transpose_b, acc_dtyp
     """Only the plain GEMMs of a JVP are linear (the accumulator converted, nothing else), in
     whichever of ``a`` and ``b`` is the tangent."""
     del local, feeds_collective
-    if operands or ir.instrs or len(ir.outputs) != 1 or ir.outputs[0].value != 0:
+    if operands or ir.instrs or ir.gated or len(ir.outputs) != 1 or ir.outputs[0].value != 0:
         raise NotImplementedError("jax_efc: only a plain fused GEMM is linear, and transposable.")
     (ct,) = cts
     if type(ct) is ad.Zero:

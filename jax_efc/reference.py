@@ -8,7 +8,7 @@ import numpy as np
 from jax import lax
 
 from . import arguments
-from .epilogue import EpilogueIR, evaluate
+from .epilogue import EpilogueIR, evaluate_product
 
 __all__ = ["contraction", "fused_gemm_reference"]
 
@@ -52,4 +52,4 @@ def fused_gemm_reference(
     )
     if one_row:
         acc = lax.slice_in_dim(acc, 0, 1, axis=acc.ndim - 2)
-    return evaluate(ir, acc, operands)
+    return evaluate_product(ir, acc, operands)

@@ -6,7 +6,8 @@ and a partition function:
 
 - batch L / M sharded (data parallel): each device runs its rows, no communication;
 - N sharded (column-parallel): each device runs its columns with its slice of the weight and
-  of every row vector and tile operand;
+  of every row vector and tile operand (a gated GEMM's weight only where each slice holds
+  whole gate and up block pairs; else it is gathered along N);
 - K sharded on both ``a`` and ``b`` (row-parallel): each device computes a partial product,
   the partials are summed with ``psum`` and only then is the epilogue applied, in XLA,
   because a nonlinear epilogue cannot run on partial sums. The partial products' GEMM leaves
@@ -28,6 +29,7 @@ Under ``shard_map`` (all axes manual) and on one device the call is not partitio
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import partial
 from typing import Any
 
@@ -38,7 +40,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .epilogue import EpilogueIR, Role, evaluate, identity_ir, store_as
+from .epilogue import EpilogueIR, Role, evaluate_product, identity_ir, store_as
 
 __all__ = ["lower_partitioned"]
 
@@ -129,6 +131,11 @@ def _shardings(params, mesh, arg_shapes):
     plan = _plan(params, arg_shapes)
     a, b, ops = arg_shapes
     ir = params["ir"]
+    if ir.gated and plan.n is not None:
+        # a gated GEMM's shard of N must hold whole (gate, up) block pairs: else N is gathered
+        n = b.shape[-2] if params["transpose_b"] else b.shape[-1]
+        if (n // math.prod(mesh.shape[x] for x in _axes(plan.n))) % (2 * ir.gated):
+            plan = dataclasses.replace(plan, n=None)
     args = (
         NamedSharding(mesh, plan.a(len(a.shape), params["transpose_a"])),
         NamedSharding(mesh, plan.b(len(b.shape), params["transpose_b"])),
@@ -150,7 +157,7 @@ def _partition(key, mesh, arg_shapes, result_shape):
             return _local(primitive, {**params, "ir": local_ir}, a, b, ops)
         plain = identity_ir(_partial_sum_dtype(params), ir.epi_dtype)
         (part,) = _local(primitive, {**params, "ir": plain, "feeds_collective": True}, a, b, ())
-        return evaluate(local_ir, lax.psum(part, plan.k), ops)
+        return evaluate_product(local_ir, lax.psum(part, plan.k), ops)
 
     def partitioned(a, b, ops):
         return _completed(ir, plan, local(a, b, ops))

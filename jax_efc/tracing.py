@@ -298,8 +298,10 @@ def trace_epilogue(
     out_dtypes: Any,
     default_out_dtype: Any,
     epi_dtype: Any = jnp.float32,
+    gated: int = 0,
 ) -> tuple[EpilogueIR, Any, list[Role], list[bool]]:
-    """Trace ``fn(acc, *operands, **scalars)`` into an :class:`EpilogueIR`.
+    """Trace ``fn(acc, *operands, **scalars)`` into an :class:`EpilogueIR`; with ``gated`` (a
+    gated GEMM's block width), ``fn(gate_acc, up_acc, *operands, **scalars)``.
 
     Returns the IR, the output structure (for rebuilding a dict/tuple), and for each
     operand (positional, then the dynamic scalars by sorted name) its role and whether it
@@ -309,7 +311,9 @@ def trace_epilogue(
     if not jnp.issubdtype(epi, jnp.floating):
         raise TypeError(f"epi_dtype must be a floating dtype, got {epi}.")
     roles, batched = [], []
-    inputs = [Input(Role.ACC, epi.name, "acc")]
+    inputs = ([Input(Role.ACC, epi.name, "gate_acc"), Input(Role.ACC, epi.name, "up_acc")] if gated
+              else [Input(Role.ACC, epi.name, "acc")])
+    n_acc = len(inputs)
     avals = []
     for i, (shape, dtype) in enumerate(zip(operand_shapes, operand_dtypes)):
         what = f"epilogue operand {i}"
@@ -340,15 +344,16 @@ def trace_epilogue(
 
     n_pos = len(operand_shapes)
 
-    def wrapped(acc, *args):
+    def wrapped(*args):
+        accs, args = args[:n_acc], args[n_acc:]
         kw = dict(static_scalars)
         kw.update(zip(dyn_names, args[n_pos:]))
-        return fn(acc, *args[:n_pos], **kw)
+        return fn(*accs, *args[:n_pos], **kw)
 
     scalar_avals = [jax.ShapeDtypeStruct((), epi) for _ in dyn_names]
     try:
         closed, out_shape = jax.make_jaxpr(wrapped, return_shape=True)(
-            jax.ShapeDtypeStruct(tuple(acc_shape), epi), *avals, *scalar_avals
+            *[jax.ShapeDtypeStruct(tuple(acc_shape), epi)] * n_acc, *avals, *scalar_avals
         )
     except EpilogueError:
         raise
@@ -363,9 +368,10 @@ def trace_epilogue(
         if leaf is None:
             raise EpilogueError(f"epilogue output {name!r} is None; every output must be an array.")
     builder = _Builder(inputs, tuple(acc_shape))
-    in_axes = [builder.aligned(tuple(acc_shape))] + [builder.aligned(tuple(a.shape)) for a in avals + scalar_avals]
+    in_axes = ([builder.aligned(tuple(acc_shape))] * n_acc
+               + [builder.aligned(tuple(a.shape)) for a in avals + scalar_avals])
     flat_out = builder.run(closed.jaxpr, closed.consts, list(zip(range(len(inputs)), in_axes)))
-    ir = EpilogueIR(tuple(inputs), tuple(builder.instrs), (), epi.name)
+    ir = EpilogueIR(tuple(inputs), tuple(builder.instrs), (), epi.name, gated)
     reduced = after_reduction(ir)
     for name, leaf, (vid, _) in zip(names, leaves, flat_out):
         if tuple(leaf.shape) != tuple(acc_shape) and not reduced[vid]:

@@ -215,7 +215,8 @@ def _precision(cfg):
 
 def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
     """(ir, operand avals) for one of the test epilogues; ``"NAME/D,Y"`` stores its outputs D
-    and Y transposed, ``"NAME+atomic"`` folds its reductions across tiles by atomics."""
+    and Y transposed, ``"NAME+atomic"`` folds its reductions across tiles by atomics, ``"gatedB:NAME"``
+    is a gated one of block B (``n`` the product's columns)."""
     import jax
     import jax.numpy as jnp
 
@@ -224,6 +225,10 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
 
     name, _, transposed = name.partition("/")
     name, atomic = name.removesuffix("+atomic"), name.endswith("+atomic")
+    gated = 0
+    if name.startswith("gated"):
+        head, _, name = name.partition(":")
+        gated, n = int(head[len("gated"):]), n // 2
 
     acc_shape = (m, n) if batch is None else (batch, m, n)
     out_dtype = jnp.int32 if jnp.issubdtype(dtype, jnp.integer) else dtype  # as efc.gemm defaults
@@ -278,6 +283,12 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
         from jax_efc import activations, fp8
         fn = fp8._gradient_epilogue(activations.resolve("gelu_tanh"), True, True)
         shapes, dtypes, outs = [acc_shape, acc_shape], [dtype, dtype], (jnp.float8_e5m2,) * 2 + (jnp.float32,) * 2
+    elif name == "swiglu":  # gated: the gate's and the up projection's biases
+        fn = lambda g, u, bg, bu: jax.nn.silu(g + bg) * (u + bu)  # noqa: E731
+        shapes, dtypes, outs = [(1, n), (1, n)], [dtype, dtype], out_dtype
+    elif name == "geglu_tile":  # gated: a TILE operand, and the gate's accumulator kept
+        fn = lambda g, u, c: {"D": jax.nn.gelu(g) * u + c, "G": g}  # noqa: E731
+        shapes, dtypes, outs = [acc_shape], [dtype], {"D": out_dtype, "G": dtype}
     else:  # tile + row + col + scalar operands, three outputs of three dtypes
         def fn(acc, c, bias, col, s, *, alpha):
             y = acc * alpha + c * s + bias
@@ -286,7 +297,7 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
         dtypes = [dtype, jnp.float32, dtype, jnp.float32]
         outs = {"D": out_dtype, "Y": jnp.float32, "Z": jnp.float16}
     static = {"multi": {"alpha": 2.0}, "scaled_amax": {"scale": 0.25}, "fp8_grad_pass": {"inv_scale": 0.5}}.get(name, {})
-    ir, *_ = trace_epilogue(fn, acc_shape, shapes, dtypes, static, {}, outs, out_dtype)
+    ir, *_ = trace_epilogue(fn, acc_shape, shapes, dtypes, static, {}, outs, out_dtype, gated=gated)
     if name.startswith("masked"):  # the first output over operand 0
         ir = with_masked_stores(ir.with_outputs([dataclasses.replace(o, inplace=0 if k == 0 else None)
                                                  for k, o in enumerate(ir.outputs)]))
@@ -422,11 +433,12 @@ def check_variant(result: dict, variant: tuple, stream_k: bool | None = None) ->
     wait = ptx.find("griddepcontrol.wait;")
     assert 0 <= wait < ptx.find("cp.async.bulk.tensor") and "griddepcontrol.launch_dependents;" in ptx
     assert all(wait < i for i in (ptx.find(op) for op in ("ld.global", "st.global", "prefetch.global")) if i >= 0)
-    epilogue = variant[5].partition("/")[0].removesuffix("+atomic")
+    epilogue = variant[5].partition("/")[0].removesuffix("+atomic").rpartition(":")[2]  # ("gatedB:NAME": NAME)
     # each tile's slice of a ROW/COL vector is prefetched into L1 ahead of its epilogue
     assert ("prefetch.global.L1" in ptx) == (epilogue in ("bias_gelu", "bias_silu", "multi", "int_multi",
-                                                         "bias_gelu_colsum", "amax", "all_reductions"))
-    if epilogue in ("alpha_beta", "f32_tile", "multi"):
+                                                         "bias_gelu_colsum", "amax", "all_reductions",
+                                                         "swiglu"))
+    if epilogue in ("alpha_beta", "f32_tile", "multi", "geglu_tile"):
         # TILE operands are TMA-loaded into smem and read from there (16-bit ones by
         # ldmatrix), not gathered from global memory ("multi" still gathers its row/column
         # vectors)
@@ -465,6 +477,8 @@ _KNOWN_SPILLS = {
     "fp16_256x192_mk": (4, 4),
     "fp16_pingpong_bias_gelu_192x128_epi64x64": (376, 448),
     "bf16_pingpong_multi_c1x2": (376, 420),
+    # a gated epilogue's two fragments beside 192 accumulators a thread (the heuristic takes 128x128)
+    "bf16_pingpong_swiglu_192x128_c1x2": (20, 32),
 }
 
 

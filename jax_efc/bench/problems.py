@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import activations, example_epilogues
 from ..config import GemmConfig
+from ..gated import DEFAULT_BLOCK, split_gated
 from ..mlp import fused_mlp
 from ..ops import fused_dense, gemm
 
@@ -31,6 +32,10 @@ EPILOGUES = ("gemm", "bias+gelu_tanh", "bias+gelu", "bias+silu", "alpha-beta")
 TRAIN_EPILOGUES = tuple(f"train:{e}" for e in EPILOGUES if e.startswith("bias+"))
 # a two-layer MLP's training step (fused_mlp), K -> N -> K over M rows; measured only when asked for
 MLP_STEPS = ("train:mlp+gelu_tanh", "train:gated_mlp+silu")
+# a gated layer's forward, act(x @ Wg + bg) * (x @ Wu + bu), hidden width N: one gated GEMM
+# (gate and up interleaved in blocks of 64) against XLA's GEMM on the same weight and the
+# epilogue after it; measured only when asked for
+GATED_EPILOGUES = ("gated:swiglu", "gated:geglu")
 # L dense layers of width K under lax.scan over stacked kernels and biases (shape M,K,K,L), as
 # models that scan their layers run them: the forward, or with "train:" the training step
 SCAN_EPILOGUES = tuple(f"{step}scan:{e}" for step in ("", "train:") for e in EPILOGUES if e.startswith("bias+"))
@@ -55,7 +60,7 @@ REDUCTION_EPILOGUES = ("bias+gelu_tanh+colsum", "bias+gelu_tanh+colsum-atomic")
 # against the bf16 dense layer in plain JAX; measured only when asked for
 FP8_TRAIN_STEPS = ("fp8train:bias+gelu_tanh", "fp8train-fast:bias+gelu_tanh", "fp8train-bf16:bias+gelu_tanh")
 NAMED_EPILOGUES = (EPILOGUES + TRAIN_EPILOGUES + MLP_STEPS + SCAN_EPILOGUES + EIGHT_BIT_EPILOGUES
-                   + REDUCTION_EPILOGUES + FP8_TRAIN_STEPS)  # every name --epilogues takes
+                   + REDUCTION_EPILOGUES + FP8_TRAIN_STEPS + GATED_EPILOGUES)  # every name --epilogues takes
 ALPHA_BETA_SCALARS = {"alpha": 2.0, "beta": 1.0, "x_factor": 3.0}
 
 
@@ -290,6 +295,31 @@ def mlp_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
                    gemms=9 if gated else 6, stds=stds)
 
 
+def gated_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
+                  config: GemmConfig | str | None = None) -> Problem:
+    """``epilogue`` in ``GATED_EPILOGUES``: ``act(x @ Wg + bg) * (x @ Wu + bu)`` over M rows of
+    width K into N hidden columns, ours one gated GEMM on the interleaved weight (K, 2N), the
+    baseline XLA's GEMM on that weight, split into its halves by the epilogue after it."""
+    m, n, k, l = shape
+    if l > 1:
+        raise ValueError(f"{epilogue} is a dense layer: give M,N,K without a batch")
+    act = activations.resolve({"swiglu": "silu", "geglu": "gelu_tanh"}[epilogue.split(":")[1]])
+    specs = tuple(jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, 2 * n), (n,), (n,)))
+
+    def fn(g, u, bg, bu):
+        return act(g + bg) * (u + bu)
+
+    def ours(x, w, bg, bu):
+        return gemm(x, w, fn, bg, bu, gated=DEFAULT_BLOCK, config=config)
+
+    def plain(x, w, bg, bu, precision=None):
+        return fn(*split_gated(jnp.matmul(x, w, precision=precision), DEFAULT_BLOCK), bg, bu).astype(x.dtype)
+
+    exact = functools.partial(plain, precision=jax.lax.Precision.HIGHEST)
+    return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs, jax.jit(ours),
+                   jax.jit(plain), jax.jit(_in_float32(exact)), gemms=2, stds=(1.0, k ** -0.5))
+
+
 def scan_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
                  config: GemmConfig | str | None = None) -> Problem:
     """``epilogue`` in ``SCAN_EPILOGUES``: L dense layers ``activation(h @ kernel + bias)`` of
@@ -328,6 +358,8 @@ def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
     heuristic's)."""
     if epilogue in MLP_STEPS:
         return mlp_problem(epilogue, shape, dtype, config)
+    if epilogue in GATED_EPILOGUES:
+        return gated_problem(epilogue, shape, dtype, config)
     if epilogue in SCAN_EPILOGUES:
         return scan_problem(epilogue, shape, dtype, config)
     if epilogue.startswith("train:"):

@@ -179,6 +179,7 @@ def _assemble(plan: Plan, a, b, operands, timeline: bool) -> _Call:
     inputs = [_as3d(a), _as3d(b), *(_as3d(x) for x in operands)]
     in_specs = [swap if transpose_a else keep, keep if transpose_b else swap, *([keep] * len(operands))]
     stored = [o for o in problem.ir.outputs if not o.reduce]
+    n = n // 2 if problem.ir.gated else n  # a gated GEMM's outputs: one column a (gate, up) pair
     # a transposed output is (L, N, M): its swapped view is the kernel's (M, N, L), M contiguous
     out_shapes = [jax.ShapeDtypeStruct((batch, n, m) if o.transposed else (batch, m, n), o.dtype) for o in stored]
     # outputs written over a tile operand: each CTA reads a subtile of the operand before it

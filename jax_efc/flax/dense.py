@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from ..activations import resolve
 from ..fp8 import Fp8Meta, fp8_dense, fp8_mlp
+from ..gated import check_block
 from ..mlp import fused_mlp
 from ..ops import fused_dense, gemm
 
@@ -90,14 +91,16 @@ def mlp(
     precision: Any = None,
     fp8: str | None = None,
     metas: tuple[Fp8Meta | None, Fp8Meta | None, Fp8Meta | None] = (None, None, None),
+    gated: int | None = None,
 ) -> Any:
-    """``jax_efc.fused_mlp`` (``gate_kernel`` None: not gated); with ``fp8`` set, with the metas
+    """``jax_efc.fused_mlp`` (``gate_kernel`` None: not gated, or with ``gated``, gate and up
+    interleaved in ``up_kernel``); with ``fp8`` set, with the metas
     of ``metas`` (up, gate, down; None: current scaling), ``jax_efc.fp8_mlp``, or gated, each
     projection an ``fp8_dense`` and the product ``act(x @ Wg + bg) * (x @ Wu + bu)`` computed by
     XLA between them."""
     if fp8 is None:
         return fused_mlp(inputs, up_kernel, up_bias, down_kernel, down_bias, activation=activation,
-                         gate_kernel=gate_kernel, gate_bias=gate_bias, precision=precision)
+                         gate_kernel=gate_kernel, gate_bias=gate_bias, gated=gated, precision=precision)
     up_meta, gate_meta, down_meta = metas
     if gate_kernel is None:
         return fp8_mlp(inputs, up_kernel, up_bias, down_kernel, down_bias, activation=activation, up_meta=up_meta,
@@ -105,6 +108,17 @@ def mlp(
     hidden = (fp8_dense(inputs, gate_kernel, gate_bias, activation=activation, meta=gate_meta, precision=precision)
               * fp8_dense(inputs, up_kernel, up_bias, meta=up_meta, precision=precision))
     return fp8_dense(hidden, down_kernel, down_bias, meta=down_meta, precision=precision)
+
+
+def check_gated_block(gated_block: Any, gated: bool, fp8: str | None) -> None:
+    """Fail at construction on a ``gated_block`` without ``gated=True``, with ``fp8``, or not a
+    block width (``jax_efc.gated``)."""
+    if gated_block is None:
+        return
+    if not gated or fp8 is not None:
+        raise ValueError(f"gated_block={gated_block!r} interleaves a gated MLP's gate and up kernels; it needs "
+                         "gated=True and fp8=None.")
+    check_block(gated_block, "gated_block")
 
 
 def check_activation(activation: str | Callable[[Any], Any] | None) -> None:

@@ -23,7 +23,7 @@ from flax.linen.dtypes import promote_dtype
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 from ..fp8 import Fp8Meta
-from .dense import check_activation, check_fp8, dense, mlp
+from .dense import check_activation, check_fp8, check_gated_block, dense, mlp
 
 __all__ = ["FusedDense", "FusedMLP"]
 
@@ -162,6 +162,11 @@ class FusedMLP(nn.Module):
     (under ``up``, ``gate``, ``down``) and the MLP runs ``jax_efc.fp8_mlp``; the gated form runs
     each projection as a ``jax_efc.fp8_dense`` and XLA computes the product between the FP8 GEMMs
     (it is not fused into the first GEMM).
+
+    ``gated_block=B`` (gated, not FP8) keeps gate and up as one layer ``gate_up`` instead, its
+    kernel (in, 2 * hidden) and bias interleaved in blocks of ``B`` columns
+    (``jax_efc.interleave_gated`` converts a checkpoint of ``gate`` and ``up``): one gated GEMM
+    computes both.
     """
 
     hidden_features: int
@@ -176,10 +181,12 @@ class FusedMLP(nn.Module):
     hidden_axis: str | None = None
     fp8: str | None = None
     amax_history_length: int = 1024
+    gated_block: int | None = None
 
     def __post_init__(self) -> None:
         check_activation(self.activation)
         check_fp8(self.fp8, self.amax_history_length)
+        check_gated_block(self.gated_block, self.gated, self.fp8)
         super().__post_init__()
 
     @nn.compact
@@ -193,6 +200,12 @@ class FusedMLP(nn.Module):
             return _DenseParams(features, self.use_bias, self.param_dtype, fp8=self.fp8,
                                 amax_history_length=self.amax_history_length, name=name, **axes)(in_features)
 
+        if self.gated_block:
+            gate_up = layer("gate_up", d_in, 2 * self.hidden_features, into)
+            down = layer("down", self.hidden_features, d_out, out_of)
+            x, w, b, w_down, b_down = promote_dtype(inputs, *gate_up[:2], *down[:2], dtype=self.dtype)
+            return mlp(x, w, b, None, None, w_down, b_down, activation=self.activation, precision=self.precision,
+                       gated=self.gated_block)
         up = layer("up", d_in, self.hidden_features, into)
         gate = layer("gate", d_in, self.hidden_features, into) if self.gated else (None, None, None)
         down = layer("down", self.hidden_features, d_out, out_of)

@@ -28,7 +28,7 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.nnx.nn import dtypes
 
 from ..fp8 import Fp8Meta
-from .dense import check_activation, check_fp8, dense, mlp
+from .dense import check_activation, check_fp8, check_gated_block, dense, mlp
 
 __all__ = ["FusedLinear", "FusedMLP", "OverwriteWithGradient"]
 
@@ -132,6 +132,10 @@ class FusedMLP(nnx.Module):
     ``out_sharding``); None adds no metadata. ``fp8`` and ``amax_history_length`` are
     ``FusedLinear``'s, for each layer (each its own state): ``jax_efc.fp8_mlp``, or gated,
     ``fp8_dense`` layers with XLA computing the product between the FP8 GEMMs.
+
+    ``gated_block=B`` (gated, not FP8) makes gate and up one layer ``gate_up``, its kernel
+    (in, 2 * hidden) and bias interleaved in blocks of ``B`` columns (``jax_efc.interleave_gated``):
+    one gated GEMM computes both.
     """
 
     def __init__(
@@ -152,10 +156,12 @@ class FusedMLP(nnx.Module):
         hidden_axis: str | None = None,
         fp8: str | None = None,
         amax_history_length: int = 1024,
+        gated_block: int | None = None,
         rngs: nnx.Rngs,
     ):
         check_activation(activation)
         check_fp8(fp8, amax_history_length)
+        check_gated_block(gated_block, gated, fp8)
         named = embed_axis is not None or hidden_axis is not None
 
         def linear(d_in: int, d_out: int, axes: tuple[str | None, str | None]) -> FusedLinear:
@@ -165,8 +171,12 @@ class FusedMLP(nnx.Module):
                                bias_init=bias_init, fp8=fp8, amax_history_length=amax_history_length,
                                rngs=rngs, **meta)
 
-        self.up = linear(in_features, hidden_features, (embed_axis, hidden_axis))
-        self.gate = linear(in_features, hidden_features, (embed_axis, hidden_axis)) if gated else nnx.data(None)
+        self.gated_block = gated_block
+        if gated_block:
+            self.gate_up = linear(in_features, 2 * hidden_features, (embed_axis, hidden_axis))
+        else:
+            self.up = linear(in_features, hidden_features, (embed_axis, hidden_axis))
+            self.gate = linear(in_features, hidden_features, (embed_axis, hidden_axis)) if gated else nnx.data(None)
         self.down = linear(hidden_features, out_features or in_features, (hidden_axis, embed_axis))
         self.activation = activation
         self.dtype = dtype
@@ -174,6 +184,11 @@ class FusedMLP(nnx.Module):
         self.fp8 = fp8
 
     def __call__(self, inputs: Any) -> Any:
+        if self.gated_block:
+            x, w, b, w_down, b_down = dtypes.promote_dtype(
+                (inputs, *_params(self.gate_up), *_params(self.down)), dtype=self.dtype)
+            return mlp(x, w, b, None, None, w_down, b_down, activation=self.activation, precision=self.precision,
+                       gated=self.gated_block)
         layers = [self.up, self.gate, self.down]
         params = [p for layer in layers for p in
                   ((None, None) if layer is None else
@@ -181,3 +196,8 @@ class FusedMLP(nnx.Module):
         metas = tuple(None if layer is None else layer.meta() for layer in layers)
         return mlp(*dtypes.promote_dtype((inputs, *params), dtype=self.dtype), activation=self.activation,
                    precision=self.precision, fp8=self.fp8, metas=metas)
+
+
+def _params(layer: FusedLinear) -> tuple[Any, Any]:
+    """A layer's kernel and bias (None without one)."""
+    return layer.kernel[...], layer.bias[...] if layer.bias is not None else None

@@ -102,7 +102,7 @@ class ConsumerEpilogue:
     ring: tuple
     thr_s2r: list
     thr_r2s: list
-    frag: cute.Tensor  # fp32 accumulator values of one subtile
+    frag: cute.Tensor  # fp32 accumulator values of one subtile (a gated GEMM's gate)
     frag_raw: object  # with an integer accumulator, the same values in its own dtype; else None
     # (m, n) within the tile of each accumulator value this thread holds (Hopper: registers) or
     # reads (Blackwell: tensor memory), and per subtile the index in tCcT behind each `frag` value
@@ -117,6 +117,7 @@ class ConsumerEpilogue:
     red_smem: tuple = ()
     red_out: tuple = ()
     red_frag: tuple = ()
+    frag_up: object = None  # a gated GEMM's up-projection accumulators of the subtile; else None
 
 
 class FusedGemmBase:
@@ -161,10 +162,16 @@ class FusedGemmBase:
         self.acc_per_thread = tile_m * tile_n // epi_threads
         self.epi_tile = epilogue_tile(cfg)
         self.epi_blocks = epi_blocks
-        self.reductions = tuple(TileReduction(o.reduce, o.over, self.epi_tile, (tile_m, tile_n), epi_threads,
+        # a gated GEMM (jax_efc.gated): the tile's columns are (gate, up) block pairs, and its
+        # outputs' tile is half as wide, a gate block's columns
+        self.gated = problem.ir.gated
+        self.out_tile = (tile_m, tile_n // 2 if self.gated else tile_n)
+        self.reductions = tuple(TileReduction(o.reduce, o.over, self.epi_tile, self.out_tile, epi_threads,
                                               epi_blocks, atomic=o.atomic) for o in self.visitor.reduced)
-        # subtiles a tile, numbered down M first; values in one subtile of one tensor
-        self.n_sub = (tile_m // self.epi_tile[0]) * (tile_n // self.epi_tile[1])
+        # subtiles of the outputs' tile, numbered down M first (of the accumulator tile:
+        # n_acc_sub); values in one subtile of one tensor
+        self.n_sub = (tile_m // self.epi_tile[0]) * (self.out_tile[1] // self.epi_tile[1])
+        self.n_acc_sub = (tile_m // self.epi_tile[0]) * (tile_n // self.epi_tile[1])
         self.subtile_elems = self.epi_tile[0] * self.epi_tile[1]
         # TILE operands that some output uses are staged through smem by TMA
         ops = problem.ir.operands
@@ -257,6 +264,17 @@ class FusedGemmBase:
                 stage_bytes[stage] += nbytes(dt)
         outputs = pack(self.out_dtypes, n_op_stages) if n_op_stages < self.stages else None
         return op_slots, outputs and outputs[0], tuple(stage_bytes)
+
+    def _gated_subtiles(self, s: int) -> tuple[int, int, int]:
+        """A gated GEMM's output subtile ``s``: the accumulator subtiles of its gate and up values
+        and how many columns left of the gate's its output columns lie (trace-time integers).
+        The output's column c of the tile lies in block pair c // B at c % B; that pair's gate
+        block starts at accumulator column 2B (c // B), its up block B columns further."""
+        sub_m, epi_n, block = self.tile_mnk[0] // self.epi_tile[0], self.epi_tile[1], self.gated
+        col = s // sub_m * epi_n
+        gate_col = col + col // block * block
+        gate = s % sub_m + sub_m * (gate_col // epi_n)
+        return gate, gate + sub_m * (block // epi_n), gate_col - col
 
     def _epi_tiler(self):
         """A subtile as a CuTe tiler of the CTA tile: ``epi_tile``, or where a subtile spans
@@ -374,6 +392,7 @@ class FusedGemmBase:
             thr_s2r=thr_s2r,
             thr_r2s=thr_r2s,
             frag=cute.make_rmem_tensor(frag_shape, cutlass.Float32),
+            frag_up=cute.make_rmem_tensor(frag_shape, cutlass.Float32) if self.gated else None,
             frag_raw=(cute.make_rmem_tensor(frag_shape, self.acc_dtype)
                       if self.acc_dtype in (cutlass.Int32,) else None),
         )
@@ -393,8 +412,11 @@ class FusedGemmBase:
         )
 
     def _tile_coords(self, epi: ConsumerEpilogue, s: int, m_idx, n_idx) -> list[tuple]:
-        """Global (m, n) of subtile ``s``'s fragment values in tile (m_idx, n_idx)."""
-        m0, n0 = m_idx * self.tile_mnk[0], n_idx * self.tile_mnk[1]
+        """Global (m, n) in the outputs of subtile ``s``'s fragment values in tile (m_idx, n_idx)."""
+        m0, n0 = m_idx * self.out_tile[0], n_idx * self.out_tile[1]
+        if self.gated:
+            gate, _, shift = self._gated_subtiles(s)
+            return [(m0 + epi.tCcT[i][0], n0 + epi.tCcT[i][1] - shift) for i in epi.acc_index[gate]]
         return [(m0 + epi.tCcT[i][0], n0 + epi.tCcT[i][1]) for i in epi.acc_index[s]]
 
     @cute.jit
@@ -468,8 +490,9 @@ class FusedGemmBase:
                                      cute.zipped_divide(tile, self._epi_tiler()))
 
     def _local_tiles(self, tensors) -> list:
-        """Each (M|1, N|1, L|1) tensor of ``tensors`` as (bM, bN, RestM, RestN, RestL) tiles."""
-        tile_2d = cute.slice_(self.tile_mnk, (None, None, 0))
+        """Each (M|1, N|1, L|1) tensor of ``tensors`` (outputs, TILE operands) as (bM, bN, RestM,
+        RestN, RestL) tiles of the outputs' tile."""
+        tile_2d = self.out_tile if self.gated else cute.slice_(self.tile_mnk, (None, None, 0))
         return [cute.local_tile(t, tile_2d, (None, None, None)) for t in tensors]
 
     def _tile_op_tile(self, gC: list, j, m_idx, n_idx, l_idx) -> cute.Tensor:
@@ -507,7 +530,7 @@ class FusedGemmBase:
                 ring_states.append(pipeline.PipelineState(
                     self.stages, past.count + k, index % self.stages, past.phase ^ (index // self.stages)))
         waited = 0  # operand stages waited for so far
-        origin = (m_idx * self.tile_mnk[0], n_idx * self.tile_mnk[1])
+        origin = (m_idx * self.out_tile[0], n_idx * self.out_tile[1])
         running = [r.start() for r in self.reductions]
         for s in cutlass.range_constexpr(n_sub):
             coords = self._subtile_accumulators(epi, acc, s, m_idx, n_idx)
@@ -532,7 +555,8 @@ class FusedGemmBase:
                 cute.copy(epi.s2r[j], tile_op_smem[j], epi.tSR_rC[j])
                 preloaded[self.tile_ops[j]] = epi.frag_c[j].load().to(cutlass.Float32)
             outs = self.visitor(frag.load(), coords, epi.operands, epi.mn_extent, l_idx, preloaded,
-                                paced=paced, raw=None if epi.frag_raw is None else epi.frag_raw.load())
+                                paced=paced, raw=None if epi.frag_raw is None else epi.frag_raw.load(),
+                                up=epi.frag_up.load() if self.gated else None)
             # (Stores from registers straight to global memory, 32 bits a pair of values with
             # no smem buffers and no barriers, were slower for alpha-beta on H200, and the smem
             # they free bought nothing: benchmarks/FINDINGS.md)

@@ -7,13 +7,14 @@ a sentence rather than a compiler error."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 
 from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR, Role
 from jax_efc.kernels.dtypes import OPERAND_DTYPES, OUT_DTYPES, VALUE_DTYPES, align_elems
-from jax_efc.kernels.problem import KernelProblem, tile_k
+from jax_efc.kernels.problem import KernelProblem, cta_tile, epilogue_tile, tile_k
 
 __all__ = ["ArchPolicy", "MAX_ELEMENTS", "unverified_allowed"]
 
@@ -52,6 +53,10 @@ class ArchPolicy:
     verified_inplace: bool = False  # outputs stored over their operand (KernelProblem.aliased)
     verified_masked_stores: bool = False  # of those, stored only where a mask holds (.masked)
     verified_transposed_outputs: bool = False  # outputs stored transposed, M contiguous (Output.transposed)
+    # whether the kernel pairs a gated GEMM's gate and up columns (EpilogueIR.gated), and whether
+    # that has run on a GPU of this architecture
+    gated_kernel: bool = False
+    verified_gated: bool = False
     # GEMMs the heuristic hands to XLA's GEMM (xla_faster_reason): at most this many rows per B
     # (None: none are), or more rows in 128x128 tiles that fill less than this share of the SMs
     xla_rows: int | None = None
@@ -86,6 +91,8 @@ class ArchPolicy:
             return f"the {self.arch} kernel's outputs stored over their operands only where a mask holds"
         if not self.verified_transposed_outputs and any(o.transposed for o in problem.ir.outputs):
             return f"the {self.arch} kernel's outputs stored transposed"
+        if not self.verified_gated and problem.ir.gated:
+            return f"the {self.arch} kernel's gated epilogue (gate and up columns paired)"
         return None
 
     # ---- limits
@@ -144,10 +151,57 @@ class ArchPolicy:
         if len(problem.operand_batched) != len(problem.ir.operands):
             return "operand_batched must have one flag per epilogue operand."
         reason = (self.config_reason(problem.config) or self._ir_reason(problem.ir)
-                  or self.resources_reason(problem))
+                  or self.gated_reason(problem) or self.resources_reason(problem))
         if reason or mnkl is None:
             return reason
         return self._shape_reason(problem, mnkl)
+
+    def gated_reason(self, problem: KernelProblem) -> str | None:
+        """Why the kernel cannot pair ``problem``'s gated columns (``None``: it can, or the GEMM is
+        not gated): a CTA tile must hold whole (gate, up) pairs of 2B columns and an epilogue
+        subtile must lie within one block of B."""
+        block = problem.ir.gated
+        if not block:
+            return None
+        if not self.gated_kernel:
+            return f"the {self.arch} kernel does not pair a gated GEMM's gate and up columns."
+        tile_n, (_, epi_n) = cta_tile(problem.config)[1], epilogue_tile(problem.config)
+        if tile_n % (2 * block):
+            return (f"gated={block}: a tile of {tile_n} columns does not hold whole (gate, up) pairs of "
+                    f"{2 * block} columns; use a tile_n that is a multiple of {2 * block}.")
+        if block % epi_n:
+            return (f"gated={block}: epilogue subtiles of {epi_n} columns do not divide a block of {block}; "
+                    "use an epi_n that does (16, 32 or 64), or a block that is a multiple of 16.")
+        if any(o.reduce for o in problem.ir.outputs):
+            return "the gated epilogue does not reduce; XLA computes gated GEMMs with reductions."
+        if problem.acc_dtype == "int32":
+            # (the up projection's bare accumulator would be stored from its fp32 copy)
+            return "the gated epilogue reads integer accumulators as fp32 only; XLA computes 8-bit integer ones."
+        return None
+
+    def gated_fit(self, problem: KernelProblem, config: GemmConfig) -> GemmConfig:
+        """``config`` with the smallest change that lets it pair ``problem``'s gated columns: the
+        widest epilogue subtile dividing the block, and where its tile does not hold whole
+        pairs (or is a ping-pong tile of more than 128x128), tiles of at most 128x128 (cooperative
+        128x256 where a pair is wider)."""
+        block = problem.ir.gated
+        if not block:
+            return config
+        epi_n = max((w for w in (16, 32, 64) if block % w == 0 and w <= config.epi_n), default=16)
+        config = dataclasses.replace(config, epi_n=epi_n)
+        # a ping-pong consumer's 192 accumulators a thread beside a subtile's gate and up values
+        # spilled (192x128: 20 bytes; tests/test_kernel_compile_gated.py)
+        crowded = config.pingpong and config.tile_m * config.tile_n > 128 * 128
+        if cta_tile(config)[1] % (2 * block) == 0 and not crowded:
+            return config
+        if 128 % (2 * block) == 0 and not config.pingpong:
+            return dataclasses.replace(config, tile_n=128, cluster_n=1, raster="m")
+        if 128 % (2 * block) == 0:  # ping-pong 128x128 (64x128) in 1x2 clusters, as the heuristic runs them
+            tile_m = min(config.tile_m, 128)
+            return dataclasses.replace(config, tile_m=tile_m, tile_n=128, cluster_m=1, cluster_n=2, raster="m",
+                                       epi_m=config.epi_m if config.epi_m and tile_m % config.epi_m == 0 else 0)
+        return dataclasses.replace(config, tile_m=128, tile_n=256, pingpong=False, cluster_m=2, cluster_n=1,
+                                   raster="m", epi_m=0)
 
     def _ir_reason(self, ir: EpilogueIR) -> str | None:
         if ir.epi_dtype != "float32":

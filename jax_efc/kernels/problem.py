@@ -150,7 +150,7 @@ def epilogue_smem_bytes(problem: KernelProblem, threads: int) -> int:
 
 def tile_operand_indices(ir: EpilogueIR) -> tuple[int, ...]:
     """Operands of role TILE that some output uses: the kernel TMA-loads those into smem."""
-    return tuple(i for i, inp in enumerate(ir.operands) if inp.role is Role.TILE and ir.uses(i + 1))
+    return tuple(i for i, inp in enumerate(ir.operands) if inp.role is Role.TILE and ir.uses(i + ir.n_acc))
 
 
 def reduction_lanes(over: tuple[str, ...], epi_tile: tuple[int, int]) -> tuple[int, int]:

@@ -106,8 +106,10 @@ class Sm90FusedGemm(FusedGemmBase):
     # ---------------------------------------------------------------- architecture hooks
     def _subtile_accumulators(self, epi: ConsumerEpilogue, acc, s: int, m_idx, n_idx) -> list[tuple]:
         """The accumulators are registers: subtile ``s``'s are renamed into ``epi.frag``."""
-        sub_index = epi.acc_index[s]
+        sub_index = epi.acc_index[self._gated_subtiles(s)[0] if self.gated else s]
         _gather_registers(epi.frag, acc, sub_index)
+        if cutlass.const_expr(self.gated):
+            _gather_registers(epi.frag_up, acc, epi.acc_index[self._gated_subtiles(s)[1]])
         if epi.frag_raw is not None:
             _gather_registers(epi.frag_raw, acc, sub_index)
         return self._tile_coords(epi, s, m_idx, n_idx)
@@ -153,7 +155,7 @@ class Sm90FusedGemm(FusedGemmBase):
         # cluster tiles along M, N and L; the grid is one cluster per (cluster_m, cluster_n)
         # block of x and y, and the persistent clusters along z
         d0 = outputs[0]
-        tiles_mnl = cluster_tiles(*d0.shape, self.tile_mnk[:2], self.cluster_mn)
+        tiles_mnl = cluster_tiles(*d0.shape, self.out_tile, self.cluster_mn)
         clusters = self.schedule.clusters
         if cutlass.const_expr(not split):
             clusters = cutlass.min(tiles_mnl[0] * tiles_mnl[1] * tiles_mnl[2], clusters)
@@ -328,8 +330,8 @@ class Sm90FusedGemm(FusedGemmBase):
                 # ROW/COL vector lines into L1 ahead of the epilogue's loads (about 0.5% fewer
                 # cycles for bias+gelu_tanh under Nsight Compute: benchmarks/FINDINGS.md)
                 if u.k_begin == 0:
-                    self.visitor.prefetch_vectors(epi.operands, (u.m * self.tile_mnk[0], u.n * self.tile_mnk[1]),
-                                                  self.tile_mnk[:2], epi.mn_extent, u.l, ctid)
+                    self.visitor.prefetch_vectors(epi.operands, (u.m * self.out_tile[0], u.n * self.out_tile[1]),
+                                                  self.out_tile, epi.mn_extent, u.l, ctid)
                 if cutlass.const_expr(not self.pingpong):
                     # the buffers are free: the first subtiles arrive while the mainloop runs
                     if u.k_begin == 0 and not in_ring:
@@ -508,7 +510,7 @@ class Sm90FusedGemm(FusedGemmBase):
         sub_m = self.tile_mnk[0] // self.epi_tile[0]
         indices = [[where[(frag_coords[v][0] + s % sub_m * self.epi_tile[0],
                            frag_coords[v][1] + s // sub_m * self.epi_tile[1])] for v in range(n_frag)]
-                   for s in range(self.n_sub)]
+                   for s in range(self.n_acc_sub)]
         if sorted(i for sub in indices for i in sub) != list(range(len(where))):
             raise RuntimeError(f"epilogue subtiles of {self.epi_tile} do not cover the "
                                f"{self.tile_mnk[:2]} accumulators exactly once")

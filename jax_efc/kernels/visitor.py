@@ -49,7 +49,7 @@ class EpilogueVisitor:
         self.result_dtypes = (self.out_dtypes + (cutlass.Float32,) * len(self.reduced)
                               + (cutlass.Boolean,) * len(self.masked))
         # an operand no output depends on is never loaded
-        self.live = tuple(ir.uses(i + 1) for i in range(len(ir.operands)))
+        self.live = tuple(ir.uses(i + ir.n_acc) for i in range(len(ir.operands)))
         # a paced evaluation hands each group's last arithmetic result on to the next group;
         # None where the program does no arithmetic, so pacing has nothing to spread
         arithmetic = [k for k, ins in enumerate(ir.instrs) if ins.op not in ("const", "convert")]
@@ -86,7 +86,8 @@ class EpilogueVisitor:
 
     def __call__(self, acc: cute.TensorSSA, coords: Sequence[tuple],
                  operands: Sequence[cute.Tensor], extent_mn, batch,
-                 preloaded: dict, paced: bool = False, raw: cute.TensorSSA | None = None) -> list[cute.TensorSSA]:
+                 preloaded: dict, paced: bool = False, raw: cute.TensorSSA | None = None,
+                 up: cute.TensorSSA | None = None) -> list[cute.TensorSSA]:
         """The outputs for one subtile: each stored output converted to its storage dtype,
         then the fp32 value each reducing output reduces, then each masked output's mask.
 
@@ -96,7 +97,8 @@ class EpilogueVisitor:
         this tile's batch index; ``preloaded``: operand index -> fp32 fragment the kernel
         already read (TILE operands staged in smem by TMA); ``raw``: with an integer
         accumulator, the accumulator itself, from which outputs that are the bare accumulator
-        are stored (exact past fp32's 24 bits).
+        are stored (exact past fp32's 24 bits); ``up``: a gated program's up-projection
+        accumulators at the same coordinates (``acc`` is then the gate's).
 
         ``paced`` (programs with arithmetic, ``pace_link`` set): evaluate the program
         ``PACE_CHAINS`` values at a time, each group's accumulators tied to the previous
@@ -105,7 +107,7 @@ class EpilogueVisitor:
         epilogues that run under another warpgroup's WGMMAs, which dense fp32 issue slows.
         """
         ir = self.ir
-        values: list = [acc]
+        values: list = [acc] if up is None else [acc, up]
         for i, (inp, tensor) in enumerate(zip(ir.operands, operands)):
             if not self.live[i]:
                 values.append(None)
