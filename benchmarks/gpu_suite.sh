@@ -2,19 +2,19 @@
 # What must be seen on a GPU, in parts that each fit a ten-minute run on an H100 or H200 from a
 # cold kernel cache (run them in this order; `all` runs every part). Logs go to LOGDIR (default
 # ./gpu-logs); each part prints its summary last.
-#   usage: benchmarks/gpu_suite.sh [LOGDIR] [verify|tests|examples|bench|model|fp8|all]
+#   usage: benchmarks/gpu_suite.sh [LOGDIR] [verify|tests|stores|examples|bench|model|fp8|all]
 #
-#   verify    the newest paths: reductions folded by atomics, gated GEMMs, transposed and
-#             masked outputs, the epilogue reductions and first-use checks, FP8 layers, TF32,
-#             the fused MLP's backward; the reductions' cost (deterministic and by atomics)
-#             and TF32's speed
-#   tests     the rest of the GPU tests (the compute-sanitizer runs, marked slow, apart)
+#   verify    what has not yet run on a GPU: reductions folded by atomics, gated GEMMs (and
+#             SwiGLU's speed), the FP8 layers' output-gradient pass; first-use checks; the
+#             reductions' cost (deterministic and by atomics)
+#   tests     the rest of the GPU tests but `stores`' (the compute-sanitizer runs, marked slow, apart)
+#   stores    the epilogue reductions', transposed and masked outputs' GPU tests
 #   examples  each example at a GPU size, `jax-efc run`, info and selftest
-#   bench     the benchmark's shapes with both XLA baselines, the 8-bit epilogues, and autotuning's
-#             gain over the heuristic
+#   bench     the benchmark's shapes with both XLA baselines, the 8-bit epilogues, TF32, and
+#             autotuning's gain over the heuristic
 #   model     a GPT-style model's first step (compile time), its training step in bf16 and FP8
-#   fp8       the bound that model's GEMM share sets on any FP8 step's speedup, and the FP8
-#             dense layer's training step against Flax's FP8 Dense
+#   fp8       the bound that model's GEMM share sets on any FP8 step's speedup, the FP8 dense
+#             layer's training step against Flax's FP8 Dense, and both kernel by kernel
 set -uo pipefail
 logs=${1:-gpu-logs}
 part=${2:-all}
@@ -32,23 +32,22 @@ want() { [[ $part == all || $part == "$1" ]]; }
 
 if want verify; then
   step atomic python3 -m pytest -q -m gpu tests/test_gpu_atomic_reductions.py
-  step transposed python3 -m pytest -q -m gpu tests/test_transposed.py
-  step masked python3 -m pytest -q -m gpu tests/test_masked_stores.py
   step gated python3 -m pytest -q -m gpu tests/test_gpu_gated.py
   step bench-gated python3 benchmarks/run.py --json "$logs/bench-gated.json" --epilogues gated:swiglu \
     --shapes 8192,14336,4096 4096,14336,4096
-  step verify-tests python3 -m pytest -q -m gpu tests/test_gpu_reductions.py tests/test_gpu_self_check.py \
-    tests/test_gpu_fp8_dense.py tests/test_gpu_low_precision.py tests/test_gpu.py -k \
-    "reductions or first_use or fp8 or float32 or full_range or fused_mlp"
+  step verify-tests python3 -m pytest -q -m gpu tests/test_gpu_self_check.py tests/test_gpu_fp8_dense.py \
+    tests/test_gpu_low_precision.py tests/test_gpu.py -k "first_use or fp8 or full_range or fused_mlp"
   step bench-reduce python3 benchmarks/run.py --json "$logs/bench-reduce.json" \
     --epilogues bias+gelu_tanh,bias+gelu_tanh+colsum,bias+gelu_tanh+colsum-atomic --shapes $shapes
-  step bench-tf32 python3 benchmarks/run.py --dtype float32 --json "$logs/bench-tf32.json" \
-    --epilogues gemm,bias+gelu_tanh --shapes 8192,8192,8192 4096,4096,4096
 fi
 if want tests; then
-  step gpu-tests python3 -m pytest -q -m "gpu and not slow" tests --deselect tests/test_gpu_reductions.py \
-    --deselect tests/test_transposed.py --deselect tests/test_masked_stores.py \
-    --deselect tests/test_gpu_atomic_reductions.py --deselect tests/test_gpu_gated.py
+  step gpu-tests python3 -m pytest -q -m "gpu and not slow" tests \
+    --deselect tests/test_gpu_atomic_reductions.py --deselect tests/test_gpu_gated.py \
+    --deselect tests/test_gpu_reductions.py --deselect tests/test_transposed.py --deselect tests/test_masked_stores.py
+fi
+if want stores; then
+  step stores python3 -m pytest -q -m gpu tests/test_gpu_reductions.py tests/test_transposed.py \
+    tests/test_masked_stores.py
 fi
 if want examples; then
   step jax-efc-run python3 -m jax_efc run --mnkl 8192,8192,8192,1 --ab_dtype Float16 --c_dtype Float16 \
@@ -68,6 +67,8 @@ if want bench; then
     --shapes 8192,8192,8192 8192,14336,4096 8192,4096,14336 8192,4096,4096 1000,4096,4096
   step bench-8bit python3 benchmarks/run.py --json "$logs/bench-8bit.json" \
     --epilogues "$(python3 -c 'import jax_efc.bench as b; print(",".join(b.EIGHT_BIT_EPILOGUES))')" --shapes $shapes
+  step bench-tf32 python3 benchmarks/run.py --dtype float32 --json "$logs/bench-tf32.json" \
+    --epilogues gemm,bias+gelu_tanh --shapes 8192,8192,8192 4096,4096,4096
   step bench-autotune python3 benchmarks/run.py --json "$logs/bench-autotune.json" --configs auto autotune \
     --epilogues gemm,bias+gelu_tanh --shapes $shapes
 fi
@@ -80,6 +81,8 @@ if want fp8; then
   step fp8-bound python3 benchmarks/fp8_bound.py --attention cudnn
   step fp8-layer python3 benchmarks/run.py --json "$logs/fp8-layer.json" --shapes 8192,14336,4096 8192,4096,14336 \
     --epilogues "$(python3 -c 'import jax_efc.bench as b; print(",".join(b.FP8_TRAIN_STEPS))')"
+  step fp8-breakdown python3 benchmarks/breakdown.py --epilogues fp8train:bias+gelu_tanh --shapes 8192,14336,4096
+  step gpt-breakdown python3 benchmarks/breakdown.py --gpt fp8,fp8-fast,flax-fp8 --attention cudnn --hlo "$logs/hlo"
 fi
 for f in "$logs"/*.log; do
   printf '\n===== %s\n' "$f"; tail -n 30 "$f"
