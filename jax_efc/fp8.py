@@ -137,13 +137,9 @@ def _dequantize(acc, *, s):
 _dequantize.__efc_builtin__ = True
 
 
-def _output_gradient(activation: Callable[[Any], Any], g: Any, z: Any) -> Any:
-    """``g`` times ``activation``'s derivative at ``z`` (``z`` None: ``g``), in float32."""
-    g = g.astype(jnp.float32)
-    if z is None:
-        return g
-    _, pullback = jax.vjp(activation, z.astype(jnp.float32))
-    return pullback(g)[0]
+def _times_derivative(activation: Callable[[Any], Any], g: Any, z: Any) -> Any:
+    """``g`` times ``activation``'s derivative at ``z``: its VJP, in their dtype."""
+    return jax.vjp(activation, z)[1](g)[0]
 
 
 @functools.lru_cache(maxsize=64)
@@ -154,8 +150,7 @@ def _gradient_epilogue(activation: Callable[[Any], Any], has_z: bool, transposed
 
     def epilogue(acc, g, *z, inv_scale):
         if has_z:
-            _, pullback = jax.vjp(activation, z[0])
-            (g,) = pullback(g)
+            g = _times_derivative(activation, g, z[0])
         q = g * inv_scale
         return (q, *((q,) if transposed else ()), jnp.max(jnp.abs(g)), jnp.sum(g, axis=0))
 
@@ -228,7 +223,10 @@ def _fp8_dense_bwd(static: _Static, residuals, g):
     if static.delayed:
         sg = _delayed_scale(E5M2, meta.output_grad_scale, meta.output_grad_amax_history)
     else:
-        sg = _current_scale(_amax(_output_gradient(static.activation, g, z)), E5M2)
+        # this step's amax first: one pass over g (and z) more than delayed scaling makes
+        g32 = g.astype(jnp.float32)
+        sg = _current_scale(_amax(g32 if z is None else _times_derivative(static.activation, g32,
+                                                                          z.astype(jnp.float32))), E5M2)
     gq, gq_t, amax_g, db = _quantized_gradient(static.activation, g, z, sg)
     dx = gemm(gq, wq, _dequantize, precision=static.precision, transpose_b=True, s=(sg * sw)[0], out_dtypes=static.x_dtype)
     dw = gemm(xq_t, gq_t, _dequantize, precision=static.precision, transpose_b=True, s=(sx * sg)[0], out_dtypes=static.kernel_dtype)
@@ -341,8 +339,7 @@ def _hidden_grad_epilogue(activation: Callable[[Any], Any], has_bias: bool) -> C
     gradient)."""
 
     def epilogue(acc, z, *, s, inv_scale):
-        _, pullback = jax.vjp(activation, z)
-        (g,) = pullback(acc * s)
+        g = _times_derivative(activation, acc * s, z)
         out = (g * inv_scale, jnp.max(jnp.abs(g)))
         return (*out, jnp.sum(g, axis=0)) if has_bias else out
 
