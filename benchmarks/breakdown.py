@@ -31,7 +31,7 @@ import time
 import jax
 
 from jax_efc.bench.command import parse_epilogues, parse_shape
-from jax_efc.bench.problems import bench_problem, random_inputs
+from jax_efc.bench.problems import bench_problem
 
 CALLS = 3  # profiled calls per side; the last one is listed
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     for epilogue in parse_epilogues(args.epilogues) if args.epilogues else ():
         for shape in map(parse_shape, args.shapes):
             problem = bench_problem(epilogue, shape)
-            inputs = random_inputs(problem.specs, jax.random.key(0), problem.stds)
+            inputs = problem.inputs(jax.random.key(0))
             for side in ("ours", "baseline"):
                 tag = f"{epilogue}-{'x'.join(map(str, shape))}-{side}".replace(":", "_").replace("+", "_")
                 fn = getattr(problem, side)

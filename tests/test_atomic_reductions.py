@@ -132,13 +132,17 @@ def test_every_key_that_decides_the_kernel_tells_the_modes_apart(monkeypatch):
 
 
 def test_atomic_reductions_are_checked_on_first_use(monkeypatch):
-    """No GPU has run them: on Hopper, where reductions by partials have, they still check
-    themselves first; on Blackwell too, once all else has run there. Planned without a GPU (an
-    export), the call takes the reference and says why."""
+    """Where no GPU of the kind has run them they check themselves first: on Hopper while the
+    policy says so, on Blackwell once all else has run there. Planned without a GPU (an
+    export), the call then takes the reference and says why."""
     from jax_efc.kernels import policy
+    from jax_efc.kernels.sm90_policy import Sm90Policy
     from jax_efc.kernels.sm100_policy import Sm100Policy
 
     det, fast = _plans(monkeypatch)
+    assert policy("sm_90a").unverified_reason(det.problem) is None
+    assert policy("sm_90a").unverified_reason(fast.problem) is None
+    monkeypatch.setattr(Sm90Policy, "verified_atomic_reductions", False)
     assert policy("sm_90a").unverified_reason(det.problem) is None
     assert policy("sm_90a").unverified_reason(fast.problem) == \
         "the sm_90a kernel's epilogue reductions folded across tiles by atomics"
@@ -162,6 +166,10 @@ def test_atomic_reductions_are_checked_on_first_use(monkeypatch):
                           "folded across tiles by atomics; there is no sm_90a GPU here"), why
     monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
     assert efc.backends(fn(False), spec, spec) == ["kernel (sm_90a)"]
+    monkeypatch.undo()
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "0")
+    assert efc.backends(fn(False), spec, spec) == ["kernel (sm_90a)"]  # verified: the export holds it
 
 
 def test_the_launch_starts_each_result_at_its_identity(monkeypatch):

@@ -273,3 +273,14 @@ def test_flax_gated_block_is_checked_at_construction(kw):
 
     with pytest.raises(ValueError, match="gated_block"):
         FusedMLP(64, **kw)
+
+
+def test_the_benchmark_compares_one_gated_gemm_with_plain_jaxs_two():
+    """The gated benchmark's inputs hold the interleaved weight of the two halves plain JAX
+    multiplies, so both functions compute the same layer."""
+    from jax_efc.bench import bench_problem
+
+    problem = bench_problem("gated:swiglu", (64, 128, 32, 1), jnp.float32)
+    x, wg, wu, w, bg, bu = inputs = problem.inputs(jax.random.key(3))
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(efc.interleave_gated(wg, wu, 64)))
+    assert rel_err(problem.ours(*inputs), problem.baseline(*inputs)) < 1e-5

@@ -477,8 +477,6 @@ _KNOWN_SPILLS = {
     "fp16_256x192_mk": (4, 4),
     "fp16_pingpong_bias_gelu_192x128_epi64x64": (376, 448),
     "bf16_pingpong_multi_c1x2": (376, 420),
-    # a gated epilogue's two fragments beside 192 accumulators a thread (the heuristic takes 128x128)
-    "bf16_pingpong_swiglu_192x128_c1x2": (20, 32),
 }
 
 
@@ -846,6 +844,11 @@ def test_supported_and_heuristic():
         assert choose_config(p_bias, *mnk, 1) == wide
     cfg = choose_config(p_bias, 4096, 14336, 4096, 1)  # 2400 tiles of 128x192: 18.2 per SM
     assert (cfg.tile_m, cfg.tile_n, cfg.cluster_n, cfg.pingpong) == (128, 128, 2, True)
+    # one k-tile: the kernel is its epilogue, and cooperative 128x256 tiles run it fastest; a
+    # plain GEMM of one k-tile keeps the usual choice
+    cfg = choose_config(p_bias, 8192, 14336, 16, 1)
+    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (128, 256, 1, 1, False)
+    assert choose_config(problem, 8192, 14336, 64, 1).pingpong
     # a long K: up to two 16-bit outputs and no TILE operand cost little exposed, so 128x256
     # as for plain; more output bytes or a TILE operand keep ping-pong, which hides them
     cfg = choose_config(p_bias, 8192, 4096, 14336, 1)

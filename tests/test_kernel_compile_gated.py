@@ -1,8 +1,6 @@
 """Gated GEMMs (``EpilogueIR.gated``) compiled on the CPU for sm_90a like the variants of
 ``test_kernel_compile.py`` (whose helpers and checks they share): the PTX holds the WGMMA and
-TMA of every variant, outputs half the product's width, and nothing spills. No GPU has run
-them yet, so they compile under ``JAX_EFC_UNVERIFIED_KERNELS=1``; the policy's refusals and the
-heuristic's configs run by default."""
+TMA of every variant, outputs half the product's width, and nothing spills."""
 
 from __future__ import annotations
 
@@ -30,9 +28,11 @@ GATED_VARIANTS = {
     # a TILE operand and two outputs, blocks of 32 (four pairs a 256-column tile), batched
     "fp16_geglu_tile_batched_128x256_c2x1": ("float16", False, False, 2, (128, 256, 2, 1), "gated32:geglu_tile",
                                              (1128, 832, 256)),
-    # ping-pong 192x128 tiles
-    "bf16_pingpong_swiglu_192x128_c1x2": (
-        "bfloat16", False, False, None, (192, 128, 1, 2, {"pingpong": True, "swizzle": 8}), "gated64:swiglu",
+    # ping-pong 192x128 tiles in 64x16 subtiles, what the heuristic runs for the largest
+    # problems (64x32 ones spill: the policy narrows them)
+    "bf16_pingpong_swiglu_192x128_c1x2_epi64x16": (
+        "bfloat16", False, False, None,
+        (192, 128, 1, 2, {"pingpong": True, "swizzle": 8, "epi_m": 64, "epi_n": 16}), "gated64:swiglu",
         (1192, 1024, 256)),
     # stream-K: split tiles meet before the gated epilogue
     "bf16_swiglu_128x128_c2x1_stream_k": ("bfloat16", False, False, None, (128, 128, 2, 1, {"swizzle": 8}),
@@ -116,18 +116,20 @@ def test_heuristic_picks_configs_that_pair(block, mnk):
     problem = _gated_problem(block, GemmConfig())
     m, n, k = mnk
     chosen = POLICY.choose_config(problem, m, n, k, 1)
-    assert not (chosen.pingpong and chosen.tile_m * chosen.tile_n > 128 * 128), chosen  # they spill
+    if chosen.pingpong and chosen.tile_m * chosen.tile_n > 128 * 128:  # wider subtiles spill
+        assert (chosen.epi_m, chosen.epi_n) == (64, 16), chosen
     for cfg in [chosen] + POLICY.candidate_configs(problem, m, n, k, 1):
         assert POLICY.unsupported_reason(dataclasses.replace(problem, config=cfg), (m, n, k, 1)) is None, cfg
 
 
-def test_block_width_is_in_every_key_and_checked_on_first_use():
+def test_block_width_is_in_every_key_and_checked_on_first_use(monkeypatch):
     """Kernels of two block widths (or none) differ in their compile key, and so in the
-    autotuner's and the first-use check's records; Hopper's gated epilogue has not run on a GPU,
-    so the policy names it for a first-use check (jax_efc.self_check)."""
+    autotuner's and the first-use check's records; where the gated epilogue has not run on a GPU
+    of the kind, the policy names it for a first-use check (jax_efc.self_check)."""
     from jax_efc import autotune, self_check
     from jax_efc.config import GemmConfig
     from jax_efc.kernels import policy
+    from jax_efc.kernels.sm90_policy import Sm90Policy
 
     problems = [_gated_problem(b, GemmConfig()) for b in (32, 64)]
     plain = dataclasses.replace(problems[1], ir=dataclasses.replace(problems[1].ir, gated=0))
@@ -136,6 +138,8 @@ def test_block_width_is_in_every_key_and_checked_on_first_use():
     gpu = ("NVIDIA H100 80GB HBM3", 132)
     for key in (autotune.record_key, self_check._key):
         assert len({key(p, gpu) for p in plans}) == 3
+    assert policy("sm_90a").unverified_reason(problems[1]) is None  # ran on an H100 and an H200
+    monkeypatch.setattr(Sm90Policy, "verified_gated", False)
     assert policy("sm_90a").unverified_reason(problems[1]) == (
         "the sm_90a kernel's gated epilogue (gate and up columns paired)")
     assert policy("sm_90a").unverified_reason(plain) is None
@@ -155,17 +159,13 @@ print(json.dumps({"backends": efc.backends(f, x, w, b), "shape": list(exported.o
 """
 
 
-@pytest.mark.parametrize("unverified", ["0", "1"])
-def test_an_export_from_a_cpu(unverified):
-    """Without a GPU to check it on, an export for sm_90a holds XLA's GEMM, saying why; with
-    JAX_EFC_UNVERIFIED_KERNELS=1 it holds the kernel, whose output has N columns."""
+def test_an_export_from_a_cpu():
+    """Verified on Hopper GPUs, the gated kernel is what an export for sm_90a from a CPU holds;
+    its output has N columns."""
     pytest.importorskip("cutlass.jax")
-    out = json.loads(run_for_sm90(_EXPORT, JAX_EFC_UNVERIFIED_KERNELS=unverified).strip().splitlines()[-1])
+    out = json.loads(run_for_sm90(_EXPORT, JAX_EFC_UNVERIFIED_KERNELS="0").strip().splitlines()[-1])
     assert out["shape"] == [2048, 4096]
-    if unverified == "1":
-        assert out["kernel"] and out["backends"] == ["kernel (sm_90a)"], out
-    else:
-        assert not out["kernel"] and "gated epilogue" in out["backends"][0], out
+    assert out["kernel"] and out["backends"] == ["kernel (sm_90a)"], out
 
 
 @pytest.mark.parametrize("block", [32, 64])

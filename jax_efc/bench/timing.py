@@ -22,7 +22,7 @@ import numpy as np
 
 from ..ops import gemm
 from ..primitive import backends
-from .problems import EPILOGUES, Problem, random_inputs
+from .problems import EPILOGUES, Problem
 from .report import Result, label, shape_str
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense peak of the reference H200
@@ -45,7 +45,8 @@ def _nbytes(tree: Any) -> int:
 
 
 def _rel_err(out: Any, ref: Any) -> float:
-    errs = [jnp.linalg.norm((o.astype(jnp.float32) - r).ravel()) / jnp.linalg.norm(r.ravel())
+    errs = [jnp.linalg.norm((o.astype(jnp.float32) - r.astype(jnp.float32)).ravel())
+            / jnp.linalg.norm(r.astype(jnp.float32).ravel())
             for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref))]
     return float(max(errs))
 
@@ -201,7 +202,8 @@ def time_interleaved(fns: Sequence[Callable[..., Any]], input_sets: Sequence[tup
 
 
 def moved_bytes(problem: Problem) -> int:
-    """The least bytes a call moves: its inputs read and its outputs written."""
+    """The least bytes a call moves: its inputs read and its outputs written (every input of
+    ``specs``, those a ``derive`` computes and their sources alike)."""
     return _nbytes(problem.specs) + _nbytes(jax.eval_shape(problem.ours, *problem.specs))
 
 
@@ -248,11 +250,11 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
         refusal = chain_refusal(first, moved, calls_per_jit)
         if refusal:
             raise ValueError(refusal)
-        chained = [random_inputs(first.specs, k, first.stds) for k in jax.random.split(jax.random.key(seed), calls_per_jit)]
+        chained = [first.inputs(k) for k in jax.random.split(jax.random.key(seed), calls_per_jit)]
         input_sets, first_inputs = [(chained,)], chained[0]
     else:
         n_sets = 1 if moved >= L2_BYTES else min(16, math.ceil(2 * L2_BYTES / moved))
-        input_sets = [random_inputs(first.specs, k, first.stds) for k in jax.random.split(jax.random.key(seed), n_sets)]
+        input_sets = [first.inputs(k) for k in jax.random.split(jax.random.key(seed), n_sets)]
         first_inputs = input_sets[0]
 
     errs: list[float | None] = [None] * len(problems)

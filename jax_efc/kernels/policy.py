@@ -181,17 +181,22 @@ class ArchPolicy:
 
     def gated_fit(self, problem: KernelProblem, config: GemmConfig) -> GemmConfig:
         """``config`` with the smallest change that lets it pair ``problem``'s gated columns: the
-        widest epilogue subtile dividing the block, and where its tile does not hold whole
-        pairs (or is a ping-pong tile of more than 128x128), tiles of at most 128x128 (cooperative
-        128x256 where a pair is wider)."""
+        widest epilogue subtile dividing the block (64x16 on a ping-pong tile of more than
+        128x128), and where its tile does not hold whole pairs, tiles of at most 128x128
+        (cooperative 128x256 where a pair is wider)."""
         block = problem.ir.gated
         if not block:
             return config
         epi_n = max((w for w in (16, 32, 64) if block % w == 0 and w <= config.epi_n), default=16)
         config = dataclasses.replace(config, epi_n=epi_n)
-        # a ping-pong consumer's 192 accumulators a thread beside a subtile's gate and up values
-        # spilled (192x128: 20 bytes; tests/test_kernel_compile_gated.py)
+        # a ping-pong consumer's 192 accumulators a thread (192x128) spilled beside a 64x32
+        # subtile's gate and up values (20 bytes; 40 at 64x64), not beside a 64x16 one's
+        # (tests/test_kernel_compile_gated.py). At 8192x14336x4096 192x128 tiles ran 1.26x
+        # faster than 128x128 ones on the H100 (64x32 subtiles), and 64x16 subtiles as fast as
+        # 64x32 on the H200 (benchmarks/FINDINGS.md, "Gated GEMMs")
         crowded = config.pingpong and config.tile_m * config.tile_n > 128 * 128
+        if crowded and block % 16 == 0:
+            config, crowded = dataclasses.replace(config, epi_m=64, epi_n=16), False
         if cta_tile(config)[1] % (2 * block) == 0 and not crowded:
             return config
         if 128 % (2 * block) == 0 and not config.pingpong:

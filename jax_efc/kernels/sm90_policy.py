@@ -131,8 +131,12 @@ class Sm90Policy(ArchPolicy):
     # and transposed outputs (tests/test_transposed.py), both schedules, partial tiles, stream-K
     verified_masked_stores = True
     verified_transposed_outputs = True
-    # gated GEMMs compile for sm_90a (tests/test_kernel_compile_gated.py) but have not run
+    # ran against the float64 oracle on an H100: reductions folded by atomics
+    # (tests/test_gpu_atomic_reductions.py) and gated GEMMs (tests/test_gpu_gated.py, on an
+    # H200 too), both schedules, partial tiles, stream-K
+    verified_atomic_reductions = True
     gated_kernel = True
+    verified_gated = True
 
     def accumulator_reason(self, problem: KernelProblem) -> str | None:
         if problem.acc_dtype == "float16" and problem.ab_dtype != "float16":
@@ -257,6 +261,14 @@ class Sm90Policy(ArchPolicy):
         has_work = bool(problem.ir.instrs) or bool(problem.ir.operands)
         if problem.promote:
             return _promoting_config(m, n, l, sms)
+        if k <= problem.tile_k and has_work:
+            # One k-tile: the kernel is its epilogue, bound by memory. Cooperative tiles run both
+            # consumer groups' epilogues at once (ping-pong ones take turns), and 128x256 tiles
+            # in 128x32 subtiles keep the most TILE-operand bytes in flight: fp8_dense's gradient
+            # pass (K = 16, 8192x14336, gelu's derivative) took 0.59 ms in them on the H200, 0.64
+            # in 128x128 ones and 1.63 in ping-pong 192x128 ones in 64x16 subtiles
+            # (benchmarks/FINDINGS.md, "The FP8 gradient pass").
+            return GemmConfig(tile_m=128, tile_n=256)
 
         def tiles(tm: int, tn: int) -> int:
             return _tiles(m, n, l, tm, tn)
