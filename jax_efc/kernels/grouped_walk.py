@@ -103,7 +103,9 @@ class GroupedWalk:
         t = self.cluster + j * self.clusters
         g = self.group_of(t)
         start, end = self.first_row(g), self.first_row(g + 1)
-        row_tiles = (end - start + self.tile_m - 1) // self.tile_m
+        # (at least 1: a unit past the walk's end, which ping-pong reads but never runs, finds
+        # the rows past the groups, perhaps none)
+        row_tiles = _max((end - start + self.tile_m - 1) // self.tile_m, 1)
         r = t - self.first_tile(g)
         row = start + r % row_tiles * self.tile_m
         n = r // row_tiles * self.cluster_n + self.cta_n
