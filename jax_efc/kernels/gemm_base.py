@@ -547,9 +547,10 @@ class FusedGemmBase:
                     self.stages, past.count + k, index % self.stages, past.phase ^ (index // self.stages)))
         waited = 0  # operand stages waited for so far
         origin = (self._first_row(m_idx), n_idx * self.out_tile[1])
-        # A grouped GEMM's tile that runs past its group's rows stores from registers by predicate,
-        # only those rows: the next group's tile owns the rest, and a TMA store writes a whole box
-        # (bounding it at the group's end would take a tensor map per group, rewritten on the device).
+        # A grouped GEMM's tile that runs past its group's rows stores only those from its staged
+        # subtiles by predicate: the next group's tile owns the rest, and a TMA store writes a whole
+        # box (bounding it at the group's end would take a tensor map per group, rewritten on the
+        # device before the store, for one tile a group).
         whole = True
         if cutlass.const_expr(self.groups):
             whole = m_idx + self.out_tile[0] <= m_end
@@ -597,10 +598,6 @@ class FusedGemmBase:
                                        coords, l_idx)
                 else:
                     cute.copy(epi.r2s[i], epi.frag_out[i], out_smem[i][(None, None, None, out_stage)])
-                    if cutlass.const_expr(self.groups):
-                        if not whole:
-                            self._store_where(epi, epi.outputs[i], epi.frag_out[i], coords, 0,
-                                              lambda k, m: m < m_end)
             for r in cutlass.range_constexpr(len(self.reductions)):
                 epi.red_frag[r].store(outs[n_out + r])
                 self.reductions[r].stage(epi.red_smem[r], epi.red_frag[r], epi.tCcT, epi.acc_index[s], s)
@@ -623,6 +620,9 @@ class FusedGemmBase:
                     self._load_tile_ops(epi, bSC, s + EPI_STAGES, buf)
                 if cutlass.const_expr(not out_in_ring):
                     epi.store_pipe.producer_acquire()
+            if cutlass.const_expr(self.groups):
+                if not whole:
+                    self._store_group_rows(epi, s, out_stage, m_idx, n_idx, m_end)
             # (under the stores just issued)
             for r in cutlass.range_constexpr(len(self.reductions)):
                 self.reductions[r].reduce(epi.red_smem[r], running[r], s, origin, epi.mn_extent, epi.ctid,
@@ -656,16 +656,24 @@ class FusedGemmBase:
         keep = cute.make_rmem_tensor(mask.shape, cutlass.Boolean)
         keep.store(mask)
         b = l_idx if cutlass.const_expr(self.visitor.operand_batched[j]) else 0
-        self._store_where(epi, epi.operands[j], epi.frag_out[i], coords, b, lambda k, m: keep[k])
-
-    @staticmethod
-    def _store_where(epi: ConsumerEpilogue, tensor: cute.Tensor, frag: cute.Tensor, coords: list, b,
-                     keep: Callable) -> None:
-        """``tensor[m, n, b] = frag[k]`` for each fragment value k at ``coords[k]`` = (m, n) inside
-        the M/N edges where ``keep(k, m)`` holds: one predicated global store a value."""
-        for k in range(len(coords)):  # plain Python: helpers are not preprocessed
+        for k in cutlass.range_constexpr(len(coords)):
             m, n = coords[k]
-            store_if(tensor, (m, n, b), frag[k], keep(k, m) & (m < epi.mn_extent[0]) & (n < epi.mn_extent[1]))
+            store_if(epi.operands[j], (m, n, b), epi.frag_out[i][k],
+                     keep[k] & (m < epi.mn_extent[0]) & (n < epi.mn_extent[1]))
+
+    def _store_group_rows(self, epi: ConsumerEpilogue, s: int, stage, m_idx, n_idx, m_end) -> None:
+        """A grouped GEMM's tile that runs past its group's rows: each thread stores its share of
+        subtile ``s`` of every output from the staged smem buffer ``stage``, consecutive threads
+        along a row, each value inside the N edge and its group's rows by a predicated store."""
+        epi_m, epi_n = self.epi_tile
+        sub_m = self.out_tile[0] // epi_m
+        m0, n0 = m_idx + s % sub_m * epi_m, n_idx * self.out_tile[1] + s // sub_m * epi_n
+        for i in range(len(self.out_dtypes)):  # plain Python: helpers are not preprocessed
+            for v in range(epi_m * epi_n // self.n_epi_threads):
+                e = epi.ctid + v * self.n_epi_threads
+                r, c = e // epi_n, e % epi_n
+                store_if(epi.outputs[i], (m0 + r, n0 + c, 0), epi.sD[i][(r, c, stage)],
+                         (m0 + r < m_end) & (n0 + c < epi.mn_extent[1]))
 
     def _load_tile_ops(self, epi: ConsumerEpilogue, bSC, s, buf):
         """TMA-load subtile ``s`` of every TILE operand, through its (smem, gmem) partitions

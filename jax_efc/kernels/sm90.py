@@ -368,6 +368,10 @@ class Sm90FusedGemm(FusedGemmBase):
                 if cutlass.const_expr(self.pingpong):
                     self._order_barrier(_MMA_ORDER_ID, group).arrive_and_wait()
                 self._stamp(stamps, ctid, slot, group, j, "mainloop")
+                if cutlass.const_expr(self.groups):
+                    # the rows past the groups run no mainloop: their product is 0 (zeroed in a branch
+                    # taken for those tiles only, the accumulators spilled: ptxas, 464 bytes at 128x256)
+                    acc.fill(0.0)
                 read, release, tiled_mma = self._mainloop(mainloop, read, release, tiled_mma, acc,
                                                           tCrA, tCrB, u.k_count)
                 if cutlass.const_expr(self.pingpong):
@@ -377,12 +381,10 @@ class Sm90FusedGemm(FusedGemmBase):
                 warpgroup.wait_group(0)
                 self._stamp(stamps, ctid, slot, group, j, "complete")
                 if cutlass.const_expr(self.groups):
-                    # the rows past the groups ran no mainloop: their product is 0, no stage to release
+                    # the rows past the groups ran no mainloop (no stage to release)
                     if u.k_count > 0:
                         mainloop.consumer_release(release)
                         release.advance()
-                    else:
-                        acc.fill(0.0)
                 else:
                     mainloop.consumer_release(release)
                     release.advance()
