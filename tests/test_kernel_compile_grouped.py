@@ -127,7 +127,7 @@ def test_variant_compiles_to_wgmma_and_tma(compiled, name):
     assert "@p st.global.b" in ptx  # a group's last tile: its rows only, by predicate
     wait = ptx.find("griddepcontrol.wait;")
     assert 0 <= wait < ptx.find("ld.global")  # the group sizes are read after the wait
-    dtype, _, cfg, _, (t, n, _, _) = GROUPED_VARIANTS[name]
+    _, _, cfg, _, (t, n, _, _) = GROUPED_VARIANTS[name]
     assert result["out_shapes"][0] == [t, n]
     if cfg[3] > 1:
         assert "multicast::cluster" in ptx
@@ -158,7 +158,6 @@ def _problem(config=None, **change):
     (dict(epilogue="reduce"), "does not reduce"),
 ])
 def test_policy_refusals(change, needle):
-    import jax
     import jax.numpy as jnp
 
     from jax_efc.config import GemmConfig
@@ -173,7 +172,6 @@ def test_policy_refusals(change, needle):
         ir, *_ = trace_epilogue(lambda acc: (acc, jnp.sum(acc, axis=-2)), (1024, 512), [], [], {}, {}, None,
                                 jnp.bfloat16)
         change["ir"], change["operand_batched"] = split_at_reductions(ir).gemm, ()
-    del jax
     assert needle in POLICY.unsupported_reason(_problem(**change))
 
 
