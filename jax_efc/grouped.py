@@ -1,17 +1,20 @@
 """``grouped_gemm``: a grouped (ragged) GEMM with a fused epilogue, ``jax.lax.ragged_dot``'s
-meaning, for Mixture-of-Experts layers. It runs on the XLA reference (``ragged_dot``, then the
-epilogue in XLA) on every platform; a grouped kernel is not written yet."""
+meaning, for Mixture-of-Experts layers. On Hopper it runs the grouped kernel where one fits
+(``grouped_primitive.py``); elsewhere, and for what the kernel does not run, the XLA reference
+(``ragged_dot``, then the epilogue in XLA)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import arguments
-from .epilogue import evaluate, restructure
+from .epilogue import restructure
+from .grouped_primitive import grouped_gemm_p
+from .config import GemmConfig
 from .ops import prepare_epilogue
 
 __all__ = ["grouped_gemm"]
@@ -20,7 +23,7 @@ __all__ = ["grouped_gemm"]
 def grouped_gemm(lhs: Any, rhs: Any, group_sizes: Any, epilogue: Callable[..., Any] | None = None,
                  *operands: Any, group_operands: Sequence[Any] = (), out_dtypes: Any = None,
                  acc_dtype: Any = None, epi_dtype: Any = None, precision: Any = None,
-                 **scalars: Any) -> Any:
+                 config: GemmConfig | None = None, **scalars: Any) -> Any:
     """``epilogue(ragged_dot(lhs, rhs, group_sizes), *operands, *per_token, **scalars)``.
 
     ``lhs`` is (T, K) with its rows sorted by group, ``rhs`` (G, K, N) one matrix per group,
@@ -30,8 +33,10 @@ def grouped_gemm(lhs: Any, rhs: Any, group_sizes: Any, epilogue: Callable[..., A
     of ``efc.gemm``'s for a (T, N) accumulator (tiles (T, N), rows (N,), columns (T, 1),
     scalars); each of ``group_operands`` is (G, N), one row per group (a per-expert bias), and
     reaches the epilogue as the (T, N) tile of each row's group's row (0 past the groups).
-    Differentiable in ``lhs``, ``rhs``, the operands and dynamic scalars; under ``vmap``
-    every one of ``lhs``, ``rhs`` and ``group_sizes`` must be mapped (``ragged_dot``'s rule).
+    Differentiable in ``lhs``, ``rhs``, the operands and dynamic scalars (the kernel computes the
+    forward and the lhs gradient, XLA the rhs gradient); under ``vmap`` (the reference) every one
+    of ``lhs``, ``rhs`` and ``group_sizes`` must be mapped (``ragged_dot``'s rule). ``config``
+    pins the kernel's tiles, as ``efc.gemm``'s does.
 
     >>> import jax.numpy as jnp, jax_efc as efc
     >>> x, w = jnp.ones((5, 4)), jnp.stack([jnp.eye(4), 2 * jnp.eye(4)])
@@ -58,17 +63,13 @@ def grouped_gemm(lhs: Any, rhs: Any, group_sizes: Any, epilogue: Callable[..., A
     for i, x in enumerate(per_group):
         if x.shape != (g, n):
             raise ValueError(f"group operand {i} must be ({g}, {n}): one row of N per group; got {x.shape}.")
-    # each row's group, and whether it is in one
-    ends = jnp.cumsum(group_sizes)
-    group = jnp.searchsorted(ends, jnp.arange(t), side="right")
-    inside = group < g
-    group = jnp.minimum(group, g - 1)
-    per_token = [jnp.where(inside[:, None], x[group], jnp.zeros((), x.dtype)) for x in per_group]
-    ir, structure, arrays = prepare_epilogue(epilogue, (t, n), [*operands, *per_token], scalars,
+    # traced as rows of N; the kernel reads each tile's group's row (the last one, zero, past the groups)
+    ir, structure, arrays = prepare_epilogue(epilogue, (t, n), [*operands, *(x[0] for x in per_group)], scalars,
                                              arguments.out_dtypes(out_dtypes),
                                              arguments.default_out_dtype(lhs.dtype, acc_dtype), acc_dtype, epi_dtype)
-    acc = jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
-                             precision=arguments.reference_precision(precision, lhs.dtype),
-                             preferred_element_type=acc_dtype)
-    outs = evaluate(ir, acc, arrays)
+    first = len(operands)
+    arrays[first:first + len(per_group)] = [jnp.concatenate([x, jnp.zeros((1, n), x.dtype)])[:, None, :]
+                                            for x in per_group]
+    outs = grouped_gemm_p.bind(lhs, rhs, group_sizes.astype(jnp.int32), *arrays, ir=ir, transpose_b=False,
+                               acc_dtype=np.dtype(acc_dtype), precision=precision, config=config)
     return restructure(structure, ir, outs)

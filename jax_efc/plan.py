@@ -25,9 +25,10 @@ from jax_efc.arguments import fast_accumulation, is_8bit_float, kernel_precision
 from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR
 from jax_efc.kernels import KernelProblem, no_kernel_reason, policy
+from jax_efc.kernels.grouped_walk import tile_bound
 from jax_efc.kernels.schedule import TileSchedule, plan_schedule
 
-__all__ = ["Plan", "plan_call", "plan_kernel", "gemm_dims", "empty_reason", "symbolic_reason"]
+__all__ = ["Plan", "plan_call", "plan_grouped_call", "plan_kernel", "gemm_dims", "empty_reason", "symbolic_reason"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +79,16 @@ def gemm_dims(a_shape, b_shape, transpose_a: bool, transpose_b: bool) -> tuple[i
 
 def plan_kernel(ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], *, transpose_a: bool,
                 transpose_b: bool, acc_dtype: Any, config: GemmConfig | None, arch: str | None,
-                devices: Sequence[int] | None = None, precision: Any = None, sm_margin: int = 0) -> Plan:
+                devices: Sequence[int] | None = None, precision: Any = None, sm_margin: int = 0,
+                groups: int = 0) -> Plan:
     """The kernel's plan for a call on ``arch``, or the reference's with the reason the kernel
     cannot run it. ``a``, ``b`` and ``operands`` are avals (``shape``/``dtype``) in the
     primitive's canonical shapes; ``devices``: the ordinals of the CUDA devices the call runs
     on (see :func:`jax_efc.device.residency`); ``precision`` as the primitive holds it (8-bit
     float inputs promote partial sums into fp32 unless it asks for fast accumulation);
     ``sm_margin``: the SMs the heuristic's config leaves free (a pinned config keeps its own
-    ``sm_margin``). Raises
+    ``sm_margin``); ``groups``: a grouped GEMM's group count, ``b`` then (G, K, N) or (G, N, K),
+    one matrix per group (its plan's ``mnkl`` has L = 1). Raises
     ``TypeError`` when ``a`` and ``b`` differ in dtype, unless they are the two 8-bit float
     formats."""
     if np.dtype(a.dtype) != np.dtype(b.dtype) and not mixes_8bit(a.dtype, b.dtype):
@@ -97,7 +100,7 @@ def plan_kernel(ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], *, tran
     promote = is_8bit_float(a.dtype) and not fast_accumulation(precision)
     return _plan_kernel(ir, _spec(a), _spec(b), tuple(_spec(x) for x in operands), bool(transpose_a),
                         bool(transpose_b), np.dtype(acc_dtype).name, config, arch,
-                        None if devices is None else tuple(devices), promote, sm_margin, _switches())
+                        None if devices is None else tuple(devices), promote, sm_margin, groups, _switches())
 
 
 def _switches() -> tuple[str, str, str]:
@@ -110,18 +113,19 @@ def _switches() -> tuple[str, str, str]:
 
 @functools.lru_cache(maxsize=1024)
 def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch, devices, promote,
-                 sm_margin, switches) -> Plan:
+                 sm_margin, groups, switches) -> Plan:
     reason = no_kernel_reason(arch) or device.dsl_reason()
     if reason:
         return _reference(reason, arch=arch)
     pol = policy(arch)
     m, n, k, batch = gemm_dims(a[0], b[0], transpose_a, transpose_b)
+    batch = None if groups else batch  # a grouped GEMM's B is batched by group
     mnkl = (m, n, k, batch or 1)
     problem = KernelProblem(
         ir=ir, ab_dtype=a[1], b_dtype=b[1], acc_dtype=acc_dtype, a_major="m" if transpose_a else "k",
         b_major="k" if transpose_b else "n", batched=batch is not None, a_batched=len(a[0]) == 3,
         b_batched=len(b[0]) == 3, operand_batched=tuple(len(x[0]) == 3 for x in operands), arch=arch,
-        config=config if config is not None else GemmConfig(), promote=promote,
+        config=config if config is not None else GemmConfig(), promote=promote, groups=groups,
     )
     reason = pol.dtype_reason(problem)
     if reason:
@@ -149,8 +153,11 @@ def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config
     clusters, resident = device.residency(cluster_size, devices, pol.assumed_max_clusters(cluster_size, sms))
     if cfg.sm_margin:  # one CTA an SM: the grid's clusters on the SMs left
         clusters = min(clusters, (sms - cfg.sm_margin) // cluster_size)
-    # stream-K makes CTAs wait on one another: only where the whole grid is known resident
-    split = resident and pol.splits_k(problem)
+    if groups:  # no more clusters than the most tiles any group sizes give
+        clusters = min(clusters, tile_bound(groups, m, cfg.tile_m, -(-n // (cfg.tile_n * cfg.cluster_n))))
+    # stream-K makes CTAs wait on one another: only where the whole grid is known resident (and
+    # a grouped GEMM's tiles are known only to the kernel)
+    split = resident and pol.splits_k(problem) and not groups
     schedule = plan_schedule(cfg if split else dataclasses.replace(cfg, stream_k=False), *mnkl, clusters,
                              problem.tile_k)
     return Plan("kernel", arch=arch, problem=problem, mnkl=mnkl, schedule=schedule, transposes=transposes, note=note)
@@ -242,3 +249,35 @@ def plan_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence
                 plan = dataclasses.replace(tuned_plan, note="; ".join(filter(None, [tuned_plan.note, tuned_note])))
     reason = self_check.refusal(plan, avals_in, params, devices)
     return plan if reason is None else _reference(reason, arch=arch)
+
+
+def plan_grouped_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence[int] | None = None) -> Plan:
+    """The plan of one ``grouped_gemm_p`` equation (lhs, rhs, group sizes, operands) lowered for
+    CUDA, as :func:`plan_call` plans a dense one: a pinned config the kernel cannot run raises
+    ``ValueError``. A grouped kernel that has not run on a GPU of its kind runs only under
+    ``JAX_EFC_UNVERIFIED_KERNELS=1`` (it has no first-use check yet)."""
+    lhs, rhs, _, *operands = avals_in
+    reason = empty_reason(avals_in) or symbolic_reason(avals_in)
+    if reason:
+        return _reference(reason, level=0 if empty_reason(avals_in) else logging.WARNING)
+    if _config.disabled():
+        return _reference("JAX_EFC_DISABLE is set.")
+    arch = device.arch()
+    if arch is None:
+        return _reference("no CUDA device with a supported architecture was found.")
+    pinned = None if autotune.requested(params["config"]) else params["config"]
+    kw = dict(transpose_a=False, transpose_b=params["transpose_b"], acc_dtype=params["acc_dtype"], arch=arch,
+              devices=devices, precision=params["precision"], groups=rhs.shape[0])
+    plan = plan_kernel(params["ir"], lhs, rhs, operands, config=pinned, **kw)
+    if plan.backend != "kernel":
+        if pinned is not None and plan_kernel(params["ir"], lhs, rhs, operands, config=None, **kw).backend == "kernel":
+            raise ValueError(f"jax_efc: the grouped kernel for {arch} cannot run {pinned}: {plan.reason} "
+                             "Pass config=None to let the heuristic choose.")
+        return plan
+    from jax_efc.kernels.policy import unverified_allowed
+
+    what = None if unverified_allowed() else policy(arch).unverified_reason(plan.problem)
+    if what:
+        return _reference(f"not yet run on a GPU of its kind: {what}, which has no first-use check yet, so XLA "
+                          "runs the call (JAX_EFC_UNVERIFIED_KERNELS=1 runs it unchecked).", arch=arch)
+    return plan

@@ -15,6 +15,7 @@ import numpy as np
 from .. import activations, example_epilogues
 from ..config import GemmConfig
 from ..gated import DEFAULT_BLOCK, interleave_gated
+from ..grouped import grouped_gemm
 from ..mlp import fused_mlp
 from ..ops import fused_dense, gemm
 
@@ -59,8 +60,14 @@ REDUCTION_EPILOGUES = ("bias+gelu_tanh+colsum", "bias+gelu_tanh+colsum-atomic")
 # "fp8train-fast:" the same with fast accumulation (as XLA's FP8 dot), and "fp8train-bf16:"
 # against the bf16 dense layer in plain JAX; measured only when asked for
 FP8_TRAIN_STEPS = ("fp8train:bias+gelu_tanh", "fp8train-fast:bias+gelu_tanh", "fp8train-bf16:bias+gelu_tanh")
+# a Mixture-of-Experts layer's expert GEMM (shape M,N,K,G: M tokens sorted by expert over G
+# experts, each (K, N) with its own bias), silu(ragged_dot + bias[expert]): ours one grouped GEMM,
+# against XLA's ragged_dot and the epilogue after it; "grouped" gives the experts equal shares of
+# the tokens, "grouped-skewed" shares falling by 0.6 an expert (the last ones nearly empty)
+GROUPED_EPILOGUES = ("grouped:bias+silu", "grouped-skewed:bias+silu")
 NAMED_EPILOGUES = (EPILOGUES + TRAIN_EPILOGUES + MLP_STEPS + SCAN_EPILOGUES + EIGHT_BIT_EPILOGUES
-                   + REDUCTION_EPILOGUES + FP8_TRAIN_STEPS + GATED_EPILOGUES)  # every name --epilogues takes
+                   + REDUCTION_EPILOGUES + FP8_TRAIN_STEPS + GATED_EPILOGUES
+                   + GROUPED_EPILOGUES)  # every name --epilogues takes
 ALPHA_BETA_SCALARS = {"alpha": 2.0, "beta": 1.0, "x_factor": 3.0}
 
 
@@ -69,9 +76,10 @@ class Problem:
     """One fused GEMM to measure. ``ours``, ``baseline`` and ``reference`` (float32 math on
     float32 copies of the inputs) are jitted functions of the inputs described by ``specs``
     (``a``, ``b``, then the epilogue's operands). ``gemms``: the M x N x K GEMMs a call runs
-    (what its TFLOP/s count). ``stds``: each input's standard deviation (default 1).
-    ``derive``: maps the random inputs to the ones both functions take, where some are computed
-    from others (a gated GEMM's interleaved weight from the two halves plain JAX multiplies)."""
+    (what its TFLOP/s count, of the shape's L each; a grouped GEMM's L groups share M: 1 / L).
+    ``stds``: each input's standard deviation (default 1). ``derive``: maps the random inputs
+    to the ones both functions take, where some are computed from others (a gated GEMM's
+    interleaved weight from the two halves plain JAX multiplies)."""
 
     epilogue: str
     shape: Shape
@@ -81,7 +89,7 @@ class Problem:
     ours: Callable[..., Any]
     baseline: Callable[..., Any]
     reference: Callable[..., Any]
-    gemms: int = 1
+    gemms: float = 1
     stds: tuple[float, ...] = ()
     derive: Callable[..., tuple[Any, ...]] | None = None
 
@@ -333,6 +341,37 @@ def gated_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
                    derive=derive)
 
 
+def group_sizes(m: int, groups: int, skewed: bool) -> np.ndarray:
+    """Rows of each of ``groups`` groups, ``m`` in all: equal shares, or shares falling by 0.6 a
+    group; what rounding leaves goes to the first."""
+    weights = 0.6 ** np.arange(groups) if skewed else np.ones(groups)
+    sizes = np.floor(m * weights / weights.sum()).astype(np.int32)
+    sizes[0] += m - sizes.sum()
+    return sizes
+
+
+def grouped_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
+                    config: GemmConfig | str | None = None) -> Problem:
+    """``epilogue`` in ``GROUPED_EPILOGUES``: ``silu(x @ w[e] + b[e])`` for the rows of each expert
+    e (shape M,N,K,G), ours one ``grouped_gemm``, the baseline ``jax.lax.ragged_dot`` and the
+    epilogue in XLA. The group sizes are fixed per problem (a device array, read at run time)."""
+    m, n, k, groups = shape
+    sizes = jnp.asarray(group_sizes(m, groups, "skewed" in epilogue))
+    specs = tuple(jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (groups, k, n), (groups, n)))
+    fn = _bias_activation("silu")
+
+    def ours(x, w, b):
+        return grouped_gemm(x, w, sizes, fn, group_operands=[b], out_dtypes=x.dtype, config=config)
+
+    def plain(x, w, b, precision=None):
+        acc = jax.lax.ragged_dot(x, w, sizes, precision=precision, preferred_element_type=jnp.float32)
+        return fn(acc, jnp.repeat(b, sizes, axis=0, total_repeat_length=m)).astype(x.dtype)
+
+    exact = functools.partial(plain, precision=jax.lax.Precision.HIGHEST)
+    return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs, jax.jit(ours),
+                   jax.jit(plain), jax.jit(_in_float32(exact)), gemms=1 / groups, stds=(1.0, k ** -0.5))
+
+
 def scan_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
                  config: GemmConfig | str | None = None) -> Problem:
     """``epilogue`` in ``SCAN_EPILOGUES``: L dense layers ``activation(h @ kernel + bias)`` of
@@ -373,6 +412,8 @@ def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
         return mlp_problem(epilogue, shape, dtype, config)
     if epilogue in GATED_EPILOGUES:
         return gated_problem(epilogue, shape, dtype, config)
+    if epilogue in GROUPED_EPILOGUES:
+        return grouped_problem(epilogue, shape, dtype, config)
     if epilogue in SCAN_EPILOGUES:
         return scan_problem(epilogue, shape, dtype, config)
     if epilogue.startswith("train:"):

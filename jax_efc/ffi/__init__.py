@@ -123,7 +123,7 @@ def lower(ctx, *args, plan: Plan) -> Any:
     block_ops = ir.InsertionPoint.current.block.operations
     marks = len(module_ops), len(block_ops)
     try:
-        lowered = mlir.lower_fun(functools.partial(fused_gemm, plan=plan), multiple_results=True)(ctx, *args)
+        lowered = mlir.lower_fun(functools.partial(_fused_call, plan=plan), multiple_results=True)(ctx, *args)
     except Exception:
         for ops, mark in ((block_ops, marks[1]), (module_ops, marks[0])):
             for i in reversed(range(mark, len(ops))):
@@ -135,6 +135,13 @@ def lower(ctx, *args, plan: Plan) -> Any:
         raise
     store_compiled()
     return lowered
+
+
+def _fused_call(a, b, *rest, plan: Plan) -> list:
+    """:func:`fused_gemm` of a primitive's inputs: a grouped GEMM's group sizes come after ``b``."""
+    if plan.problem.groups:
+        return fused_gemm(a, b, *rest[1:], plan=plan, group_sizes=rest[0])
+    return fused_gemm(a, b, *rest, plan=plan)
 
 
 @dataclasses.dataclass
@@ -151,8 +158,9 @@ class _Call:
     disk_key: str | None
 
 
-def _assemble(plan: Plan, a, b, operands, timeline: bool) -> _Call:
-    """The kernel call ``plan`` makes of ``a``, ``b`` and ``operands`` (checked against it)."""
+def _assemble(plan: Plan, a, b, operands, timeline: bool, group_sizes=None) -> _Call:
+    """The kernel call ``plan`` makes of ``a``, ``b`` and ``operands`` (checked against it), and of
+    a grouped GEMM's int32 ``group_sizes``."""
     import jax
     import jax.numpy as jnp
     from cutlass.jax import TensorSpec
@@ -166,6 +174,9 @@ def _assemble(plan: Plan, a, b, operands, timeline: bool) -> _Call:
            tuple(len(x.shape) == 3 for x in operands))
     want = (problem.ab_dtype, problem.b_dtype, problem.a_batched, problem.b_batched, problem.operand_batched)
     m, n, k, batch = gemm_dims(a.shape, b.shape, problem.a_major == "m", problem.b_major == "k")
+    batch = None if problem.groups else batch  # B's leading axis holds the groups
+    if (group_sizes is None) != (not problem.groups):
+        raise ValueError(f"a grouped GEMM's plan ({problem.groups} groups) takes group sizes, any other none.")
     if got != want or (m, n, k, batch or 1) != plan.mnkl:
         raise ValueError(f"the arrays (a {a.dtype}{tuple(a.shape)}, b {b.dtype}{tuple(b.shape)}) are not the "
                          f"ones the plan was made for ({problem.ab_dtype}, M, N, K, L = {plan.mnkl}).")
@@ -176,15 +187,17 @@ def _assemble(plan: Plan, a, b, operands, timeline: bool) -> _Call:
     # (L, r, c) row-major -> the kernel's (r|c, c|r, L) views: (1, 2, 0) keeps the rows
     # first, (2, 1, 0) swaps them.
     keep, swap = TensorSpec(mode=(1, 2, 0)), TensorSpec(mode=(2, 1, 0))
-    inputs = [_as3d(a), _as3d(b), *(_as3d(x) for x in operands)]
-    in_specs = [swap if transpose_a else keep, keep if transpose_b else swap, *([keep] * len(operands))]
+    sizes = [group_sizes.astype(jnp.int32)] if problem.groups else []
+    inputs = [_as3d(a), _as3d(b), *sizes, *(_as3d(x) for x in operands)]
+    in_specs = [swap if transpose_a else keep, keep if transpose_b else swap, *([TensorSpec()] * len(sizes)),
+                *([keep] * len(operands))]
     stored = [o for o in problem.ir.outputs if not o.reduce]
     n = n // 2 if problem.ir.gated else n  # a gated GEMM's outputs: one column a (gate, up) pair
     # a transposed output is (L, N, M): its swapped view is the kernel's (M, N, L), M contiguous
     out_shapes = [jax.ShapeDtypeStruct((batch, n, m) if o.transposed else (batch, m, n), o.dtype) for o in stored]
     # outputs written over a tile operand: each CTA reads a subtile of the operand before it
     # stores the output's subtile there, and no CTA touches another's tile
-    aliases = {2 + j: i for i, j in problem.aliased}
+    aliases = {2 + len(sizes) + j: i for i, j in problem.aliased}
     # each reducing output's fp32 values along the axes it reduces: one partial per tile, or,
     # folded by atomics, the result itself, which starts at the reduction's identity (an input
     # aliased to it: the kernel's CTAs cannot know which of them comes first)
@@ -256,11 +269,12 @@ def _finished(problem, results: list) -> list:
     return outs
 
 
-def fused_gemm(a, b, *operands, plan: Plan, timeline: bool = False) -> list:
+def fused_gemm(a, b, *operands, plan: Plan, timeline: bool = False, group_sizes=None) -> list:
     """The outputs of the epilogue ``plan`` was made for, one array per output in shape
     (M, N), or (L, M, N) when a or b is batched (transposed ones (N, M) / (L, N, M)), from
     ``a``, ``b`` and ``operands`` in the primitive's canonical shapes (those
-    :func:`jax_efc.plan.plan_kernel` was given).
+    :func:`jax_efc.plan.plan_kernel` was given). A grouped GEMM's plan takes its (G,) integer
+    ``group_sizes``; its outputs are (T, N).
 
     Emits one ``cutlass_call`` custom call; call it under ``jit`` (or inside a lowering).
     Raises ``ValueError`` when ``plan`` is not the kernel's, with its reason, or was made for
@@ -271,7 +285,7 @@ def fused_gemm(a, b, *operands, plan: Plan, timeline: bool = False) -> list:
     """
     from cutlass.jax import cutlass_call
 
-    call = _assemble(plan, a, b, operands, timeline)
+    call = _assemble(plan, a, b, operands, timeline, group_sizes)
     key, kernel, inputs, out_shapes = call.key, call.kernel, call.inputs, call.out_shapes
     m, n = plan.mnkl[:2]
     stored = None

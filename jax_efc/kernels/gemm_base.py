@@ -118,6 +118,7 @@ class ConsumerEpilogue:
     red_out: tuple = ()
     red_frag: tuple = ()
     frag_up: object = None  # a gated GEMM's up-projection accumulators of the subtile; else None
+    outputs: tuple = ()  # a grouped GEMM's outputs as global tensors (a group's last tile stores by predicate)
 
 
 class FusedGemmBase:
@@ -166,6 +167,8 @@ class FusedGemmBase:
         # outputs' tile is half as wide, a gate block's columns
         self.gated = problem.ir.gated
         self.out_tile = (tile_m, tile_n // 2 if self.gated else tile_n)
+        # a grouped GEMM (jax_efc.grouped_gemm): units walk grouped_walk.GroupedWalk
+        self.groups = problem.groups
         self.reductions = tuple(TileReduction(o.reduce, o.over, self.epi_tile, self.out_tile, epi_threads,
                                               epi_blocks, atomic=o.atomic) for o in self.visitor.reduced)
         # subtiles of the outputs' tile, numbered down M first (of the accumulator tile:
@@ -228,7 +231,7 @@ class FusedGemmBase:
         waits for the TMA store of the one before to have read its buffer: alpha-beta's last
         epilogue (bf16 outputs, same tiles) took 5.2k and 5.3k cycles against 5.4k and 5.9k,
         and the kernel ran 0.3% to 5% faster at four shapes (``benchmarks/FINDINGS.md``)."""
-        if not self.tile_ops or self.schedule.stream_k is not None:
+        if not self.tile_ops or self.schedule.stream_k is not None or self.groups:
             return None, None, None
         room = (self.tile_mnk[0] * self.tile_mnk[2] * self.ab_dtype.width // 8,
                 self.tile_mnk[1] * self.tile_mnk[2] * self.b_dtype.width // 8)
@@ -413,7 +416,7 @@ class FusedGemmBase:
 
     def _tile_coords(self, epi: ConsumerEpilogue, s: int, m_idx, n_idx) -> list[tuple]:
         """Global (m, n) in the outputs of subtile ``s``'s fragment values in tile (m_idx, n_idx)."""
-        m0, n0 = m_idx * self.out_tile[0], n_idx * self.out_tile[1]
+        m0, n0 = self._first_row(m_idx), n_idx * self.out_tile[1]
         if self.gated:
             gate, _, shift = self._gated_subtiles(s)
             return [(m0 + epi.tCcT[i][0], n0 + epi.tCcT[i][1] - shift) for i in epi.acc_index[gate]]
@@ -498,7 +501,19 @@ class FusedGemmBase:
     def _tile_op_tile(self, gC: list, j, m_idx, n_idx, l_idx) -> cute.Tensor:
         """TILE operand ``j``'s part of tile (m_idx, n_idx, l_idx) (batch 0 if it has none),
         from its ``gC`` tiles."""
-        return gC[j][(None, None, m_idx, n_idx, l_idx if self.tile_op_batched[j] else 0)]
+        return self._tile_of(gC[j], m_idx, n_idx, l_idx if self.tile_op_batched[j] else 0)
+
+    def _tile_of(self, tiles: cute.Tensor, m_idx, n_idx, l_idx) -> cute.Tensor:
+        """Tile (m_idx, n_idx, l_idx) of ``tiles`` (a tensor's, from :meth:`_local_tiles`). In a
+        grouped GEMM ``m_idx`` is the tile's first row, anywhere (groups are not padded to whole
+        tiles), and ``l_idx`` (the group) indexes none of the outputs and TILE operands."""
+        if self.groups:
+            return cute.domain_offset((m_idx, 0), tiles[(None, None, 0, n_idx, 0)])
+        return tiles[(None, None, m_idx, n_idx, l_idx)]
+
+    def _first_row(self, m_idx):
+        """The first row of a unit's tile (a grouped GEMM's units give it as their ``m``)."""
+        return m_idx if self.groups else m_idx * self.out_tile[0]
 
     def _tile_op_partitions(self, epi: ConsumerEpilogue, m_idx, n_idx, l_idx) -> list:
         """(smem, gmem) TMA partitions of tile (m_idx, n_idx, l_idx)'s TILE-operand subtiles."""
@@ -507,20 +522,21 @@ class FusedGemmBase:
 
     @cute.jit
     def _epilogue(self, epi: ConsumerEpilogue, acc: cute.Tensor, bSC, m_idx, n_idx, l_idx,
-                  subtile_count, ring=None, paced: bool = False):
+                  subtile_count, ring=None, paced: bool = False, m_end=None):
         """The fused epilogue of one tile, one (epi_m x epi_n) subtile at a time, through
         the ``EPI_STAGES`` epilogue smem buffers. ``ring``: the CTA's last tile, as (the A/B
         pipeline, its state past the tile's last k-tile); its TILE operands come through
         the ring stages from there on (the producer loads them) and its outputs are staged
         in the stages after those where they have slots. ``paced``: the visitor's paced
-        evaluation. Returns the running subtile count."""
+        evaluation. ``m_end``: a grouped GEMM's end of the tile's group, whose rows past it the
+        tile does not store. Returns the running subtile count."""
         n_out = len(self.out_dtypes)
         from_ring = ring is not None
         out_in_ring = from_ring and self.ring_out_slots is not None
         n_tc = len(self.tile_ops)
         n_sub = self.n_sub
         frag = epi.frag
-        gD = [epi.gD[i][(None, None, m_idx, n_idx, l_idx)] for i in range(n_out)]
+        gD = [self._tile_of(epi.gD[i], m_idx, n_idx, l_idx) for i in range(n_out)]
         bSG = [self._subtile_tma(epi.tma_d[i], epi.sD[i], gD[i]) for i in range(n_out)]
         ring_states = []  # the ring's stages from the one past the last k-tile on
         if cutlass.const_expr(from_ring):
@@ -530,7 +546,14 @@ class FusedGemmBase:
                 ring_states.append(pipeline.PipelineState(
                     self.stages, past.count + k, index % self.stages, past.phase ^ (index // self.stages)))
         waited = 0  # operand stages waited for so far
-        origin = (m_idx * self.out_tile[0], n_idx * self.out_tile[1])
+        origin = (self._first_row(m_idx), n_idx * self.out_tile[1])
+        # A grouped GEMM's tile that runs past its group's rows stores only those from its staged
+        # subtiles by predicate: the next group's tile owns the rest, and a TMA store writes a whole
+        # box (bounding it at the group's end would take a tensor map per group, rewritten on the
+        # device before the store, for one tile a group).
+        whole = True
+        if cutlass.const_expr(self.groups):
+            whole = m_idx + self.out_tile[0] <= m_end
         running = [r.start() for r in self.reductions]
         for s in cutlass.range_constexpr(n_sub):
             coords = self._subtile_accumulators(epi, acc, s, m_idx, n_idx)
@@ -586,13 +609,20 @@ class FusedGemmBase:
                     if cutlass.const_expr(i not in self.masked):
                         s_part, g_part = (self._subtile_tma(epi.tma_d[i], out_views[i], gD[i])
                                           if out_in_ring else bSG[i])
-                        cute.copy(epi.tma_d[i], s_part[(None, out_stage)], g_part[(None, s)])
+                        if cutlass.const_expr(self.groups):
+                            if whole:
+                                cute.copy(epi.tma_d[i], s_part[(None, out_stage)], g_part[(None, s)])
+                        else:
+                            cute.copy(epi.tma_d[i], s_part[(None, out_stage)], g_part[(None, s)])
                 epi.store_pipe.producer_commit()
                 # every thread has read operand buffer `buf` (barrier above): refill it
                 if cutlass.const_expr(n_tc > 0 and not from_ring and s + EPI_STAGES < n_sub):
                     self._load_tile_ops(epi, bSC, s + EPI_STAGES, buf)
                 if cutlass.const_expr(not out_in_ring):
                     epi.store_pipe.producer_acquire()
+            if cutlass.const_expr(self.groups):
+                if not whole:
+                    self._store_group_rows(epi, s, out_stage, m_idx, n_idx, m_end)
             # (under the stores just issued)
             for r in cutlass.range_constexpr(len(self.reductions)):
                 self.reductions[r].reduce(epi.red_smem[r], running[r], s, origin, epi.mn_extent, epi.ctid,
@@ -630,6 +660,20 @@ class FusedGemmBase:
             m, n = coords[k]
             store_if(epi.operands[j], (m, n, b), epi.frag_out[i][k],
                      keep[k] & (m < epi.mn_extent[0]) & (n < epi.mn_extent[1]))
+
+    def _store_group_rows(self, epi: ConsumerEpilogue, s: int, stage, m_idx, n_idx, m_end) -> None:
+        """A grouped GEMM's tile that runs past its group's rows: each thread stores its share of
+        subtile ``s`` of every output from the staged smem buffer ``stage``, consecutive threads
+        along a row, each value inside the N edge and its group's rows by a predicated store."""
+        epi_m, epi_n = self.epi_tile
+        sub_m = self.out_tile[0] // epi_m
+        m0, n0 = m_idx + s % sub_m * epi_m, n_idx * self.out_tile[1] + s // sub_m * epi_n
+        for i in range(len(self.out_dtypes)):  # plain Python: helpers are not preprocessed
+            for v in range(epi_m * epi_n // self.n_epi_threads):
+                e = epi.ctid + v * self.n_epi_threads
+                r, c = e // epi_n, e % epi_n
+                store_if(epi.outputs[i], (m0 + r, n0 + c, 0), epi.sD[i][(r, c, stage)],
+                         (m0 + r < m_end) & (n0 + c < epi.mn_extent[1]))
 
     def _load_tile_ops(self, epi: ConsumerEpilogue, bSC, s, buf):
         """TMA-load subtile ``s`` of every TILE operand, through its (smem, gmem) partitions

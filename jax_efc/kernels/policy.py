@@ -20,6 +20,8 @@ __all__ = ["ArchPolicy", "MAX_ELEMENTS", "unverified_allowed"]
 
 # the most elements one tensor may hold: the kernels' offsets are 32-bit signed integers
 MAX_ELEMENTS = 2**31 - 1
+# the most groups of a grouped GEMM: its kernel keeps two int32 per group in shared memory
+MAX_GROUPS = 1024
 
 
 def unverified_allowed() -> bool:
@@ -57,6 +59,10 @@ class ArchPolicy:
     # that has run on a GPU of this architecture
     gated_kernel: bool = False
     verified_gated: bool = False
+    # whether the kernel runs grouped (ragged) GEMMs (KernelProblem.groups), and whether that has
+    # run on a GPU of this architecture
+    grouped_kernel: bool = False
+    verified_grouped: bool = False
     # GEMMs the heuristic hands to XLA's GEMM (xla_faster_reason): at most this many rows per B
     # (None: none are), or more rows in 128x128 tiles that fill less than this share of the SMs
     xla_rows: int | None = None
@@ -93,6 +99,8 @@ class ArchPolicy:
             return f"the {self.arch} kernel's outputs stored transposed"
         if not self.verified_gated and problem.ir.gated:
             return f"the {self.arch} kernel's gated epilogue (gate and up columns paired)"
+        if not self.verified_grouped and problem.groups:
+            return f"the {self.arch} grouped (ragged) GEMM kernel"
         return None
 
     # ---- limits
@@ -151,7 +159,7 @@ class ArchPolicy:
         if len(problem.operand_batched) != len(problem.ir.operands):
             return "operand_batched must have one flag per epilogue operand."
         reason = (self.config_reason(problem.config) or self._ir_reason(problem.ir)
-                  or self.gated_reason(problem) or self.resources_reason(problem))
+                  or self.gated_reason(problem) or self.grouped_reason(problem) or self.resources_reason(problem))
         if reason or mnkl is None:
             return reason
         return self._shape_reason(problem, mnkl)
@@ -178,6 +186,37 @@ class ArchPolicy:
             # (the up projection's bare accumulator would be stored from its fp32 copy)
             return "the gated epilogue reads integer accumulators as fp32 only; XLA computes 8-bit integer ones."
         return None
+
+    def grouped_reason(self, problem: KernelProblem) -> str | None:
+        """Why the kernel cannot run ``problem`` as a grouped GEMM (``None``: it can, or it is not
+        one): its clusters span one row tile (a group's rows need not fill a pair), it runs whole
+        tiles, and each output tile stores only its group's rows."""
+        if not problem.groups:
+            return None
+        if not self.grouped_kernel:
+            return f"the {self.arch} kernel does not run grouped GEMMs."
+        if problem.groups > MAX_GROUPS:
+            return (f"{problem.groups} groups: the grouped kernel keeps a table of at most {MAX_GROUPS} in shared "
+                    "memory; split the groups over several calls.")
+        if problem.config.cluster_m != 1:
+            return (f"cluster_m={problem.config.cluster_m}: a grouped GEMM's clusters span one row tile (a group's "
+                    "rows need not fill several); use cluster_m=1 (cluster_n may multicast A).")
+        if any(o.reduce for o in problem.ir.outputs):
+            return "the grouped kernel does not reduce; XLA computes grouped GEMMs with reductions."
+        if problem.ir.gated:
+            return "the grouped kernel does not pair gated columns; XLA computes gated grouped GEMMs."
+        if problem.aliased or any(o.transposed for o in problem.ir.outputs):
+            return "the grouped kernel stores its outputs untransposed and into arrays of their own only."
+        if problem.a_major != "k":
+            return "the grouped kernel reads A (the tokens) K-major only."
+        return None
+
+    def grouped_fit(self, problem: KernelProblem, config: GemmConfig) -> GemmConfig:
+        """``config`` as a grouped GEMM runs it: a cluster along M becomes one along N."""
+        if not problem.groups or config.cluster_m == 1:
+            return config
+        return dataclasses.replace(config, cluster_m=1, cluster_n=min(2, config.cluster_m * config.cluster_n),
+                                   raster="m")
 
     def gated_fit(self, problem: KernelProblem, config: GemmConfig) -> GemmConfig:
         """``config`` with the smallest change that lets it pair ``problem``'s gated columns: the

@@ -45,7 +45,9 @@ class KernelProblem:
     mainloop adds each k-tile's WGMMA partial sums into separate fp32 accumulators (8-bit float
     inputs, whose tensor-core accumulation keeps fewer bits than fp32 over a long K). float32
     inputs are multiplied as TF32 (the plan sends them here only where the call's precision
-    allows it).
+    allows it). ``groups``: a grouped (ragged) GEMM of that many groups (0: not one), whose A rows
+    are split into groups by sizes the kernel reads at run time, B batched by group
+    (:mod:`~jax_efc.kernels.grouped_walk`); its batched operands are indexed by group.
     """
 
     ir: EpilogueIR
@@ -61,6 +63,7 @@ class KernelProblem:
     config: GemmConfig
     b_dtype: str = ""
     promote: bool = False
+    groups: int = 0
 
     def __post_init__(self) -> None:
         if not self.b_dtype:
@@ -113,7 +116,7 @@ class KernelProblem:
             self.arch,
             self.promote,
             dataclasses.astuple(self.config),
-        )
+        ) + ((("groups", self.groups),) if self.groups else ())
 
 
 def tile_k(ab_dtype: str) -> int:
@@ -144,6 +147,8 @@ def epilogue_smem_bytes(problem: KernelProblem, threads: int) -> int:
     dtypes = [o.dtype for o in problem.ir.outputs if not o.reduce] + \
         [problem.ir.operands[i].dtype for i in tile_operand_indices(problem.ir)]
     total = sum(round_up(epi_m * epi_n * bits(d) // 8 * EPI_STAGES, SMEM_ALIGN) for d in dtypes)
+    if problem.groups:  # the grouped walk's table: two int32 per group and two more entries
+        total += round_up(8 * (problem.groups + 2), SMEM_ALIGN)
     return total + sum(round_up(4 * reduction_smem_floats(o.over, (epi_m, epi_n), threads), SMEM_ALIGN)
                        for o in problem.ir.outputs if o.reduce)
 

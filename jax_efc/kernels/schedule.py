@@ -123,7 +123,9 @@ class Unit(NamedTuple):
 
     A stream-K piece with ``k_begin > 0`` contributes a partial; one with ``k_begin == 0``
     and ``k_count`` short of the tile's k-tiles collects the partials of the clusters
-    ``first_helper .. last_helper`` (an empty range otherwise)."""
+    ``first_helper .. last_helper`` (an empty range otherwise). A grouped walk's units
+    (:class:`~jax_efc.kernels.grouped_walk.GroupedWalk`) give the tile's first row as ``m``
+    and its group's end as ``m_end``."""
 
     m: Any
     n: Any
@@ -132,6 +134,7 @@ class Unit(NamedTuple):
     k_count: Any
     first_helper: Any
     last_helper: Any
+    m_end: Any = None
 
     def subtiles(self, per_tile: int):
         """Epilogue subtiles this unit runs: ``per_tile``, or none for a contributing piece."""

@@ -26,6 +26,8 @@ for epilogue operands; which mode is contiguous (the "major") is a compile-time 
 
 from __future__ import annotations
 
+import dataclasses
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -35,6 +37,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_efc.kernels.gemm_base import ConsumerEpilogue, EpilogueTensors, FusedGemmBase
+from jax_efc.kernels.grouped_walk import GroupedWalk, group_step
 from jax_efc.kernels.problem import SMEM_ALIGN, KernelProblem
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, cluster_tiles
 from jax_efc.kernels.sm90_policy import mma_warpgroups, pipeline_stages
@@ -73,7 +76,8 @@ class Sm90FusedGemm(FusedGemmBase):
     ``kernel(stream, a, b, *operands, flags, *outputs, workspace)`` (``outputs`` with the
     reductions' partials last); the results of reductions folded by atomics come right after the
     operands, and with ``timeline`` a ``stamps`` tensor follows the operands (and ``flags``)
-    (:meth:`~jax_efc.kernels.gemm_base.FusedGemmBase._call_arguments`)."""
+    (:meth:`~jax_efc.kernels.gemm_base.FusedGemmBase._call_arguments`). A grouped GEMM's int32
+    group sizes come right after ``b``."""
 
     def __init__(self, problem: KernelProblem, schedule: TileSchedule, timeline: bool = False):
         """See :class:`~jax_efc.kernels.gemm_base.FusedGemmBase`."""
@@ -125,6 +129,9 @@ class Sm90FusedGemm(FusedGemmBase):
     # ---------------------------------------------------------------- host side (traced)
     @cute.jit
     def __call__(self, stream, a: cute.Tensor, b: cute.Tensor, *rest):
+        grouped = ()
+        if cutlass.const_expr(self.groups):
+            grouped, rest = rest[:1], rest[1:]
         args = self._call_arguments(rest)
         operands, stamps, outputs, partials = args.operands, args.stamps, args.outputs, args.partials
         split = self.schedule.stream_k is not None
@@ -155,14 +162,16 @@ class Sm90FusedGemm(FusedGemmBase):
         # cluster tiles along M, N and L; the grid is one cluster per (cluster_m, cluster_n)
         # block of x and y, and the persistent clusters along z
         d0 = outputs[0]
+        if cutlass.const_expr(self.groups):
+            grouped = (grouped[0], tuple(outputs))  # (sizes, the outputs for predicated stores)
         tiles_mnl = cluster_tiles(*d0.shape, self.out_tile, self.cluster_mn)
         clusters = self.schedule.clusters
-        if cutlass.const_expr(not split):
+        if cutlass.const_expr(not split and not self.groups):  # (the plan bounds a grouped grid)
             clusters = cutlass.min(tiles_mnl[0] * tiles_mnl[1] * tiles_mnl[2], clusters)
         self.kernel(
             tiled_mma, tma_a, g_a, tma_b, g_b, tuple(tma_d), tuple(g_d), tuple(operands),
             tuple(tma_c), tuple(g_c), a_smem, b_smem, d_smem, c_smem, tiles_mnl, sk_buffers, stamps,
-            tuple(partials),
+            tuple(partials), grouped,
         ).launch(
             grid=(*self.cluster_mn, clusters), block=[self.threads, 1, 1], cluster=(*self.cluster_mn, 1),
             min_blocks_per_mp=1, stream=stream, use_pdl=True,
@@ -181,7 +190,8 @@ class Sm90FusedGemm(FusedGemmBase):
                tma_b: cute.CopyAtom, mB: cute.Tensor, tma_d: tuple, mD: tuple, operands: tuple,
                tma_c: tuple, mC: tuple,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, d_smem: tuple,
-               c_smem: tuple, tiles_mnl: tuple, sk_buffers: tuple, stamps: tuple, mP: tuple):
+               c_smem: tuple, tiles_mnl: tuple, sk_buffers: tuple, stamps: tuple, mP: tuple,
+               grouped: tuple):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
@@ -204,6 +214,9 @@ class Sm90FusedGemm(FusedGemmBase):
         sA = smem.allocate_tensor(self.ab_dtype, a_smem.outer, SMEM_ALIGN, a_smem.inner)
         sB = smem.allocate_tensor(self.b_dtype, b_smem.outer, SMEM_ALIGN, b_smem.inner)
         tensors = self._epilogue_tensors(smem, warp_idx, operands, mD, d_smem, tma_d, mC, c_smem, tma_c, mP)
+        if cutlass.const_expr(self.groups):
+            group_table = smem.allocate_tensor(cutlass.Int32, cute.make_layout((self.groups + 2, 2), stride=(2, 1)),
+                                               16)
         n_sub = self.n_sub
 
         stage_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem, (None, None, 0))) + \
@@ -236,8 +249,9 @@ class Sm90FusedGemm(FusedGemmBase):
         )
         k_tiles = cute.size(gA, mode=[3])
         bidx, bidy, bidz = cute.arch.block_idx()
-        walk = TileWalk(self.schedule, tiles_mnl, bidz, (bidx, bidy), cute.arch.grid_dim()[2], k_tiles)
-        n_units = walk.count()
+        if cutlass.const_expr(not self.groups):
+            walk = TileWalk(self.schedule, tiles_mnl, bidz, (bidx, bidy), cute.arch.grid_dim()[2], k_tiles)
+            n_units = walk.count()
         # this CTA's stream-K workspace slot and flag
         slot = bidz * cluster_size + cta_rank
 
@@ -252,6 +266,15 @@ class Sm90FusedGemm(FusedGemmBase):
         # once: its CTAs find no room on SMs this persistent grid holds, and wait likewise.
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(self.groups):
+            # the group sizes are read now: one thread scans them into the walk's table
+            if tidx == 0:
+                self._fill_group_table(group_table, grouped[0], tiles_mnl[1], mA.shape[0])
+            cute.arch.sync_threads()
+            walk = GroupedWalk(lambda g: group_table[(g, 0)], lambda g: group_table[(g, 1)], self.groups,
+                               self.tile_mnk[0], tiles_mnl[1], bidz, bidy, self.cluster_mn[1],
+                               cute.arch.grid_dim()[2], k_tiles)
+            n_units = walk.count()
 
         # ================================================================ producer
         # (Prefetches to L2 made the H200 run slower: TMA ones of the k-tiles 8 to 16 ahead
@@ -268,7 +291,10 @@ class Sm90FusedGemm(FusedGemmBase):
                 j = cutlass.Int32(0)
                 while j < n_units:
                     u = self._unit(walk, j)
-                    tAgA_t = tAgA[(None, u.m, None, u.l if self.a_batched else 0)]
+                    if cutlass.const_expr(self.groups):
+                        tAgA_t = self._group_rows(tma_a, gA, sA, u.m, cluster_coord[1])
+                    else:
+                        tAgA_t = tAgA[(None, u.m, None, u.l if self.a_batched else 0)]
                     tBgB_t = tBgB[(None, u.n, None, u.l if self.b_batched else 0)]
                     for k in range(u.k_count):
                         mainloop.producer_acquire(state)
@@ -301,6 +327,8 @@ class Sm90FusedGemm(FusedGemmBase):
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             epi = self._consumer_epilogue(tiled_mma, ctid, group, warp_idx, tensors, sA, sB)
+            if cutlass.const_expr(self.groups):
+                epi = dataclasses.replace(epi, outputs=grouped[1])
             acc = cute.make_rmem_tensor(cute.shape(epi.tCcT), self.acc_dtype)
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -330,7 +358,7 @@ class Sm90FusedGemm(FusedGemmBase):
                 # ROW/COL vector lines into L1 ahead of the epilogue's loads (about 0.5% fewer
                 # cycles for bias+gelu_tanh under Nsight Compute: benchmarks/FINDINGS.md)
                 if u.k_begin == 0:
-                    self.visitor.prefetch_vectors(epi.operands, (u.m * self.out_tile[0], u.n * self.out_tile[1]),
+                    self.visitor.prefetch_vectors(epi.operands, (self._first_row(u.m), u.n * self.out_tile[1]),
                                                   self.out_tile, epi.mn_extent, u.l, ctid)
                 if cutlass.const_expr(not self.pingpong):
                     # the buffers are free: the first subtiles arrive while the mainloop runs
@@ -340,6 +368,10 @@ class Sm90FusedGemm(FusedGemmBase):
                 if cutlass.const_expr(self.pingpong):
                     self._order_barrier(_MMA_ORDER_ID, group).arrive_and_wait()
                 self._stamp(stamps, ctid, slot, group, j, "mainloop")
+                if cutlass.const_expr(self.groups):
+                    # the rows past the groups run no mainloop: their product is 0 (zeroed in a branch
+                    # taken for those tiles only, the accumulators spilled: ptxas, 464 bytes at 128x256)
+                    acc.fill(0.0)
                 read, release, tiled_mma = self._mainloop(mainloop, read, release, tiled_mma, acc,
                                                           tCrA, tCrB, u.k_count)
                 if cutlass.const_expr(self.pingpong):
@@ -348,8 +380,14 @@ class Sm90FusedGemm(FusedGemmBase):
                 self._stamp(stamps, ctid, slot, group, j, "issued")
                 warpgroup.wait_group(0)
                 self._stamp(stamps, ctid, slot, group, j, "complete")
-                mainloop.consumer_release(release)
-                release.advance()
+                if cutlass.const_expr(self.groups):
+                    # the rows past the groups ran no mainloop (no stage to release)
+                    if u.k_count > 0:
+                        mainloop.consumer_release(release)
+                        release.advance()
+                else:
+                    mainloop.consumer_release(release)
+                    release.advance()
                 if cutlass.const_expr(self.pingpong):
                     # skip the other consumer's unit in the ring
                     other = self._unit(walk, j + 1)
@@ -375,17 +413,17 @@ class Sm90FusedGemm(FusedGemmBase):
                                                          slot, cta_rank, ctid)
                 elif cutlass.const_expr(self.ring_slots is None and not self.paced):
                     # every tile's epilogue alike: one call, no branch on the last tile
-                    subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count)
+                    subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count, m_end=u.m_end)
                 else:
                     # the CTA's last tile runs dense (nothing hides it), with its TILE
                     # operands through the ring where they have slots there
                     if j == n_units - 1:
                         ring = None if self.ring_slots is None else (mainloop, read)
                         subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count,
-                                                       ring=ring)
+                                                       ring=ring, m_end=u.m_end)
                     else:
                         subtile_count = self._epilogue(epi, acc, bSC, u.m, u.n, u.l, subtile_count,
-                                                       paced=self.paced)
+                                                       paced=self.paced, m_end=u.m_end)
                 self._stamp(stamps, ctid, slot, group, j, "end")
                 if cutlass.const_expr(self.pingpong):
                     # hand the buffers over once our TMA stores have read them
@@ -396,6 +434,29 @@ class Sm90FusedGemm(FusedGemmBase):
                 j += self.n_epi_groups
             if epi.is_store_warp:
                 epi.store_pipe.producer_tail()
+
+    @cute.jit
+    def _fill_group_table(self, table: cute.Tensor, sizes: cute.Tensor, n_tiles, rows):
+        """Scan the group sizes into ``table``: the entries of :func:`~jax_efc.kernels.grouped_walk.table`."""
+        row = cutlass.Int32(0)
+        tiles = cutlass.Int32(0)
+        for g in cutlass.range(self.groups):
+            table[(g, 0)] = row
+            table[(g, 1)] = tiles
+            row, tiles = group_step(row, tiles, sizes[g], self.tile_mnk[0], n_tiles, rows)
+        table[(self.groups, 0)] = row
+        table[(self.groups, 1)] = tiles
+        row, tiles = group_step(row, tiles, rows - row, self.tile_mnk[0], n_tiles, rows)
+        table[(self.groups + 1, 0)] = row
+        table[(self.groups + 1, 1)] = tiles
+
+    def _group_rows(self, tma_a: cute.CopyAtom, gA: cute.Tensor, sA: cute.Tensor, row, cta_n) -> cute.Tensor:
+        """A grouped GEMM's TMA partition of the A k-tiles of the tile whose first row is ``row``
+        (rows past A's end load as zeros; the next group's rows in the tile make products that its
+        epilogue does not store)."""
+        rows = cute.domain_offset((row, 0, 0), gA[(None, None, 0, None, 0)])
+        return cpasync.tma_partition(tma_a, cta_n, cute.make_layout(self.cluster_mn[1]),
+                                     cute.group_modes(sA, 0, 2), cute.group_modes(rows, 0, 2))[1]
 
     @staticmethod
     def _order_barrier(first_id, group):

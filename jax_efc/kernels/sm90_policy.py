@@ -137,6 +137,8 @@ class Sm90Policy(ArchPolicy):
     verified_atomic_reductions = True
     gated_kernel = True
     verified_gated = True
+    # grouped GEMMs compile for sm_90a (tests/test_kernel_compile_grouped.py) but have not run
+    grouped_kernel = True
 
     def accumulator_reason(self, problem: KernelProblem) -> str | None:
         if problem.acc_dtype == "float16" and problem.ab_dtype != "float16":
@@ -232,7 +234,7 @@ class Sm90Policy(ArchPolicy):
         and 128x192 tiles qualify when some subtile leaves them 5), else 64-wide ones where the
         ring keeps enough stages (128x128 ping-pong, 128x256).
         """
-        cfg = self.gated_fit(problem, self._tile_choice(problem, m, n, k, l, sm_count))
+        cfg = self.grouped_fit(problem, self.gated_fit(problem, self._tile_choice(problem, m, n, k, l, sm_count)))
         threads = _WG * mma_warpgroups(cfg)
         if any(o.reduce and reduction_reason(o.over, epilogue_tile(cfg), threads) for o in problem.ir.outputs):
             # a subtile with more rows than the threads that reduce it: 64-row subtiles

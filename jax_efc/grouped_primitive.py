@@ -1,0 +1,156 @@
+"""The grouped-GEMM primitive: abstract evaluation, lowerings, differentiation and batching, side
+by side (as ``primitive.py`` holds the dense one's).
+
+``grouped_gemm_p`` computes ``epilogue(ragged_dot(lhs, op(rhs), group_sizes), *operands)``:
+``lhs`` (T, K) rows sorted by group, ``rhs`` (G, K, N) (``transpose_b``: (G, N, K), each group's
+matrix read transposed), ``group_sizes`` (G,) int32, the operands in canonical shapes for a (T, N)
+tile, and per-group operands (rows of N, one per group) as (G + 1, 1, N), their last row (for
+the rows past the groups) zero. Every platform lowers to the XLA reference; CUDA lowers to the
+grouped kernel where one fits (``plan.plan_grouped_call``), else falls back with its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+from jax._src import dispatch
+from jax.interpreters import ad, batching, mlir
+
+from . import config as _config
+from .arguments import reference_precision
+from .epilogue import evaluate, identity_ir, output_shape, with_acc_output
+from .log import log_once
+from .plan import plan_grouped_call
+from .primitive import FallbackError, _lowering_devices
+
+__all__ = ["grouped_gemm_p", "grouped_gemm_reference", "row_groups"]
+
+grouped_gemm_p = jex.core.Primitive("efc_grouped_gemm")
+grouped_gemm_p.multiple_results = True
+
+
+def row_groups(group_sizes: Any, rows: int) -> Any:
+    """Each of ``rows`` rows' group: g for the rows of group g, G for the rows past the groups."""
+    return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")
+
+
+def _per_row(operands: Any, group_sizes: Any, rows: int) -> list[Any]:
+    """The operands as the epilogue reads them: each per-group one, (G + 1, 1, N), as the (T, N)
+    tile of each row's group's row."""
+    group = row_groups(group_sizes, rows)
+    return [x[group][:, 0, :] if jnp.ndim(x) == 3 else x for x in operands]
+
+
+def grouped_gemm_reference(lhs, rhs, group_sizes, *operands, ir, transpose_b, acc_dtype, precision, config):
+    """XLA's ``ragged_dot``, then the epilogue."""
+    del config
+    acc = jax.lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2) if transpose_b else rhs, group_sizes,
+                             precision=reference_precision(precision, lhs.dtype), preferred_element_type=acc_dtype)
+    return evaluate(ir, acc, _per_row(operands, group_sizes, lhs.shape[0]))
+
+
+def _abstract_eval(lhs, rhs, group_sizes, *operands, ir, transpose_b, **params):
+    del group_sizes, operands, params
+    n = rhs.shape[1] if transpose_b else rhs.shape[2]
+    return [jax.core.ShapedArray(output_shape(o, (lhs.shape[0], n)), jnp.dtype(o.dtype)) for o in ir.outputs]
+
+
+grouped_gemm_p.def_abstract_eval(_abstract_eval)
+grouped_gemm_p.def_impl(partial(dispatch.apply_primitive, grouped_gemm_p))
+
+_reference_lowering = mlir.lower_fun(grouped_gemm_reference, multiple_results=True)
+
+
+def _fall_back(reason: str) -> None:
+    if _config.strict():
+        raise FallbackError(f"jax_efc: no kernel for this grouped GEMM (JAX_EFC_STRICT=1): {reason}")
+    log_once(logging.WARNING, f"using the XLA reference: {reason}")
+
+
+def _cuda_lowering(ctx, *args, **params):
+    plan = plan_grouped_call(ctx.avals_in, params, devices=_lowering_devices(ctx))
+    if plan.backend != "kernel":
+        if plan.level == logging.WARNING:
+            _fall_back(plan.reason)
+        return _reference_lowering(ctx, *args, **params)
+    from jax_efc import ffi
+
+    try:
+        return ffi.lower(ctx, *args, plan=plan)
+    except Exception as e:  # noqa: BLE001 - any failure to build the kernel falls back
+        _fall_back(f"building the grouped kernel failed ({type(e).__name__}: {str(e).strip()[:300]})")
+        return _reference_lowering(ctx, *args, **params)
+
+
+def _default_lowering(ctx, *args, **params):
+    if _config.strict():
+        _fall_back(f"platform {', '.join(ctx.module_context.platforms)} has no jax_efc kernel.")
+    return _reference_lowering(ctx, *args, **params)
+
+
+mlir.register_lowering(grouped_gemm_p, _default_lowering)
+mlir.register_lowering(grouped_gemm_p, _cuda_lowering, platform="cuda")
+
+
+# Differentiation: the JVP of any epilogue from the accumulator's tangent, two plain grouped
+# GEMMs; those transpose to the lhs's cotangent, the grouped GEMM of the product's cotangent with
+# each group's matrix transposed (the kernel), and the rhs's, a GEMM over each group's rows
+# (``ragged_dot``'s own transpose, in XLA).
+
+def _jvp_rule(primals, tangents, *, ir, **params):
+    lhs, rhs, group_sizes, *operands = primals
+    t_lhs, t_rhs, _, *t_ops = tangents
+    epi = ir.epi_dtype
+    outs = grouped_gemm_p.bind(lhs, rhs, group_sizes, *operands, ir=with_acc_output(ir, epi), **params)
+    outs, acc = outs[:-1], outs[-1]
+    plain = dict(params, ir=identity_ir(epi, epi))
+    terms = [grouped_gemm_p.bind(x, y, group_sizes, **plain)[0]
+             for x, y, t in ((t_lhs, rhs, t_lhs), (lhs, t_rhs, t_rhs)) if type(t) is not ad.Zero]
+    t_acc = sum(terms[1:], terms[0]) if terms else jnp.zeros_like(acc)
+    t_ops = [jnp.zeros(x.shape, x.dtype) if type(t) is ad.Zero else t for x, t in zip(operands, t_ops)]
+
+    def epilogue(acc, *ops):
+        return evaluate(ir, acc, _per_row(ops, group_sizes, lhs.shape[0]))
+
+    _, t_outs = jax.jvp(epilogue, (acc, *operands), (t_acc, *t_ops))
+    return outs, list(t_outs)
+
+
+def _transpose_rule(cts, lhs, rhs, group_sizes, *operands, ir, transpose_b, acc_dtype, precision, config):
+    if operands or ir.instrs or len(ir.outputs) != 1 or ir.outputs[0].value != 0:
+        raise NotImplementedError("jax_efc: only a plain grouped GEMM is linear, and transposable.")
+    (ct,) = cts
+    if type(ct) is ad.Zero:
+        return [None, None, None]
+    d_lhs = d_rhs = None
+    if ad.is_undefined_primal(lhs):
+        d_lhs = grouped_gemm_p.bind(ct.astype(rhs.dtype), rhs, group_sizes,
+                                    ir=identity_ir(lhs.aval.dtype, ir.epi_dtype), transpose_b=not transpose_b,
+                                    acc_dtype=acc_dtype, precision=precision, config=config)[0]
+    if ad.is_undefined_primal(rhs):
+        def product(r):
+            r = jnp.swapaxes(r, 1, 2) if transpose_b else r
+            return jax.lax.ragged_dot(lhs, r, group_sizes, precision=reference_precision(precision, lhs.dtype),
+                                      preferred_element_type=acc_dtype)
+
+        _, pullback = jax.vjp(product, jnp.zeros(rhs.aval.shape, rhs.aval.dtype))
+        d_rhs = pullback(ct.astype(acc_dtype))[0].astype(rhs.aval.dtype)
+    return [d_lhs, d_rhs, None]
+
+
+ad.primitive_jvps[grouped_gemm_p] = _jvp_rule
+ad.primitive_transposes[grouped_gemm_p] = _transpose_rule
+
+
+def _batching_rule(args, dims, **params):
+    """The reference under ``vmap`` (``ragged_dot``'s batching: lhs, rhs and sizes all mapped)."""
+    outs = jax.vmap(partial(grouped_gemm_reference, **params), in_axes=tuple(dims))(*args)
+    return outs, [0] * len(outs)
+
+
+batching.primitive_batchers[grouped_gemm_p] = _batching_rule

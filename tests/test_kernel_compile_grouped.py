@@ -1,0 +1,198 @@
+"""Grouped (ragged) GEMMs (``KernelProblem.groups``) compiled on the CPU for sm_90a, as
+``test_kernel_compile.py`` compiles the dense variants: the PTX holds WGMMA, the TMA loads of A,
+B and TILE operands, TMA stores and the predicated stores of a group's last tile, and nothing
+spills. No GPU has run them yet, so they compile under ``JAX_EFC_UNVERIFIED_KERNELS=1``; the
+policy's refusals run by default."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_kernel_compile import _config, assemble_all, check_spills
+
+# name -> (dtype, transpose_b (rhs stored (G, N, K): the lhs gradient's GEMM), config (tile_m,
+# tile_n, cluster_m, cluster_n[, other GemmConfig fields]), epilogue, (T, N, K, G))
+GROUPED_VARIANTS = {
+    # what the heuristic runs for large problems: ping-pong 128x128 tiles in 1x2 clusters
+    "bf16_pingpong_group_bias_silu_c1x2": ("bfloat16", False, (128, 128, 1, 2, {"pingpong": True, "epi_n": 64}),
+                                           "group_bias_silu", (4096, 1024, 512, 8)),
+    # cooperative 128x256, the plain product (the lhs gradient: rhs read transposed)
+    "bf16_identity_128x256_nk": ("bfloat16", True, (128, 256, 1, 1), "identity", (2048, 512, 1024, 64)),
+    # every operand role: a TILE operand (TMA-loaded at the tile's rows), a column, a per-group row
+    # and a traced scalar; fp16, ping-pong 192x128 tiles in 64x16 subtiles
+    "fp16_pingpong_multi_192x128": ("float16", False, (192, 128, 1, 1, {"pingpong": True, "epi_m": 64,
+                                                                         "epi_n": 16}),
+                                    "multi", (1000, 768, 256, 5)),
+    # cooperative 128x128 tiles in 1x2 clusters, a bf16 and an fp32 output
+    "bf16_two_outputs_128x128_c1x2": ("bfloat16", False, (128, 128, 1, 2), "two_outputs", (1536, 512, 384, 256)),
+}
+
+
+def _grouped_epilogue(name: str, t: int, n: int, groups: int, dtype):
+    """(ir, operand avals) of a test epilogue: its per-group operands (G + 1, 1, N) (a zero row
+    for the rows past the groups), traced as rows."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_efc.tracing import trace_epilogue
+
+    group_row = ((1, n), (groups + 1, 1, n))
+    if name == "identity":
+        fn, specs, outs = (lambda acc: acc), [], dtype
+    elif name == "group_bias_silu":
+        fn, specs, outs = (lambda acc, bias: jax.nn.silu(acc + bias)), [(group_row, dtype)], dtype
+    elif name == "two_outputs":
+        fn = lambda acc, bias: {"y": jax.nn.gelu(acc + bias), "acc": acc}  # noqa: E731
+        specs, outs = [(group_row, jnp.float32)], {"y": dtype, "acc": jnp.float32}
+    else:  # tile + column + per-group row + traced scalar
+        def fn(acc, c, col, bias, s):
+            return jnp.tanh(acc * s + bias) * col + c
+        specs = [(((t, n), (t, n)), dtype), (((t, 1), (t, 1)), dtype), (group_row, jnp.float32),
+                 (((), ()), jnp.float32)]
+        outs = dtype
+    shapes = [traced for (traced, _), _ in specs]
+    dtypes = [d for _, d in specs]
+    ir, *_ = trace_epilogue(fn, (t, n), shapes, dtypes, {}, {}, outs, dtype)
+    return ir, [jax.ShapeDtypeStruct(given, d) for (_, given), d in specs]
+
+
+def _compile_all(dump_dir: str, arch: str = "sm_90a") -> dict:
+    """Child process: export every grouped variant for ``arch``."""
+    import jax
+    import jax.numpy as jnp
+    from cutlass.jax import get_export_disabled_safety_checks
+
+    import jax_efc.ffi as F
+    import jax_efc.plan as P
+
+    results = {}
+    for name, (dt, tb, cfg, epi, (t, n, k, g)) in GROUPED_VARIANTS.items():
+        dtype = jnp.dtype(dt)
+        ir, ops = _grouped_epilogue(epi, t, n, g, dtype)
+        a = jax.ShapeDtypeStruct((t, k), dtype)
+        b = jax.ShapeDtypeStruct((g, n, k) if tb else (g, k, n), dtype)
+        sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+        plan = P.plan_kernel(ir, a, b, ops, transpose_a=False, transpose_b=tb, acc_dtype=jnp.float32,
+                             config=_config(cfg), arch=arch, groups=g)
+        if plan.reason:
+            results[name] = {"error": plan.reason}
+            continue
+        before = set(os.listdir(dump_dir))
+        exported = jax.export.export(
+            jax.jit(lambda a, b, s, *ops: F.fused_gemm(a, b, *ops, plan=plan, group_sizes=s)),
+            platforms=["cuda"], disabled_checks=get_export_disabled_safety_checks(),
+        )(a, b, sizes, *ops)
+        new = [f for f in set(os.listdir(dump_dir)) - before if f.endswith(".ptx")]
+        results[name] = {
+            "custom_call": "stablehlo.custom_call @CuteDSLRT" in exported.mlir_module(),
+            "out_shapes": [list(x.shape) for x in exported.out_avals],
+            "ptx": "".join(open(os.path.join(dump_dir, f)).read() for f in new),
+            "clusters": plan.schedule.clusters,
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    pytest.importorskip("cutlass.jax")
+    dump = tmp_path_factory.mktemp("ptx")
+    out = dump / "results.json"
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump),
+               JAX_PLATFORMS="cpu", JAX_EFC_UNVERIFIED_KERNELS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.path.dirname(__file__), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, __file__, str(dump), str(out)], env=env, capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("name", list(GROUPED_VARIANTS))
+def test_variant_compiles_to_wgmma_and_tma(compiled, name):
+    """WGMMA, TMA loads (A at its group's rows, B by group) and stores, the predicated stores of
+    a group's last tile, and (T, N) outputs."""
+    result = compiled[name]
+    assert "error" not in result, result.get("error")
+    assert result["custom_call"]
+    ptx = result["ptx"]
+    assert "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx and ".bulk_group" in ptx
+    assert "@p st.global.b" in ptx  # a group's last tile: its rows only, by predicate
+    wait = ptx.find("griddepcontrol.wait;")
+    assert 0 <= wait < ptx.find("ld.global")  # the group sizes are read after the wait
+    _, _, cfg, _, (t, n, _, _) = GROUPED_VARIANTS[name]
+    assert result["out_shapes"][0] == [t, n]
+    if cfg[3] > 1:
+        assert "multicast::cluster" in ptx
+
+
+@pytest.mark.matrix
+def test_variants_do_not_spill(compiled, tmp_path_factory):
+    check_spills(assemble_all(compiled, tmp_path_factory.mktemp("sass")))
+
+
+def _problem(config=None, **change):
+    import jax.numpy as jnp
+
+    from jax_efc.config import GemmConfig
+    from jax_efc.kernels import KernelProblem
+
+    ir, _ = _grouped_epilogue(change.pop("epilogue", "group_bias_silu"), 1024, 512, 8, jnp.bfloat16)
+    problem = KernelProblem(ir=ir, ab_dtype="bfloat16", acc_dtype="float32", a_major="k", b_major="n",
+                            batched=False, a_batched=False, b_batched=True, operand_batched=(True,),
+                            arch="sm_90a", config=config or GemmConfig(), groups=8)
+    return dataclasses.replace(problem, **change)
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(config="cluster_m"), "cluster_m=2: a grouped GEMM's clusters span one row tile"),
+    (dict(groups=4096), "4096 groups"),
+    (dict(a_major="m"), "reads A (the tokens) K-major only"),
+    (dict(epilogue="reduce"), "does not reduce"),
+])
+def test_policy_refusals(change, needle):
+    import jax.numpy as jnp
+
+    from jax_efc.config import GemmConfig
+    from jax_efc.epilogue import split_at_reductions
+    from jax_efc.kernels.sm90_policy import POLICY
+    from jax_efc.tracing import trace_epilogue
+
+    if change.get("config") == "cluster_m":
+        change["config"] = GemmConfig(cluster_m=2)
+    if change.get("epilogue") == "reduce":
+        del change["epilogue"]
+        ir, *_ = trace_epilogue(lambda acc: (acc, jnp.sum(acc, axis=-2)), (1024, 512), [], [], {}, {}, None,
+                                jnp.bfloat16)
+        change["ir"], change["operand_batched"] = split_at_reductions(ir).gemm, ()
+    assert needle in POLICY.unsupported_reason(_problem(**change))
+
+
+def test_grouped_kernels_are_unverified_and_blackwell_refuses_them():
+    from jax_efc.kernels import policy
+
+    problem = _problem()
+    assert policy("sm_90a").unsupported_reason(problem) is None
+    assert "grouped (ragged) GEMM kernel" in policy("sm_90a").unverified_reason(problem)
+    assert "does not run grouped GEMMs" in policy("sm_100a").unsupported_reason(
+        dataclasses.replace(problem, arch="sm_100a"))
+
+
+def test_heuristic_takes_clusters_along_n():
+    from jax_efc.kernels.sm90_policy import POLICY
+
+    for mnk in ((16384, 4096, 4096), (4096, 14336, 4096), (512, 512, 512)):
+        cfg = POLICY.choose_config(_problem(), *mnk, 1)
+        assert cfg.cluster_m == 1 and POLICY.unsupported_reason(_problem(cfg)) is None, cfg
+
+
+if __name__ == "__main__":
+    with open(sys.argv[2], "w") as f:
+        json.dump(_compile_all(sys.argv[1]), f)
