@@ -13,9 +13,10 @@ import numpy as np
 
 from . import arguments
 from .epilogue import restructure
-from .grouped_primitive import grouped_gemm_p
 from .config import GemmConfig
+from .grouped_primitive import grouped_gemm_p
 from .ops import prepare_epilogue
+from .primitive import match_varying
 
 __all__ = ["grouped_gemm"]
 
@@ -70,6 +71,7 @@ def grouped_gemm(lhs: Any, rhs: Any, group_sizes: Any, epilogue: Callable[..., A
     first = len(operands)
     arrays[first:first + len(per_group)] = [jnp.concatenate([x, jnp.zeros((1, n), x.dtype)])[:, None, :]
                                             for x in per_group]
-    outs = grouped_gemm_p.bind(lhs, rhs, group_sizes.astype(jnp.int32), *arrays, ir=ir, transpose_b=False,
+    outs = grouped_gemm_p.bind(*match_varying((lhs, rhs, group_sizes.astype(jnp.int32), *arrays)), ir=ir,
+                               transpose_b=False,
                                acc_dtype=np.dtype(acc_dtype), precision=precision, config=config)
     return restructure(structure, ir, outs)

@@ -23,10 +23,10 @@ from jax.interpreters import ad, batching, mlir
 
 from . import config as _config
 from .arguments import reference_precision
-from .epilogue import evaluate, identity_ir, output_shape, with_acc_output
+from .epilogue import evaluate, identity_ir, with_acc_output
 from .log import log_once
 from .plan import plan_grouped_call
-from .primitive import FallbackError, _lowering_devices
+from .primitive import FallbackError, _lowering_devices, match_varying, output_avals
 
 __all__ = ["grouped_gemm_p", "grouped_gemm_reference", "row_groups"]
 
@@ -57,7 +57,7 @@ def grouped_gemm_reference(lhs, rhs, group_sizes, *operands, ir, transpose_b, ac
 def _abstract_eval(lhs, rhs, group_sizes, *operands, ir, transpose_b, **params):
     del group_sizes, operands, params
     n = rhs.shape[1] if transpose_b else rhs.shape[2]
-    return [jax.core.ShapedArray(output_shape(o, (lhs.shape[0], n)), jnp.dtype(o.dtype)) for o in ir.outputs]
+    return output_avals(ir, (lhs.shape[0], n), lhs, rhs, False, transpose_b)
 
 
 grouped_gemm_p.def_abstract_eval(_abstract_eval)
@@ -106,10 +106,11 @@ def _jvp_rule(primals, tangents, *, ir, **params):
     lhs, rhs, group_sizes, *operands = primals
     t_lhs, t_rhs, _, *t_ops = tangents
     epi = ir.epi_dtype
-    outs = grouped_gemm_p.bind(lhs, rhs, group_sizes, *operands, ir=with_acc_output(ir, epi), **params)
+    outs = grouped_gemm_p.bind(*match_varying((lhs, rhs, group_sizes, *operands)), ir=with_acc_output(ir, epi),
+                               **params)
     outs, acc = outs[:-1], outs[-1]
     plain = dict(params, ir=identity_ir(epi, epi))
-    terms = [grouped_gemm_p.bind(x, y, group_sizes, **plain)[0]
+    terms = [grouped_gemm_p.bind(*match_varying((x, y, group_sizes)), **plain)[0]
              for x, y, t in ((t_lhs, rhs, t_lhs), (lhs, t_rhs, t_rhs)) if type(t) is not ad.Zero]
     t_acc = sum(terms[1:], terms[0]) if terms else jnp.zeros_like(acc)
     t_ops = [jnp.zeros(x.shape, x.dtype) if type(t) is ad.Zero else t for x, t in zip(operands, t_ops)]
@@ -129,7 +130,7 @@ def _transpose_rule(cts, lhs, rhs, group_sizes, *operands, ir, transpose_b, acc_
         return [None, None, None]
     d_lhs = d_rhs = None
     if ad.is_undefined_primal(lhs):
-        d_lhs = grouped_gemm_p.bind(ct.astype(rhs.dtype), rhs, group_sizes,
+        d_lhs = grouped_gemm_p.bind(*match_varying((ct.astype(rhs.dtype), rhs, group_sizes)),
                                     ir=identity_ir(lhs.aval.dtype, ir.epi_dtype), transpose_b=not transpose_b,
                                     acc_dtype=acc_dtype, precision=precision, config=config)[0]
     if ad.is_undefined_primal(rhs):
@@ -138,7 +139,9 @@ def _transpose_rule(cts, lhs, rhs, group_sizes, *operands, ir, transpose_b, acc_
             return jax.lax.ragged_dot(lhs, r, group_sizes, precision=reference_precision(precision, lhs.dtype),
                                       preferred_element_type=acc_dtype)
 
-        _, pullback = jax.vjp(product, jnp.zeros(rhs.aval.shape, rhs.aval.dtype))
+        # (the point of linearisation varies over the manual axes the cotangent does)
+        point, _ = match_varying((jnp.zeros(rhs.aval.shape, rhs.aval.dtype), ct))
+        _, pullback = jax.vjp(product, point)
         d_rhs = pullback(ct.astype(acc_dtype))[0].astype(rhs.aval.dtype)
     return [d_lhs, d_rhs, None]
 

@@ -35,7 +35,7 @@ from .plan import plan_call
 from .reference import fused_gemm_reference
 
 __all__ = ["fused_gemm_p", "fused_gemm", "FallbackError", "fused_gemm_eqns", "backends",
-           "match_varying", "gemm_cotangents"]
+           "match_varying", "gemm_cotangents", "output_avals"]
 
 
 fused_gemm_p = jex.core.Primitive("efc_fused_gemm")
@@ -128,9 +128,15 @@ def _abstract_eval(a, b, *operands, ir, transpose_a, transpose_b, acc_dtype, pre
     compile_ahead.speculate([a, b, *operands], dict(ir=ir, transpose_a=transpose_a, transpose_b=transpose_b,
                                                      acc_dtype=acc_dtype, precision=precision, config=config,
                                                      local=local, feeds_collective=feeds_collective))
+    return output_avals(ir, tile, a, b, transpose_a, transpose_b)
+
+
+def output_avals(ir: EpilogueIR, tile: tuple, a: Any, b: Any, transpose_a: bool, transpose_b: bool) -> list[Any]:
+    """The avals of ``ir``'s outputs for an accumulator ``tile``, with their sharding where
+    ``a`` and ``b`` carry one, and (under shard_map) the manual axes every input varies over,
+    which ``a`` carries (the inputs were matched at bind: :func:`match_varying`)."""
     if _out_sharding(a, b, transpose_a, transpose_b, ()) is None:
         return [jax.core.ShapedArray(output_shape(o, tile), jnp.dtype(o.dtype)) for o in ir.outputs]
-    # ``a`` carries the mesh and (under shard_map) the manual axes every input varies over
     return [a.update(shape=output_shape(o, tile), dtype=jnp.dtype(o.dtype), weak_type=False,
                      sharding=_out_sharding(a, b, transpose_a, transpose_b, o.over, o.transposed))
             for o in ir.outputs]
