@@ -4,9 +4,9 @@
 # ./gpu-logs); each part prints its summary last.
 #   usage: benchmarks/gpu_suite.sh [LOGDIR] [verify|tests|stores|examples|bench|model|fp8|all]
 #
-#   verify    what has not yet run on a GPU: reductions folded by atomics, gated GEMMs (and
-#             SwiGLU's speed), the FP8 layers' output-gradient pass; first-use checks; the
-#             reductions' cost (deterministic and by atomics)
+#   verify    what has not yet run on a GPU: the grouped GEMM kernel (and its speed against
+#             ragged_dot); the gated GEMMs' speed; the reductions' cost (deterministic and by
+#             atomics)
 #   tests     the rest of the GPU tests but `stores`' (the compute-sanitizer runs, marked slow, apart)
 #   stores    the epilogue reductions', transposed and masked outputs' GPU tests
 #   examples  each example at a GPU size, `jax-efc run`, info and selftest
@@ -31,19 +31,18 @@ shapes="8192,8192,8192 8192,14336,4096 4096,4096,4096"
 want() { [[ $part == all || $part == "$1" ]]; }
 
 if want verify; then
-  step atomic python3 -m pytest -q -m gpu tests/test_gpu_atomic_reductions.py
-  step gated python3 -m pytest -q -m gpu tests/test_gpu_gated.py
-  step bench-gated python3 benchmarks/run.py --json "$logs/bench-gated.json" --epilogues gated:swiglu \
+  step grouped env JAX_EFC_UNVERIFIED_KERNELS=1 python3 -m pytest -q -m gpu tests/test_gpu_grouped.py
+  step bench-grouped env JAX_EFC_UNVERIFIED_KERNELS=1 python3 benchmarks/run.py --json "$logs/bench-grouped.json" \
+    --epilogues grouped:bias+silu,grouped-skewed:bias+silu \
+    --shapes 16384,14336,4096,8 16384,3584,4096,8 16384,3584,4096,64
+  step bench-gated python3 benchmarks/run.py --json "$logs/bench-gated.json" --epilogues gated:swiglu,gated:geglu \
     --shapes 8192,14336,4096 4096,14336,4096
-  step verify-tests python3 -m pytest -q -m gpu tests/test_gpu_self_check.py tests/test_gpu_fp8_dense.py \
-    tests/test_gpu_low_precision.py tests/test_gpu.py -k "first_use or fp8 or full_range or fused_mlp"
   step bench-reduce python3 benchmarks/run.py --json "$logs/bench-reduce.json" \
     --epilogues bias+gelu_tanh,bias+gelu_tanh+colsum,bias+gelu_tanh+colsum-atomic --shapes $shapes
 fi
 if want tests; then
   step gpu-tests python3 -m pytest -q -m "gpu and not slow" tests \
-    --deselect tests/test_gpu_atomic_reductions.py --deselect tests/test_gpu_gated.py \
-    --deselect tests/test_gpu_reductions.py --deselect tests/test_transposed.py --deselect tests/test_masked_stores.py
+    --deselect tests/test_gpu_grouped.py --deselect tests/test_gpu_reductions.py --deselect tests/test_transposed.py --deselect tests/test_masked_stores.py
 fi
 if want stores; then
   step stores python3 -m pytest -q -m gpu tests/test_gpu_reductions.py tests/test_transposed.py \

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import arguments
-from .epilogue import restructure
+from .epilogue import restructure, split_at_reductions
 from .config import GemmConfig
-from .grouped_primitive import grouped_gemm_p
+from .grouped_primitive import grouped_gemm_p, per_row
 from .ops import prepare_epilogue
 from .primitive import match_varying
 
@@ -71,7 +71,9 @@ def grouped_gemm(lhs: Any, rhs: Any, group_sizes: Any, epilogue: Callable[..., A
     first = len(operands)
     arrays[first:first + len(per_group)] = [jnp.concatenate([x, jnp.zeros((1, n), x.dtype)])[:, None, :]
                                             for x in per_group]
-    outs = grouped_gemm_p.bind(*match_varying((lhs, rhs, group_sizes.astype(jnp.int32), *arrays)), ir=ir,
-                               transpose_b=False,
+    # the GEMM computes up to the reductions and the reductions themselves; XLA what follows them
+    split = split_at_reductions(ir)
+    group_sizes = group_sizes.astype(jnp.int32)
+    outs = grouped_gemm_p.bind(*match_varying((lhs, rhs, group_sizes, *arrays)), ir=split.gemm, transpose_b=False,
                                acc_dtype=np.dtype(acc_dtype), precision=precision, config=config)
-    return restructure(structure, ir, outs)
+    return restructure(structure, ir, split.finish(ir, outs, per_row(arrays, group_sizes, t), (t, n)))

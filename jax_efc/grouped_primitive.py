@@ -28,7 +28,7 @@ from .log import log_once
 from .plan import plan_grouped_call
 from .primitive import FallbackError, _lowering_devices, match_varying, output_avals
 
-__all__ = ["grouped_gemm_p", "grouped_gemm_reference", "row_groups"]
+__all__ = ["grouped_gemm_p", "grouped_gemm_reference", "per_row", "row_groups"]
 
 grouped_gemm_p = jex.core.Primitive("efc_grouped_gemm")
 grouped_gemm_p.multiple_results = True
@@ -39,7 +39,7 @@ def row_groups(group_sizes: Any, rows: int) -> Any:
     return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")
 
 
-def _per_row(operands: Any, group_sizes: Any, rows: int) -> list[Any]:
+def per_row(operands: Any, group_sizes: Any, rows: int) -> list[Any]:
     """The operands as the epilogue reads them: each per-group one, (G + 1, 1, N), as the (T, N)
     tile of each row's group's row."""
     group = row_groups(group_sizes, rows)
@@ -51,7 +51,7 @@ def grouped_gemm_reference(lhs, rhs, group_sizes, *operands, ir, transpose_b, ac
     del config
     acc = jax.lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2) if transpose_b else rhs, group_sizes,
                              precision=reference_precision(precision, lhs.dtype), preferred_element_type=acc_dtype)
-    return evaluate(ir, acc, _per_row(operands, group_sizes, lhs.shape[0]))
+    return evaluate(ir, acc, per_row(operands, group_sizes, lhs.shape[0]))
 
 
 def _abstract_eval(lhs, rhs, group_sizes, *operands, ir, transpose_b, **params):
@@ -116,7 +116,7 @@ def _jvp_rule(primals, tangents, *, ir, **params):
     t_ops = [jnp.zeros(x.shape, x.dtype) if type(t) is ad.Zero else t for x, t in zip(operands, t_ops)]
 
     def epilogue(acc, *ops):
-        return evaluate(ir, acc, _per_row(ops, group_sizes, lhs.shape[0]))
+        return evaluate(ir, acc, per_row(ops, group_sizes, lhs.shape[0]))
 
     _, t_outs = jax.jvp(epilogue, (acc, *operands), (t_acc, *t_ops))
     return outs, list(t_outs)

@@ -37,7 +37,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05, warp
 from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 from cutlass.tensor_utils import LayoutEnum
 
-from jax_efc.kernels.gemm_base import ConsumerEpilogue, EpilogueTensors, FusedGemmBase
+from jax_efc.kernels.epilogue_state import ConsumerEpilogue, EpilogueTensors
+from jax_efc.kernels.gemm_base import FusedGemmBase
 from jax_efc.kernels.problem import SMEM_ALIGN, KernelProblem
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, cluster_tiles
 from jax_efc.kernels.sm100_int8 import mixed_int8_tiled_mma

@@ -36,7 +36,8 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from jax_efc.kernels.gemm_base import ConsumerEpilogue, EpilogueTensors, FusedGemmBase
+from jax_efc.kernels.epilogue_state import ConsumerEpilogue, EpilogueTensors
+from jax_efc.kernels.gemm_base import FusedGemmBase
 from jax_efc.kernels.grouped_walk import GroupedWalk, group_step
 from jax_efc.kernels.problem import SMEM_ALIGN, KernelProblem
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, cluster_tiles
