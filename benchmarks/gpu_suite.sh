@@ -5,8 +5,8 @@
 #   usage: benchmarks/gpu_suite.sh [LOGDIR] [verify|tests|stores|examples|bench|model|fp8|all]
 #
 #   verify    what has not yet run on a GPU: the grouped GEMM kernel (and its speed against
-#             ragged_dot); the gated GEMMs' speed; the reductions' cost (deterministic and by
-#             atomics)
+#             ragged_dot); the gated GEMMs' speed, alone and in an MLP's training step; the
+#             reductions' cost (deterministic and by atomics)
 #   tests     the rest of the GPU tests but `stores`' (the compute-sanitizer runs, marked slow, apart)
 #   stores    the epilogue reductions', transposed and masked outputs' GPU tests
 #   examples  each example at a GPU size, `jax-efc run`, info and selftest
@@ -37,6 +37,8 @@ if want verify; then
     --shapes 16384,14336,4096,8 16384,3584,4096,8 16384,3584,4096,64
   step bench-gated python3 benchmarks/run.py --json "$logs/bench-gated.json" --epilogues gated:swiglu,gated:geglu \
     --shapes 8192,14336,4096 4096,14336,4096
+  step bench-gated-mlp python3 benchmarks/run.py --json "$logs/bench-gated-mlp.json" \
+    --epilogues train:gated_mlp+silu,train:interleaved_mlp+silu --shapes 8192,14336,4096
   step bench-reduce python3 benchmarks/run.py --json "$logs/bench-reduce.json" \
     --epilogues bias+gelu_tanh,bias+gelu_tanh+colsum,bias+gelu_tanh+colsum-atomic --shapes $shapes
 fi

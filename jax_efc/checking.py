@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_shapes", "compare", "check_call"]
+__all__ = ["check_shapes", "compare", "check_call", "check_group_sizes", "check_grouped_call"]
 
 
 def check_shapes(config: Any, tile_k: int, batched: bool, gated: int = 0) -> tuple[int, int, int, int]:
@@ -27,6 +27,15 @@ def check_shapes(config: Any, tile_k: int, batched: bool, gated: int = 0) -> tup
 
     n = 2 * config.cluster_n * config.tile_n + 2 * gated if gated else edge(config.tile_n, config.cluster_n)
     return edge(config.tile_m, config.cluster_m), n, 11 * tile_k + tile_k // 2, 2 if batched else 1
+
+
+def check_group_sizes(groups: int, tile_m: int) -> list[int]:
+    """The group sizes a grouped kernel of ``groups`` groups and ``tile_m``-row tiles is checked
+    with, in turn: a tile and a half plus 16 rows (its last tile partial, reaching into the next
+    group), none, half a tile, two whole tiles. The check adds half a tile of rows past the
+    groups."""
+    pattern = (tile_m + tile_m // 2 + 16, 0, tile_m // 2, 2 * tile_m)
+    return [pattern[g % len(pattern)] for g in range(groups)]
 
 
 def _tolerance(out_dtype: str, ab_dtype: str, fast: bool) -> float:
@@ -125,6 +134,50 @@ def check_call(specs: Sequence[tuple], params: dict[str, Any]) -> tuple[bool, st
     return True, ""
 
 
+def check_grouped_call(specs: Sequence[tuple], params: dict[str, Any]) -> tuple[bool, str]:
+    """:func:`check_call` for a grouped GEMM (``grouped_gemm_p``'s inputs and parameters): its
+    kernel, with the call's group count and config, on the groups of :func:`check_group_sizes`,
+    N and K as :func:`check_shapes` makes them; per-group operands zero past the groups."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_efc import arguments, device, ffi
+    from jax_efc.epilogue import canonical_shape
+    from jax_efc.grouped_primitive import grouped_gemm_reference
+    from jax_efc.kernels.problem import tile_k
+    from jax_efc.plan import plan_kernel
+
+    lhs, rhs, _, *operands = (jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs)
+    ir, config, transpose_b = params["ir"], params["config"], params["transpose_b"]
+    groups, ab_dtype = rhs.shape[0], np.dtype(lhs.dtype).name
+    sizes = check_group_sizes(groups, config.tile_m)
+    t = sum(sizes) + config.tile_m // 2
+    _, n, k, _ = check_shapes(config, tile_k(ab_dtype), False)
+    check_lhs = jax.ShapeDtypeStruct((t, k), lhs.dtype)
+    check_rhs = jax.ShapeDtypeStruct((groups, n, k) if transpose_b else (groups, k, n), rhs.dtype)
+    check_ops = [jax.ShapeDtypeStruct((groups + 1, 1, n) if len(x.shape) == 3 else canonical_shape(role.role, None, t, n),
+                                      x.dtype) for role, x in zip(ir.operands, operands)]
+    keys = jax.random.split(jax.random.key(0), 2 + len(check_ops))
+    inputs = [_random(s, kk) for s, kk in zip([check_lhs, check_rhs, *check_ops], keys)]
+    inputs[2:] = [x.at[-1].set(0) if len(x.shape) == 3 else x for x in inputs[2:]]
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    cpu = jax.devices("cpu")[0]
+    reference = jax.jit(lambda lhs, rhs, sizes, *ops: grouped_gemm_reference(
+        lhs, rhs, sizes, *ops, ir=ir, transpose_b=transpose_b, acc_dtype=params["acc_dtype"],
+        precision=params["precision"], config=config))
+    want = reference(*(jax.device_put(x, cpu) for x in (inputs[0], inputs[1], group_sizes, *inputs[2:])))
+    check = plan_kernel(ir, check_lhs, check_rhs, check_ops, config=config, transpose_a=False, transpose_b=transpose_b,
+                        acc_dtype=params["acc_dtype"], arch=device.arch(), precision=params["precision"],
+                        groups=groups)
+    if check.backend != "kernel":
+        return False, f"the check's {t}x{n}x{k} problem of {groups} groups cannot run the kernel: {check.reason}"
+    got = jax.jit(lambda lhs, rhs, sizes, *ops: ffi.fused_gemm(lhs, rhs, *ops, plan=check, group_sizes=sizes))(
+        inputs[0], inputs[1], group_sizes, *inputs[2:])
+    fast = arguments.fast_accumulation(params["precision"])
+    why = compare(got, want, [o.name for o in ir.outputs], [_tolerance(o.dtype, ab_dtype, fast) for o in ir.outputs])
+    return (False, f"{why} on {groups} groups of sizes {sizes} ({t}x{n}x{k})") if why else (True, "")
+
+
 def main(argv: Sequence[str]) -> None:
     """The checking process: check the job's call and keep the verdict under the key the parent
     passed (``JAX_EFC_SELF_CHECK_KEY``)."""
@@ -133,7 +186,9 @@ def main(argv: Sequence[str]) -> None:
     from jax_efc import device, self_check
     from jax_efc.config import write_record
 
-    passed, detail = check_call(*device.read_job(argv[0]))
+    specs, params = device.read_job(argv[0])
+    grouped = params.pop("grouped", False)  # a grouped_gemm_p call's job (self_check.refusal)
+    passed, detail = (check_grouped_call if grouped else check_call)(specs, params)
     write_record(self_check.folder(), os.environ["JAX_EFC_SELF_CHECK_KEY"], {"passed": passed, "detail": detail})
 
 

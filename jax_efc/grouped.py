@@ -60,6 +60,7 @@ def grouped_gemm(lhs: Any, rhs: Any, group_sizes: Any, epilogue: Callable[..., A
     epi_dtype = arguments.dtype("epi_dtype", epi_dtype or jnp.promote_types(acc_dtype, jnp.float32),
                                 floating=True)
     precision = arguments.precision(precision)
+    arguments.check_config(config)
     per_group = [arguments.array(f"group operand {i}", x) for i, x in enumerate(group_operands)]
     for i, x in enumerate(per_group):
         if x.shape != (g, n):

@@ -254,8 +254,8 @@ def plan_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence
 def plan_grouped_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence[int] | None = None) -> Plan:
     """The plan of one ``grouped_gemm_p`` equation (lhs, rhs, group sizes, operands) lowered for
     CUDA, as :func:`plan_call` plans a dense one: a pinned config the kernel cannot run raises
-    ``ValueError``. A grouped kernel that has not run on a GPU of its kind runs only under
-    ``JAX_EFC_UNVERIFIED_KERNELS=1`` (it has no first-use check yet)."""
+    ``ValueError``, and a kernel that has not run on a GPU of its kind checks itself first
+    (:func:`jax_efc.checking.check_grouped_call`)."""
     lhs, rhs, _, *operands = avals_in
     reason = empty_reason(avals_in) or symbolic_reason(avals_in)
     if reason:
@@ -274,10 +274,5 @@ def plan_grouped_call(avals_in: Sequence[Any], params: dict[str, Any], devices: 
             raise ValueError(f"jax_efc: the grouped kernel for {arch} cannot run {pinned}: {plan.reason} "
                              "Pass config=None to let the heuristic choose.")
         return plan
-    from jax_efc.kernels.policy import unverified_allowed
-
-    what = None if unverified_allowed() else policy(arch).unverified_reason(plan.problem)
-    if what:
-        return _reference(f"not yet run on a GPU of its kind: {what}, which has no first-use check yet, so XLA "
-                          "runs the call (JAX_EFC_UNVERIFIED_KERNELS=1 runs it unchecked).", arch=arch)
-    return plan
+    reason = self_check.refusal(plan, avals_in, dict(params, grouped=True), devices)
+    return plan if reason is None else _reference(reason, arch=arch)

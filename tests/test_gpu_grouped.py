@@ -15,7 +15,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _kernel_only(monkeypatch):
-    """The kernel, or an error: not the reference (grouped kernels have not run on a GPU yet)."""
+    """The kernel, or an error: not the reference (grouped kernels have not run on a GPU yet, and
+    run unchecked here)."""
     monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
     monkeypatch.setenv("JAX_EFC_STRICT", "1")
 
@@ -150,3 +151,31 @@ def test_lhs_gradient_runs_the_kernel(rng):
         start += size
     np.testing.assert_allclose(np.asarray(d_lhs, np.float64), want_lhs, atol=3e-2 * np.abs(want_lhs).max())
     np.testing.assert_allclose(np.asarray(d_rhs, np.float64), want_rhs, atol=3e-2 * np.abs(want_rhs).max())
+
+
+def test_checked_on_first_use_then_the_kernel_runs(rng, tmp_path, monkeypatch):
+    """Without JAX_EFC_UNVERIFIED_KERNELS an unverified grouped kernel is checked by a checking
+    process the first time a call plans it (jax_efc.checking.check_grouped_call), then runs; the
+    verdict is on disk."""
+    import jax
+
+    import jax_efc as efc
+    from jax_efc import self_check
+    from jax_efc.config import read_record
+
+    monkeypatch.setenv("JAX_EFC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("JAX_EFC_UNVERIFIED_KERNELS")
+    self_check._memo.clear()
+    sizes = [300, 0, 77, 400]
+    lhs, rhs, bias, c = _inputs(rng, 900, 256, 384, len(sizes))
+
+    def call(lhs, rhs, c):
+        return efc.grouped_gemm(lhs, rhs, np.asarray(sizes, np.int32), lambda acc, b, c: jax.nn.silu(acc + b) + c, c,
+                                group_operands=[bias], out_dtypes=np.float32)
+
+    out = jax.jit(call)(lhs, rhs, c)  # under JAX_EFC_STRICT=1 a failed check raises
+    records = [read_record(self_check.folder(), p.stem) for p in (tmp_path / "self_check").glob("*.json")]
+    assert records == [{"passed": True, "detail": ""}]
+    want = _oracle(lhs, rhs, sizes, bias, c)
+    assert np.abs(np.asarray(out, np.float64) - want).max() <= 2e-2 * np.abs(want).max()
+    self_check._memo.clear()

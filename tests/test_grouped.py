@@ -120,3 +120,40 @@ def test_arguments_are_checked():
         efc.grouped_gemm(lhs, rhs.astype(jnp.float16), sizes)
     with pytest.raises(efc.EpilogueError):
         efc.grouped_gemm(lhs, rhs, sizes, lambda acc: acc @ acc.T)
+    with pytest.raises(ValueError, match="only config named by a string is 'autotune'"):
+        efc.grouped_gemm(lhs, rhs, sizes, config="fast")
+    with pytest.raises(TypeError, match="config must be a jax_efc.GemmConfig"):
+        efc.grouped_gemm(lhs, rhs, sizes, config=(128, 128))
+
+
+def test_first_use_check_groups_cross_every_edge():
+    """The groups a grouped kernel is checked on hold a last tile that reaches into the next
+    group, an empty group, one smaller than a tile and whole tiles; rows past them follow."""
+    from jax_efc import checking
+
+    for groups, tile_m in ((1, 128), (4, 128), (9, 192)):
+        sizes = checking.check_group_sizes(groups, tile_m)
+        assert len(sizes) == groups and sizes[0] % tile_m and sizes[0] > tile_m
+        if groups >= 4:
+            assert 0 in sizes and any(0 < s < tile_m for s in sizes) and 2 * tile_m in sizes
+
+
+def test_an_unverified_grouped_kernel_is_checked_on_first_use(monkeypatch):
+    """Planned without a GPU to check it on (an export for sm_90a from a CPU), the grouped
+    kernel, which no GPU has run, is refused for its first-use check, saying so; with
+    JAX_EFC_UNVERIFIED_KERNELS=1 it is planned."""
+    pytest.importorskip("cutlass.jax")
+    from jax_efc.plan import plan_grouped_call
+    from jax_efc.epilogue import identity_ir
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "0")
+    S = jax.ShapeDtypeStruct
+    avals = [S((1024, 256), jnp.bfloat16), S((4, 256, 512), jnp.bfloat16), S((4,), jnp.int32)]
+    params = dict(ir=identity_ir(jnp.bfloat16, jnp.float32), transpose_b=False, acc_dtype=np.dtype(np.float32),
+                  precision=None, config=None)
+    plan = plan_grouped_call(avals, params, devices=())
+    assert plan.backend != "kernel" and "grouped (ragged) GEMM kernel" in plan.reason, plan.reason
+    assert "to check it on first use" in plan.reason, plan.reason
+    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
+    assert plan_grouped_call(avals, params, devices=()).backend == "kernel"

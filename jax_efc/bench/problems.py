@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import activations, example_epilogues
 from ..config import GemmConfig
-from ..gated import DEFAULT_BLOCK, interleave_gated
+from ..gated import DEFAULT_BLOCK, interleave_gated, split_gated
 from ..grouped import grouped_gemm
 from ..mlp import fused_mlp
 from ..ops import fused_dense, gemm
@@ -31,8 +31,10 @@ EPILOGUES = ("gemm", "bias+gelu_tanh", "bias+gelu", "bias+silu", "alpha-beta")
 # a dense layer's training step: its output and the gradients of x, kernel and bias for a given
 # output cotangent (three GEMMs); measured only when asked for
 TRAIN_EPILOGUES = tuple(f"train:{e}" for e in EPILOGUES if e.startswith("bias+"))
-# a two-layer MLP's training step (fused_mlp), K -> N -> K over M rows; measured only when asked for
-MLP_STEPS = ("train:mlp+gelu_tanh", "train:gated_mlp+silu")
+# a two-layer MLP's training step (fused_mlp), K -> N -> K over M rows: plain, gated with the gate
+# and up projections as two GEMMs, and gated as one GEMM on their interleaved kernel
+# ("interleaved"); measured only when asked for
+MLP_STEPS = ("train:mlp+gelu_tanh", "train:gated_mlp+silu", "train:interleaved_mlp+silu")
 # a gated layer's forward, act(x @ Wg + bg) * (x @ Wu + bu), hidden width N: one gated GEMM
 # (gate and up interleaved in blocks of 64) against plain JAX's two GEMMs and the epilogue;
 # measured only when asked for
@@ -281,16 +283,18 @@ def mlp_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
     hidden width N over M rows, ``fused_mlp`` against the same MLP in plain JAX: its output and,
     for a random output cotangent, the gradients of x and of every kernel and bias (six GEMMs
     of M x N x K, nine gated). Kernels are drawn with variance 1 / fan-in, as ``nn.Dense``
-    initializes them."""
+    initializes them. "interleaved" takes the gate and up kernels and biases interleaved (as
+    ``FusedMLP(gated=True)`` holds them) and splits their gradients, to compare with the rest."""
     if config is not None:
         raise ValueError(f"{epilogue} runs the heuristic's configs: leave --configs at auto.")
     m, n, k, l = shape
     if l > 1:
         raise ValueError(f"{epilogue} is an MLP: give M,N,K without a batch")
-    gated = epilogue.startswith("train:gated_mlp+")
+    interleaved = epilogue.startswith("train:interleaved_mlp+")
+    gated = interleaved or epilogue.startswith("train:gated_mlp+")
     act = epilogue.split("+", 1)[1]
     fn = activations.ACTIVATIONS[act]
-    layers = [(k, n), (n,), (n, k), (k,)] + [(k, n), (n,)] * gated
+    layers = [(k, n), (n,), (n, k), (k,)] + [(k, n), (n,)] * gated + [(k, 2 * n), (2 * n,)] * interleaved
     specs = tuple(jax.ShapeDtypeStruct(s, dtype) for s in [(m, k), *layers, (m, k)])
     stds = (1.0, k ** -0.5, 1.0, n ** -0.5, 1.0) + (k ** -0.5, 1.0) * gated
 
@@ -305,10 +309,29 @@ def mlp_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
         return lin(hidden, down_k, down_b)
 
     exact = functools.partial(plain, precision=jax.lax.Precision.HIGHEST)
+    ours_step, plain_step, exact_step = (_training_step(f) for f in (ours, plain, exact))
+    derive = None
+    if interleaved:
+        def ours_step(x, up_k, up_b, down_k, down_b, gate_k, gate_b, w, b, dy):
+            def layer(x, w, b, down_k, down_b):
+                return fused_mlp(x, w, b, down_k, down_b, activation=act, gated=DEFAULT_BLOCK)
+
+            y, dx, dw, db, d_down_k, d_down_b = _training_step(layer)(x, w, b, down_k, down_b, dy)
+            (d_gate_k, d_up_k), (d_gate_b, d_up_b) = split_gated(dw, DEFAULT_BLOCK), split_gated(db, DEFAULT_BLOCK)
+            return y, dx, d_up_k, d_up_b, d_down_k, d_down_b, d_gate_k, d_gate_b
+
+        def without_interleaved(step):
+            return lambda *inputs: step(*inputs[:7], inputs[-1])
+
+        plain_step, exact_step = without_interleaved(plain_step), without_interleaved(exact_step)
+
+        def derive(x, up_k, up_b, down_k, down_b, gate_k, gate_b, w, b, dy):
+            return (x, up_k, up_b, down_k, down_b, gate_k, gate_b, interleave_gated(gate_k, up_k, DEFAULT_BLOCK),
+                    interleave_gated(gate_b, up_b, DEFAULT_BLOCK), dy)
+
     return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
-                   jax.jit(_training_step(ours)), jax.jit(_training_step(plain)),
-                   jax.jit(_in_float32(_training_step(exact))),
-                   gemms=9 if gated else 6, stds=stds)
+                   jax.jit(ours_step), jax.jit(plain_step), jax.jit(_in_float32(exact_step)),
+                   gemms=9 if gated else 6, stds=stds, derive=derive)
 
 
 def gated_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
