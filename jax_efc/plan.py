@@ -195,6 +195,19 @@ def empty_reason(avals_in: Sequence[Any]) -> str | None:
     return None
 
 
+def _pinned_plan(kernel: str, ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], pinned: GemmConfig | None,
+                 **kw: Any) -> Plan:
+    """:func:`plan_kernel`'s plan with the ``pinned`` config (None: the heuristic's). Raises
+    ``ValueError`` where the pinned config is the only obstacle (the heuristic's would run): a
+    pinned config is a request, not a hint to drop silently."""
+    plan = plan_kernel(ir, a, b, operands, config=pinned, **kw)
+    if plan.backend != "kernel" and pinned is not None and \
+            plan_kernel(ir, a, b, operands, config=None, **kw).backend == "kernel":
+        raise ValueError(f"jax_efc: the {kernel} for {kw['arch']} cannot run {pinned}: {plan.reason} "
+                         "Pass config=None to let the heuristic choose.")
+    return plan
+
+
 def plan_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence[int] | None = None) -> Plan:
     """The plan of one ``fused_gemm_p`` equation lowered for CUDA: its input avals and params,
     and the devices it runs on (``None``: the first; ``()``: unknown, as when exporting).
@@ -226,11 +239,8 @@ def plan_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence
               sm_margin=sm_margin(params))
     tune = autotune.requested(params["config"])
     pinned = None if tune else params["config"]
-    plan = plan_kernel(params["ir"], a, b, operands, config=pinned, **kw)
+    plan = _pinned_plan("kernel", params["ir"], a, b, operands, pinned, **kw)
     if plan.backend != "kernel":
-        if pinned is not None and plan_kernel(params["ir"], a, b, operands, config=None, **kw).backend == "kernel":
-            raise ValueError(f"jax_efc: the kernel for {arch} cannot run {pinned}: {plan.reason} "
-                             "Pass config=None to let the heuristic choose.")
         return plan
     if pinned is None and not _config.strict():
         m, n, _, l = plan.mnkl
@@ -268,11 +278,8 @@ def plan_grouped_call(avals_in: Sequence[Any], params: dict[str, Any], devices: 
     pinned = None if autotune.requested(params["config"]) else params["config"]
     kw = dict(transpose_a=False, transpose_b=params["transpose_b"], acc_dtype=params["acc_dtype"], arch=arch,
               devices=devices, precision=params["precision"], groups=rhs.shape[0])
-    plan = plan_kernel(params["ir"], lhs, rhs, operands, config=pinned, **kw)
+    plan = _pinned_plan("grouped kernel", params["ir"], lhs, rhs, operands, pinned, **kw)
     if plan.backend != "kernel":
-        if pinned is not None and plan_kernel(params["ir"], lhs, rhs, operands, config=None, **kw).backend == "kernel":
-            raise ValueError(f"jax_efc: the grouped kernel for {arch} cannot run {pinned}: {plan.reason} "
-                             "Pass config=None to let the heuristic choose.")
         return plan
     reason = self_check.refusal(plan, avals_in, dict(params, grouped=True), devices)
     return plan if reason is None else _reference(reason, arch=arch)
