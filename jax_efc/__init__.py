@@ -7,6 +7,7 @@
 
 from . import checkpoint_policies
 from .activations import ACTIVATIONS
+from .collective import all_gather_dense, dense_reduce_scatter
 from .config import GemmConfig
 from .device import set_target_arch
 from .epilogue import EpilogueError
@@ -22,4 +23,5 @@ from .ahead_of_time import warmup
 __version__ = "0.1.0"
 __all__ = ["gemm", "fused_dense", "fused_mlp", "GemmConfig", "ACTIVATIONS", "EpilogueError",
            "FallbackError", "backends", "checkpoint_policies", "set_target_arch", "export_checks", "warmup", "grouped_gemm",
-           "fp8_dense", "fp8_mlp", "Fp8Meta", "interleave_gated", "split_gated"]
+           "fp8_dense", "fp8_mlp", "Fp8Meta", "interleave_gated", "split_gated", "all_gather_dense",
+           "dense_reduce_scatter"]

@@ -1,7 +1,7 @@
 """The sharding scenarios of test_sharding.py on several GPUs, with the kernel path
 (JAX_EFC_STRICT makes any fallback an error): sharded jit (data parallel, tensor-parallel
-column and row, both), shard_map and pmap, forward and backward, in bf16 against plain JAX
-in float32."""
+column and row, both, FSDP), shard_map and pmap, forward and backward, and the collective
+matmuls, in bf16 against plain JAX in float32."""
 
 import re
 
@@ -132,3 +132,28 @@ def test_pmap_training_step(rng):
         return lambda *args: jax.tree.map(lambda t: t[0], mapped(*args))
 
     check_steps(parallel, "i", params, x.reshape(n, -1, x.shape[1]), y.reshape(n, -1, y.shape[1]))
+
+
+def test_collective_matmuls(rng):
+    """efc.all_gather_dense and efc.dense_reduce_scatter on every GPU (the kernel path), against
+    the collective followed by the layer in plain JAX, in bf16."""
+    if _gpus() < 2:
+        pytest.skip("needs two or more GPUs")
+    n = _gpus()
+    mesh = jax.make_mesh((n,), ("model",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices("gpu"))
+    x, w, b = bf16(rng, 512 * n, 1024), bf16(rng, 1024, 768 * n, scale=1024 ** -0.5), bf16(rng, 768 * n)
+
+    def run(fn, in_specs, out_specs, *args):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))(*args)
+
+    specs = (P("model"), P(None, "model"), P("model"))
+    got = run(lambda x, w, b: efc.all_gather_dense(x, w, b, axis_name="model", activation="gelu_tanh"),
+              specs, P(None, "model"), x, w, b)
+    want = jax.nn.gelu(f32(x) @ f32(w) + f32(b))
+    assert rel_err(f32(got), want) < BF16_TOL
+    w2, b2 = bf16(rng, 768 * n, 1024, scale=(768 * n) ** -0.5), bf16(rng, 1024)
+    h = bf16(rng, 512 * n, 768 * n)
+    got = run(lambda h, w, b: efc.dense_reduce_scatter(h, w, b, axis_name="model", activation="relu"),
+              (P(None, "model"), P("model"), P()), P("model"), h, w2, b2)
+    want = jax.nn.relu(f32(h) @ f32(w2) + f32(b2))
+    assert rel_err(f32(got), want) < BF16_TOL

@@ -36,6 +36,8 @@ CASES = {
     "dp+tp-column": ((P("data", None), P(None, "model"), P("model"), P("data", "model")), ("all-gather", "all-reduce")),
     "tp-row": ((P(None, "model"), P("model", None), P(None), P(None, None)), ("all-gather",)),
     "dp+tp-row": ((P("data", "model"), P("model", None), P(None), P("data", None)), ("all-gather",)),
+    # FSDP: rows and the weight's K both over "data"; the weight is gathered, nothing summed
+    "fsdp": ((P("data", None), P("data", None), P(None), P("data", None)), ("all-reduce",)),
 }
 
 
@@ -52,6 +54,8 @@ def test_sharded_jit(rng, mesh, case):
         assert op not in hlo, f"{case}: the forward pass has an {op}"
     if case.endswith("row"):
         assert "all-reduce" in hlo  # partial products are summed before the epilogue
+    if case == "fsdp":
+        assert "all-gather" in hlo  # the weight, gathered for the layer
     # the output keeps the rows' and the columns' sharding: nothing was replicated
     x_spec, w_spec = specs[0], specs[1]
     want = P(x_spec[0], w_spec[1])
@@ -180,6 +184,24 @@ def test_shard_map_training_step(rng, mesh):
             assert abs(float(loss) - float(plain(params, x, y)[0])) < 1e-5
     for k in got:
         assert rel_err(got[k], want[k]) < 1e-5
+
+
+def test_shard_map_gradient_of_an_epilogue_that_does_not_keep_the_accumulator(rng, mesh):
+    """Under shard_map an epilogue linear in the accumulator (which the backward does not keep)
+    differentiates with cotangents that vary over the mesh axis, as plain JAX's does."""
+    a = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((8, 12)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((16, 12)), jnp.float32)
+
+    def grads(f):
+        body = jax.grad(lambda a, b, c: jnp.sum(jnp.sin(f(a, b, c))), (0, 1, 2))
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P(), P("data")),
+                                     out_specs=(P("data"), P(), P("data")), check_vma=True))(a, b, c)
+
+    ours = grads(lambda a, b, c: efc.gemm(a, b, lambda acc, c: 2 * acc + c, c))
+    plain = grads(lambda a, b, c: 2 * (a @ b) + c)
+    for g, h in zip(ours, plain):
+        assert rel_err(g, h) < 1e-5
 
 
 def test_shard_map_program_exports(rng):
