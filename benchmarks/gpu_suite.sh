@@ -31,7 +31,7 @@ shapes="8192,8192,8192 8192,14336,4096 4096,4096,4096"
 want() { [[ $part == all || $part == "$1" ]]; }
 
 if want verify; then
-  step grouped env JAX_EFC_UNVERIFIED_KERNELS=1 python3 -m pytest -q -m gpu tests/test_gpu_grouped.py
+  step grouped env JAX_EFC_UNVERIFIED_KERNELS=1 python3 -m pytest -q -m gpu tests/test_gpu_grouped.py tests/test_fuzz_grouped.py
   step bench-grouped env JAX_EFC_UNVERIFIED_KERNELS=1 python3 benchmarks/run.py --json "$logs/bench-grouped.json" \
     --epilogues grouped:bias+silu,grouped-skewed:bias+silu \
     --shapes 16384,14336,4096,8 16384,3584,4096,8 16384,3584,4096,64
@@ -44,7 +44,7 @@ if want verify; then
 fi
 if want tests; then
   step gpu-tests python3 -m pytest -q -m "gpu and not slow" tests \
-    --deselect tests/test_gpu_grouped.py --deselect tests/test_gpu_reductions.py --deselect tests/test_transposed.py --deselect tests/test_masked_stores.py
+    --deselect tests/test_gpu_grouped.py --deselect tests/test_fuzz_grouped.py --deselect tests/test_gpu_reductions.py --deselect tests/test_transposed.py --deselect tests/test_masked_stores.py
 fi
 if want stores; then
   step stores python3 -m pytest -q -m gpu tests/test_gpu_reductions.py tests/test_transposed.py \
