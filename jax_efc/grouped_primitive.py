@@ -72,7 +72,22 @@ def _fall_back(reason: str) -> None:
     log_once(logging.WARNING, f"using the XLA reference: {reason}")
 
 
+def _partitioned_by_xla(ctx) -> bool:
+    """Whether XLA's partitioner splits this call across devices (``jit`` over several devices,
+    outside ``shard_map``'s manual axes). The grouped kernel has no partition rule: XLA would
+    run it whole on every device, so the reference runs, which XLA partitions."""
+    axis = ctx.module_context.axis_context
+    if getattr(axis, "num_devices", None) is not None:
+        return axis.num_devices > 1
+    mesh = getattr(axis, "mesh", None)
+    return mesh is not None and mesh.size > 1 and set(getattr(axis, "manual_axes", ())) != set(mesh.axis_names)
+
+
 def _cuda_lowering(ctx, *args, **params):
+    if _partitioned_by_xla(ctx):
+        log_once(logging.INFO, "using the XLA reference for a grouped GEMM partitioned by XLA across devices "
+                               "(the grouped kernel runs under jax.shard_map, on each device's shard).")
+        return _reference_lowering(ctx, *args, **params)
     plan = plan_grouped_call(ctx.avals_in, params, devices=_lowering_devices(ctx))
     if plan.backend != "kernel":
         if plan.level == logging.WARNING:

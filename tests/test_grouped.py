@@ -3,6 +3,7 @@ epilogue, against a per-group float64 loop; gradients, traced group sizes, vmap,
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import jax_efc as efc
+from conftest import run_for_sm90
 
 
 def _gelu(x):
@@ -157,3 +159,43 @@ def test_an_unverified_grouped_kernel_is_checked_on_first_use(monkeypatch):
     assert "to check it on first use" in plan.reason, plan.reason
     monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
     assert plan_grouped_call(avals, params, devices=()).backend == "kernel"
+
+
+_PARTITIONED = """
+import os, json
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jax_efc as efc
+efc.set_target_arch("sm_90a")
+mesh = jax.make_mesh((4,), ("e",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def S(shape, dtype, *spec):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(*spec)) if spec else None)
+
+
+def f(x, w, s):
+    return efc.grouped_gemm(x, w, s, jax.nn.silu)
+
+
+shapes = ((1024, 256), jnp.bfloat16), ((4, 256, 512), jnp.bfloat16), ((4,), jnp.int32)
+calls = {
+    "one device": (jax.jit(f), [S(*a) for a in shapes]),
+    "jit over 4": (jax.jit(f), [S(*shapes[0], "e"), S(*shapes[1], None), S(*shapes[2], None)]),
+    "shard_map": (jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("e"),) * 3, out_specs=P("e"))),
+                  [S(*a, "e") for a in shapes]),
+}
+print(json.dumps({name: "CuteDSLRT" in jax.export.export(fn, platforms=["cuda"],
+                                                        disabled_checks=efc.export_checks())(*args).mlir_module()
+                  for name, (fn, args) in calls.items()}))
+"""
+
+
+def test_xla_partitions_what_it_splits_across_devices():
+    """The grouped kernel has no partition rule: under jit over several devices the reference
+    runs (which XLA partitions), not the kernel run whole on every device; on one device and in
+    shard_map (each device's shard) the kernel runs."""
+    pytest.importorskip("cutlass.jax")
+    out = json.loads(run_for_sm90(_PARTITIONED, JAX_EFC_UNVERIFIED_KERNELS="1").strip().splitlines()[-1])
+    assert out == {"one device": True, "jit over 4": False, "shard_map": True}, out
