@@ -34,7 +34,9 @@ class Case:
     ``dtype`` (M, K) x (K, N) (B stored (N, K) with ``transpose_b``), operands by shape
     ("row": (N,), "tile": (M, N)), the outputs stored transposed (``efc.gemm``'s
     ``transposed_outputs``), whether reductions keep their fixed order (``deterministic``), and
-    the bound on the largest error relative to the largest magnitude of each output."""
+    the bound on the largest error relative to the largest magnitude of each output. ``gated``:
+    a gated GEMM of that block, B (K, 2N) interleaved, the epilogue and oracle taking (gate, up,
+    *operands)."""
 
     name: str
     dtype: str
@@ -49,6 +51,7 @@ class Case:
     config: Any = None
     transposed: Any = None
     deterministic: bool = True
+    gated: int = 0
 
 
 def _cases() -> tuple[Case, ...]:
@@ -81,6 +84,9 @@ def _cases() -> tuple[Case, ...]:
              lambda acc, b: (acc + b, (acc + b).sum(0), (acc + b).max(1)), operands=("row",), deterministic=False),
         Case("bf16 alpha-beta, D transposed", "bfloat16", shape, alpha_beta[0],
              lambda acc, c: {"D": (2 * acc + c).T, "Y": acc}, operands=("tile",), transposed="D"),
+        Case("bf16 gated SwiGLU (blocks of 64)", "bfloat16", (1000, 1024, 520),
+             lambda g, u, b: jax.nn.silu(g + b) * u, lambda g, u, b: (g + b) / (1 + np.exp(-(g + b))) * u,
+             operands=("row",), gated=64),
     ]
     return tuple(cases)
 
@@ -93,11 +99,12 @@ def _inputs(case: Case, rng: np.random.Generator) -> tuple[list[Any], list[np.nd
     m, n, k = case.mnk
     lead = () if case.batch is None else (case.batch,)
     dtype = jnp.dtype(case.dtype)
+    cols = 2 * n if case.gated else n  # a gated GEMM's B holds gate and up columns
     if jnp.issubdtype(dtype, jnp.integer):
-        a, b = (rng.integers(-8, 8, lead + s) for s in ((m, k), (n, k) if case.transpose_b else (k, n)))
+        a, b = (rng.integers(-8, 8, lead + s) for s in ((m, k), (cols, k) if case.transpose_b else (k, cols)))
     else:
         a = rng.standard_normal(lead + (m, k)) / math.sqrt(k)
-        b = rng.standard_normal(lead + ((n, k) if case.transpose_b else (k, n)))
+        b = rng.standard_normal(lead + ((cols, k) if case.transpose_b else (k, cols)))
     ops = [rng.standard_normal((n,) if role == "row" else lead + (m, n)) for role in case.operands]
     arrays = [jnp.asarray(a, dtype), jnp.asarray(b, dtype)] + [jnp.asarray(x, jnp.bfloat16) for x in ops]
     return arrays, [np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64) for x in arrays]
@@ -122,13 +129,18 @@ def run_case(case: Case, strict: bool, seed: int = 0) -> dict[str, Any]:
         def call(a, b, *ops):
             return efc.gemm(a, b, case.epilogue, *ops, transpose_b=case.transpose_b, out_dtypes=case.out_dtypes,
                             config=case.config, transposed_outputs=case.transposed,
-                            deterministic=case.deterministic)
+                            deterministic=case.deterministic, gated=case.gated or None)
 
         backend = "; ".join(sorted(set(efc.backends(call, *arrays))))
         got = _leaves(jax.jit(call)(*arrays))
         a, b, *ops = f64
         acc = np.matmul(a, np.swapaxes(b, -1, -2) if case.transpose_b else b)
-        want = _leaves(case.oracle(acc, *ops))
+        if case.gated:  # (M, 2N) in (gate, up) block pairs -> the gate's and the up projection's
+            pairs = acc.reshape(*acc.shape[:-1], -1, 2, case.gated)
+            accs = [pairs[..., i, :].reshape(*acc.shape[:-1], -1) for i in (0, 1)]
+        else:
+            accs = [acc]
+        want = _leaves(case.oracle(*accs, *ops))
         worst = 0.0
         for g, w in zip(got, want):
             g = np.asarray(jnp.asarray(g).astype(jnp.float32), np.float64)

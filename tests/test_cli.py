@@ -622,3 +622,8 @@ def test_selftest_passes_here_and_reports_a_wrong_answer(tmp_path, capsys):
     broken = dataclasses.replace(selftest.CASES[0], name="raises", epilogue=lambda acc: acc @ acc)
     (row,) = selftest.run((broken,))
     assert row["result"] == "FAIL" and "EpilogueError" in row["why"]
+    # the gated case's oracle pairs each gate block with its own up block: swapped, it fails
+    (gated,) = [c for c in selftest.CASES if c.gated]
+    swapped = dataclasses.replace(gated, name="gate and up swapped", oracle=lambda g, u, b: gated.oracle(u, g, b))
+    (row,) = selftest.run((swapped,))
+    assert row["result"] == "FAIL" and row["error"] > row["bound"]
