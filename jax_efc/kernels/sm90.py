@@ -268,9 +268,14 @@ class Sm90FusedGemm(FusedGemmBase):
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.groups):
-            # the group sizes are read now: one thread scans them into the walk's table
+            # the group sizes are read now, by every thread a share, into the table's second
+            # column (one thread reading them all would wait on each load in turn: hundreds of
+            # cycles a group); then one thread scans them there into the walk's table
+            for g in cutlass.range(tidx, self.groups, self.threads):
+                group_table[(g, 1)] = grouped[0][g]
+            cute.arch.sync_threads()
             if tidx == 0:
-                self._fill_group_table(group_table, grouped[0], tiles_mnl[1], mA.shape[0])
+                self._fill_group_table(group_table, tiles_mnl[1], mA.shape[0])
             cute.arch.sync_threads()
             walk = GroupedWalk(lambda g: group_table[(g, 0)], lambda g: group_table[(g, 1)], self.groups,
                                self.tile_mnk[0], tiles_mnl[1], bidz, bidy, self.cluster_mn[1],
@@ -437,14 +442,16 @@ class Sm90FusedGemm(FusedGemmBase):
                 epi.store_pipe.producer_tail()
 
     @cute.jit
-    def _fill_group_table(self, table: cute.Tensor, sizes: cute.Tensor, n_tiles, rows):
-        """Scan the group sizes into ``table``: the entries of :func:`~jax_efc.kernels.grouped_walk.table`."""
+    def _fill_group_table(self, table: cute.Tensor, n_tiles, rows):
+        """Scan the group sizes, found in ``table``'s second column, into ``table``: the entries
+        of :func:`~jax_efc.kernels.grouped_walk.table`."""
         row = cutlass.Int32(0)
         tiles = cutlass.Int32(0)
         for g in cutlass.range(self.groups):
+            size = table[(g, 1)]
             table[(g, 0)] = row
             table[(g, 1)] = tiles
-            row, tiles = group_step(row, tiles, sizes[g], self.tile_mnk[0], n_tiles, rows)
+            row, tiles = group_step(row, tiles, size, self.tile_mnk[0], n_tiles, rows)
         table[(self.groups, 0)] = row
         table[(self.groups, 1)] = tiles
         row, tiles = group_step(row, tiles, rows - row, self.tile_mnk[0], n_tiles, rows)
