@@ -187,7 +187,7 @@ def main(argv: Sequence[str]) -> None:
     from jax_efc.config import write_record
 
     specs, params = device.read_job(argv[0])
-    grouped = params.pop("grouped", False)  # a grouped_gemm_p call's job (self_check.refusal)
+    grouped = params.pop("groups")  # a grouped_gemm_p call's group count, 0 for a dense call
     passed, detail = (check_grouped_call if grouped else check_call)(specs, params)
     write_record(self_check.folder(), os.environ["JAX_EFC_SELF_CHECK_KEY"], {"passed": passed, "detail": detail})
 

@@ -21,12 +21,11 @@ import jax.numpy as jnp
 from jax._src import dispatch
 from jax.interpreters import ad, batching, mlir
 
-from . import config as _config
 from .arguments import reference_precision
 from .epilogue import evaluate, identity_ir, with_acc_output
 from .log import log_once
 from .plan import plan_grouped_call
-from .primitive import FallbackError, _lowering_devices, match_varying, output_avals
+from .primitive import lowering_devices, default_lowering, lower_by_plan, match_varying, output_avals
 
 __all__ = ["grouped_gemm_p", "grouped_gemm_reference", "per_row", "row_groups"]
 
@@ -66,12 +65,6 @@ grouped_gemm_p.def_impl(partial(dispatch.apply_primitive, grouped_gemm_p))
 _reference_lowering = mlir.lower_fun(grouped_gemm_reference, multiple_results=True)
 
 
-def _fall_back(reason: str) -> None:
-    if _config.strict():
-        raise FallbackError(f"jax_efc: no kernel for this grouped GEMM (JAX_EFC_STRICT=1): {reason}")
-    log_once(logging.WARNING, f"using the XLA reference: {reason}")
-
-
 def _partitioned_by_xla(ctx) -> bool:
     """Whether XLA's partitioner splits this call across devices (``jit`` over several devices,
     outside ``shard_map``'s manual axes). The grouped kernel has no partition rule: XLA would
@@ -88,27 +81,11 @@ def _cuda_lowering(ctx, *args, **params):
         log_once(logging.INFO, "using the XLA reference for a grouped GEMM partitioned by XLA across devices "
                                "(the grouped kernel runs under jax.shard_map, on each device's shard).")
         return _reference_lowering(ctx, *args, **params)
-    plan = plan_grouped_call(ctx.avals_in, params, devices=_lowering_devices(ctx))
-    if plan.backend != "kernel":
-        if plan.level == logging.WARNING:
-            _fall_back(plan.reason)
-        return _reference_lowering(ctx, *args, **params)
-    from jax_efc import ffi
-
-    try:
-        return ffi.lower(ctx, *args, plan=plan)
-    except Exception as e:  # noqa: BLE001 - any failure to build the kernel falls back
-        _fall_back(f"building the grouped kernel failed ({type(e).__name__}: {str(e).strip()[:300]})")
-        return _reference_lowering(ctx, *args, **params)
+    plan = plan_grouped_call(ctx.avals_in, params, devices=lowering_devices(ctx))
+    return lower_by_plan(ctx, plan, _reference_lowering, *args, **params)
 
 
-def _default_lowering(ctx, *args, **params):
-    if _config.strict():
-        _fall_back(f"platform {', '.join(ctx.module_context.platforms)} has no jax_efc kernel.")
-    return _reference_lowering(ctx, *args, **params)
-
-
-mlir.register_lowering(grouped_gemm_p, _default_lowering)
+mlir.register_lowering(grouped_gemm_p, default_lowering(_reference_lowering))
 mlir.register_lowering(grouped_gemm_p, _cuda_lowering, platform="cuda")
 
 

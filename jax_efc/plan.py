@@ -281,5 +281,5 @@ def plan_grouped_call(avals_in: Sequence[Any], params: dict[str, Any], devices: 
     plan = _pinned_plan("grouped kernel", params["ir"], lhs, rhs, operands, pinned, **kw)
     if plan.backend != "kernel":
         return plan
-    reason = self_check.refusal(plan, avals_in, dict(params, grouped=True), devices)
+    reason = self_check.refusal(plan, avals_in, params, devices)
     return plan if reason is None else _reference(reason, arch=arch)

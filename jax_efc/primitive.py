@@ -35,7 +35,7 @@ from .plan import plan_call
 from .reference import fused_gemm_reference
 
 __all__ = ["fused_gemm_p", "fused_gemm", "FallbackError", "fused_gemm_eqns", "backends",
-           "match_varying", "gemm_cotangents", "output_avals"]
+           "match_varying", "gemm_cotangents", "output_avals", "lower_by_plan", "default_lowering", "lowering_devices"]
 
 
 fused_gemm_p = jex.core.Primitive("efc_fused_gemm")
@@ -235,7 +235,7 @@ def backends(fn: Any, *args: Any, **kwargs: Any) -> list[str]:
     return out
 
 
-def _lowering_devices(ctx) -> tuple[int, ...] | None:
+def lowering_devices(ctx) -> tuple[int, ...] | None:
     """The local hardware ordinals of the CUDA devices the lowered call will run on; ``()``
     when that is not known (exporting: the program may run on any GPU)."""
     if ctx.module_context.lowering_parameters.for_export:
@@ -250,14 +250,16 @@ def _lowering_devices(ctx) -> tuple[int, ...] | None:
     return tuple(ordinals) if ordinals and None not in ordinals else ()
 
 
-def _cuda_lowering(ctx, *args, **params):
-    plan = plan_call(ctx.avals_in, params, devices=_lowering_devices(ctx))
+def lower_by_plan(ctx, plan: Any, reference: Any, *args: Any, **params: Any) -> Any:
+    """Lower a call as its ``plan`` says: the kernel, or ``reference`` (a lowering) with the
+    plan's reason logged at its level (a fallback raises under ``JAX_EFC_STRICT=1``), and the
+    reference too where building the kernel fails. Shared by the dense and grouped primitives."""
     if plan.backend != "kernel":
         if plan.level == logging.WARNING:
             _fall_back(plan.reason)
         elif plan.level:
             log_once(plan.level, f"using the XLA reference: {plan.reason}")
-        return _reference_lowering(ctx, *args, **params)
+        return reference(ctx, *args, **params)
     if plan.note:
         log_once(logging.INFO, f"the kernel runs, and {plan.note}.")
     from jax_efc import ffi
@@ -268,7 +270,23 @@ def _cuda_lowering(ctx, *args, **params):
         return ffi.lower(ctx, *args, plan=plan)
     except Exception as e:  # noqa: BLE001 - any failure to build the kernel falls back
         _fall_back(f"building the kernel failed ({type(e).__name__}: {_first_line(e)})")
-        return _reference_lowering(ctx, *args, **params)
+        return reference(ctx, *args, **params)
+
+
+def default_lowering(reference: Any) -> Any:
+    """The lowering on platforms without a kernel: ``reference`` (an error under
+    ``JAX_EFC_STRICT=1``)."""
+    def lowering(ctx, *args, **params):
+        if _config.strict():
+            _fall_back(f"platform {', '.join(ctx.module_context.platforms)} has no jax_efc kernel.")
+        return reference(ctx, *args, **params)
+
+    return lowering
+
+
+def _cuda_lowering(ctx, *args, **params):
+    plan = plan_call(ctx.avals_in, params, devices=lowering_devices(ctx))
+    return lower_by_plan(ctx, plan, _reference_lowering, *args, **params)
 
 
 def _first_line(e: BaseException) -> str:
@@ -276,11 +294,6 @@ def _first_line(e: BaseException) -> str:
     return text[0][:300] if text else "no message"
 
 
-def _default_lowering(ctx, *args, **params):
-    platforms = ", ".join(ctx.module_context.platforms)
-    if _config.strict():
-        _fall_back(f"platform {platforms} has no jax_efc kernel.")
-    return _reference_lowering(ctx, *args, **params)
 
 
 def _partitioned_first(local_lowering):
@@ -297,7 +310,7 @@ def _partitioned_first(local_lowering):
     return lowering
 
 
-mlir.register_lowering(fused_gemm_p, _partitioned_first(_default_lowering))
+mlir.register_lowering(fused_gemm_p, _partitioned_first(default_lowering(_reference_lowering)))
 mlir.register_lowering(fused_gemm_p, _partitioned_first(_cuda_lowering), platform="cuda")
 
 

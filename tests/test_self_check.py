@@ -83,6 +83,7 @@ def gpu(monkeypatch, tmp_path):
 
     def run_on_gpu(module, avals, params, **env):
         runs.append((module, params["config"], env))
+        gpu.groups.append(params["groups"])
         if gpu.verdict is None:
             return False, "RuntimeError: CUDA_ERROR_ILLEGAL_ADDRESS"
         from jax_efc.config import write_record
@@ -93,7 +94,7 @@ def gpu(monkeypatch, tmp_path):
 
     monkeypatch.setattr(device, "run_on_gpu", run_on_gpu)
     self_check._memo.clear()
-    gpu.runs, gpu.verdict = runs, (True, "")
+    gpu.runs, gpu.verdict, gpu.groups = runs, (True, ""), []
     yield gpu
     self_check._memo.clear()
 
@@ -106,6 +107,21 @@ def test_a_kernel_that_passes_its_check_runs_and_the_verdict_is_kept(gpu):
     assert read_record(self_check.folder(), env["JAX_EFC_SELF_CHECK_KEY"]) == {"passed": True, "detail": ""}
     self_check._memo.clear()  # a later process: the record on disk, no second check
     assert _plan().backend == "kernel" and len(gpu.runs) == 1
+
+
+def test_a_grouped_kernel_is_checked_as_one(gpu, monkeypatch):
+    """The checking job says whether the call is a grouped GEMM's (its group count), so the
+    checking process runs the grouped check on it; a dense call's job says 0."""
+    from jax_efc.epilogue import identity_ir
+    from jax_efc.plan import plan_grouped_call
+
+    assert _plan().backend == "kernel"
+    avals = [jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16), jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16),
+             jax.ShapeDtypeStruct((4,), jnp.int32)]
+    params = dict(ir=identity_ir(jnp.bfloat16, jnp.float32), transpose_b=False, acc_dtype=np.dtype(np.float32),
+                  precision=None, config=None)
+    assert plan_grouped_call(avals, params, devices=None).backend == "kernel"
+    assert gpu.groups == [0, 4]
 
 
 def test_a_kernel_that_fails_its_check_runs_the_reference_and_asks_for_a_report(gpu):
