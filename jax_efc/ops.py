@@ -450,8 +450,8 @@ def _epilogue_vjp(ir: EpilogueIR, acc: Any, ops: tuple, cts: list,
         """Cotangents of the operands ``wrt`` (-1 - k: accumulator k of ``accs``); the others
         held fixed."""
         # (an accumulator not kept, the epilogue linear in it, is zeros varying as the cotangents)
-        zeros = match_varying((jnp.zeros(tile, ir.epi_dtype), *cts))[0]
-        accs = [zeros if x is None else x.astype(ir.epi_dtype) for x in accs]
+        accs = [match_varying((jnp.zeros(tile, ir.epi_dtype), *cts))[0] if x is None else x.astype(ir.epi_dtype)
+                for x in accs]
 
         def epilogue(*args):
             given = dict(zip(wrt, args))
