@@ -4,9 +4,10 @@
 # ./gpu-logs); each part prints its summary last.
 #   usage: benchmarks/gpu_suite.sh [LOGDIR] [verify|tests|stores|examples|bench|model|fp8|all]
 #
-#   verify    what has not yet run on a GPU: the grouped GEMM kernel (and its speed against
-#             ragged_dot); the gated GEMMs' speed, alone and in an MLP's training step; the
-#             reductions' cost (deterministic and by atomics)
+#   verify    the newest kernels: the grouped GEMM (its numerics; its speed against ragged_dot,
+#             Pallas's Mosaic GPU ragged dot and a dense GEMM of the same FLOPs); the gated
+#             GEMMs' speed, alone and in an MLP's training step; the reductions' cost
+#             (deterministic and by atomics)
 #   tests     the rest of the GPU tests but `stores`' (the compute-sanitizer runs, marked slow, apart)
 #   stores    the epilogue reductions', transposed and masked outputs' GPU tests
 #   examples  each example at a GPU size, `jax-efc run`, info and selftest
@@ -31,10 +32,11 @@ shapes="8192,8192,8192 8192,14336,4096 4096,4096,4096"
 want() { [[ $part == all || $part == "$1" ]]; }
 
 if want verify; then
-  step grouped env JAX_EFC_UNVERIFIED_KERNELS=1 python3 -m pytest -q -m gpu tests/test_gpu_grouped.py tests/test_fuzz_grouped.py
-  step bench-grouped env JAX_EFC_UNVERIFIED_KERNELS=1 python3 benchmarks/run.py --json "$logs/bench-grouped.json" \
+  step grouped python3 -m pytest -q -m gpu tests/test_gpu_grouped.py tests/test_fuzz_grouped.py
+  step bench-grouped python3 benchmarks/run.py --json "$logs/bench-grouped.json" \
     --epilogues grouped:bias+silu,grouped-skewed:bias+silu \
     --shapes 16384,14336,4096,8 16384,3584,4096,8 16384,3584,4096,64
+  step grouped-peers python3 benchmarks/grouped_peers.py
   step bench-gated python3 benchmarks/run.py --json "$logs/bench-gated.json" --epilogues gated:swiglu,gated:geglu \
     --shapes 8192,14336,4096 4096,14336,4096
   step bench-gated-mlp python3 benchmarks/run.py --json "$logs/bench-gated-mlp.json" \

@@ -41,8 +41,7 @@ def warmup(fn: Callable[..., Any], *args: Any, processes: int | None = None, **k
 
     from jax_efc import device
     from jax_efc.ffi import kernel_cache
-    from jax_efc.plan import plan_call
-    from jax_efc.primitive import fused_gemm_eqns
+    from jax_efc.primitive import fused_gemm_eqns, plan_eqn
 
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and device.arch() is None:
@@ -55,7 +54,7 @@ def warmup(fn: Callable[..., Any], *args: Any, processes: int | None = None, **k
     first: dict[tuple, int] = {}
     for i, eqn in enumerate(fused_gemm_eqns(jax.make_jaxpr(partial(fn, **kwargs))(*args))):
         avals = [v.aval for v in eqn.invars]
-        plan = plan_call(avals, eqn.params, devices=None if on_gpu else ())
+        plan = plan_eqn(eqn, devices=None if on_gpu else ())
         if plan.backend != "kernel":
             lines.append(f"reference: {plan.reason}")
             continue

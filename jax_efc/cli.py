@@ -123,14 +123,13 @@ def _config(args: argparse.Namespace) -> GemmConfig | None:
 def _configs_that_ran(problem: bench.Problem) -> list[str]:
     """For each fused GEMM of ``problem`` that the kernel runs, the tile, cluster and schedule it
     runs with (the pinned config, or the heuristic's choice), as its plan says."""
-    from .plan import plan_call
-    from .primitive import fused_gemm_eqns
+    from .primitive import fused_gemm_eqns, plan_eqn
 
     if jax.default_backend() != "gpu":
         return []
     lines = []
     for eqn in fused_gemm_eqns(jax.make_jaxpr(problem.ours)(*problem.specs)):
-        plan = plan_call([v.aval for v in eqn.invars], eqn.params)
+        plan = plan_eqn(eqn)
         if plan.backend != "kernel":
             continue
         cfg = plan.config

@@ -25,7 +25,7 @@ from .arguments import reference_precision
 from .epilogue import evaluate, identity_ir, with_acc_output
 from .log import log_once
 from .plan import plan_grouped_call
-from .primitive import lowering_devices, default_lowering, lower_by_plan, match_varying, output_avals
+from .primitive import PLANNERS, lowering_devices, default_lowering, lower_by_plan, match_varying, output_avals
 
 __all__ = ["grouped_gemm_p", "grouped_gemm_reference", "per_row", "row_groups"]
 
@@ -61,6 +61,7 @@ def _abstract_eval(lhs, rhs, group_sizes, *operands, ir, transpose_b, **params):
 
 grouped_gemm_p.def_abstract_eval(_abstract_eval)
 grouped_gemm_p.def_impl(partial(dispatch.apply_primitive, grouped_gemm_p))
+PLANNERS[grouped_gemm_p] = plan_grouped_call
 
 _reference_lowering = mlir.lower_fun(grouped_gemm_reference, multiple_results=True)
 

@@ -34,12 +34,16 @@ from .log import log_once
 from .plan import plan_call
 from .reference import fused_gemm_reference
 
-__all__ = ["fused_gemm_p", "fused_gemm", "FallbackError", "fused_gemm_eqns", "backends",
+__all__ = ["fused_gemm_p", "fused_gemm", "FallbackError", "fused_gemm_eqns", "plan_eqn", "backends", "PLANNERS",
            "match_varying", "gemm_cotangents", "output_avals", "lower_by_plan", "default_lowering", "lowering_devices"]
 
 
 fused_gemm_p = jex.core.Primitive("efc_fused_gemm")
 fused_gemm_p.multiple_results = True
+
+# each fused-GEMM primitive's planner, (avals_in, params, devices) -> Plan: what tools that walk a
+# jaxpr (backends, warm-up, the benchmark's configs) read to judge each call as its lowering would
+PLANNERS: dict[Any, Any] = {fused_gemm_p: plan_call}
 
 
 class FallbackError(RuntimeError):
@@ -190,12 +194,12 @@ def _fall_back(reason: str) -> None:
 
 
 def fused_gemm_eqns(closed_jaxpr: Any) -> list[Any]:
-    """Every fused-GEMM equation in a jaxpr, nested jaxprs included."""
+    """Every fused-GEMM equation (dense or grouped) in a jaxpr, nested jaxprs included."""
     found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive is fused_gemm_p:
+            if eqn.primitive in PLANNERS:
                 found.append(eqn)
             for p in eqn.params.values():
                 for sub in p if isinstance(p, (tuple, list)) else (p,):
@@ -205,6 +209,11 @@ def fused_gemm_eqns(closed_jaxpr: Any) -> list[Any]:
 
     walk(closed_jaxpr.jaxpr)
     return found
+
+
+def plan_eqn(eqn: Any, devices: Sequence[int] | None = None) -> Any:
+    """The plan a fused-GEMM equation's lowering would read (``devices``: as ``plan_call``'s)."""
+    return PLANNERS[eqn.primitive]([v.aval for v in eqn.invars], eqn.params, devices=devices)
 
 
 def backends(fn: Any, *args: Any, **kwargs: Any) -> list[str]:
@@ -227,7 +236,7 @@ def backends(fn: Any, *args: Any, **kwargs: Any) -> list[str]:
     out = []
     for eqn in eqns:
         # without a GPU, as an export for CUDA is planned: for a device not known
-        plan = plan_call([v.aval for v in eqn.invars], eqn.params, devices=None if on_gpu else ())
+        plan = plan_eqn(eqn, devices=None if on_gpu else ())
         if plan.backend != "kernel":
             out.append(f"reference: {plan.reason}")
         else:

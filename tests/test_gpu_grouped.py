@@ -15,9 +15,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _kernel_only(monkeypatch):
-    """The kernel, or an error: not the reference (grouped kernels have not run on a GPU yet, and
-    run unchecked here)."""
-    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
+    """The kernel, or an error: not the reference."""
     monkeypatch.setenv("JAX_EFC_STRICT", "1")
 
 
@@ -154,23 +152,25 @@ def test_lhs_gradient_runs_the_kernel(rng):
 
 
 def test_checked_on_first_use_then_the_kernel_runs(rng, tmp_path, monkeypatch):
-    """Without JAX_EFC_UNVERIFIED_KERNELS an unverified grouped kernel is checked by a checking
-    process the first time a call plans it (jax_efc.checking.check_grouped_call), then runs; the
-    verdict is on disk."""
+    """Without JAX_EFC_UNVERIFIED_KERNELS an unverified grouped kernel (as it was before it ran on
+    a GPU) is checked by a checking process the first time a call plans it
+    (jax_efc.checking.check_grouped_call), then runs; the verdict is on disk."""
     import jax
 
     import jax_efc as efc
     from jax_efc import self_check
     from jax_efc.config import read_record
+    from jax_efc.kernels.sm90_policy import Sm90Policy
 
+    monkeypatch.setattr(Sm90Policy, "verified_grouped", False)
     monkeypatch.setenv("JAX_EFC_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("JAX_EFC_UNVERIFIED_KERNELS")
+    monkeypatch.delenv("JAX_EFC_UNVERIFIED_KERNELS", raising=False)
     self_check._memo.clear()
     sizes = [300, 0, 77, 400]
     lhs, rhs, bias, c = _inputs(rng, 900, 256, 384, len(sizes))
 
     def call(lhs, rhs, c):
-        return efc.grouped_gemm(lhs, rhs, np.asarray(sizes, np.int32), lambda acc, b, c: jax.nn.silu(acc + b) + c, c,
+        return efc.grouped_gemm(lhs, rhs, np.asarray(sizes, np.int32), lambda acc, c, b: jax.nn.silu(acc + b) + c, c,
                                 group_operands=[bias], out_dtypes=np.float32)
 
     out = jax.jit(call)(lhs, rhs, c)  # under JAX_EFC_STRICT=1 a failed check raises

@@ -141,13 +141,15 @@ def test_first_use_check_groups_cross_every_edge():
 
 
 def test_an_unverified_grouped_kernel_is_checked_on_first_use(monkeypatch):
-    """Planned without a GPU to check it on (an export for sm_90a from a CPU), the grouped
-    kernel, which no GPU has run, is refused for its first-use check, saying so; with
-    JAX_EFC_UNVERIFIED_KERNELS=1 it is planned."""
+    """Planned without a GPU to check it on (an export for sm_90a from a CPU), an unverified
+    grouped kernel (as it was before it ran on a GPU) is refused for its first-use check, saying
+    so; with JAX_EFC_UNVERIFIED_KERNELS=1 it is planned; verified, it is planned."""
     pytest.importorskip("cutlass.jax")
     from jax_efc.plan import plan_grouped_call
     from jax_efc.epilogue import identity_ir
+    from jax_efc.kernels.sm90_policy import Sm90Policy
 
+    monkeypatch.setattr(Sm90Policy, "verified_grouped", False)
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "0")
     S = jax.ShapeDtypeStruct
@@ -158,6 +160,9 @@ def test_an_unverified_grouped_kernel_is_checked_on_first_use(monkeypatch):
     assert plan.backend != "kernel" and "grouped (ragged) GEMM kernel" in plan.reason, plan.reason
     assert "to check it on first use" in plan.reason, plan.reason
     monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
+    assert plan_grouped_call(avals, params, devices=()).backend == "kernel"
+    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "0")
+    monkeypatch.setattr(Sm90Policy, "verified_grouped", True)
     assert plan_grouped_call(avals, params, devices=()).backend == "kernel"
 
 

@@ -175,12 +175,12 @@ def test_policy_refusals(change, needle):
     assert needle in POLICY.unsupported_reason(_problem(**change))
 
 
-def test_grouped_kernels_are_unverified_and_blackwell_refuses_them():
+def test_grouped_kernels_are_verified_on_hopper_and_blackwell_refuses_them():
     from jax_efc.kernels import policy
 
     problem = _problem()
     assert policy("sm_90a").unsupported_reason(problem) is None
-    assert "grouped (ragged) GEMM kernel" in policy("sm_90a").unverified_reason(problem)
+    assert policy("sm_90a").unverified_reason(problem) is None
     assert "does not run grouped GEMMs" in policy("sm_100a").unsupported_reason(
         dataclasses.replace(problem, arch="sm_100a"))
 
