@@ -76,5 +76,5 @@ def grouped_gemm(lhs: Any, rhs: Any, group_sizes: Any, epilogue: Callable[..., A
     split = split_at_reductions(ir)
     group_sizes = group_sizes.astype(jnp.int32)
     outs = grouped_gemm_p.bind(*match_varying((lhs, rhs, group_sizes, *arrays)), ir=split.gemm, transpose_b=False,
-                               acc_dtype=np.dtype(acc_dtype), precision=precision, config=config)
+                               acc_dtype=np.dtype(acc_dtype), precision=precision, config=config, local=False)
     return restructure(structure, ir, split.finish(ir, outs, per_row(arrays, group_sizes, t), (t, n)))

@@ -5,13 +5,14 @@ by side (as ``primitive.py`` holds the dense one's).
 ``lhs`` (T, K) rows sorted by group, ``rhs`` (G, K, N) (``transpose_b``: (G, N, K), each group's
 matrix read transposed), ``group_sizes`` (G,) int32, the operands in canonical shapes for a (T, N)
 tile, and per-group operands (rows of N, one per group) as (G + 1, 1, N), their last row (for
-the rows past the groups) zero. Every platform lowers to the XLA reference; CUDA lowers to the
-grouped kernel where one fits (``plan.plan_grouped_call``), else falls back with its reason.
+the rows past the groups) zero. A call is first partitioned across devices by rows and columns
+(``sharding.lower_grouped_partitioned``); each device's shard lowers to the XLA reference, and
+on CUDA to the grouped kernel where one fits (``plan.plan_grouped_call``), else falls back with
+its reason.
 """
 
 from __future__ import annotations
 
-import logging
 from functools import partial
 from typing import Any
 
@@ -23,9 +24,10 @@ from jax.interpreters import ad, batching, mlir
 
 from .arguments import reference_precision
 from .epilogue import evaluate, identity_ir, with_acc_output
-from .log import log_once
 from .plan import plan_grouped_call
-from .primitive import PLANNERS, lowering_devices, default_lowering, lower_by_plan, match_varying, output_avals
+from .primitive import (PLANNERS, default_lowering, lower_by_plan, lowering_devices, match_varying, output_avals,
+                        partitioned_first)
+from .sharding import lower_grouped_partitioned
 
 __all__ = ["grouped_gemm_p", "grouped_gemm_reference", "per_row", "row_groups"]
 
@@ -61,33 +63,21 @@ def _abstract_eval(lhs, rhs, group_sizes, *operands, ir, transpose_b, **params):
 
 grouped_gemm_p.def_abstract_eval(_abstract_eval)
 grouped_gemm_p.def_impl(partial(dispatch.apply_primitive, grouped_gemm_p))
+dispatch.prim_requires_devices_during_lowering.add(grouped_gemm_p)  # (the partitioner's mesh)
 PLANNERS[grouped_gemm_p] = plan_grouped_call
 
 _reference_lowering = mlir.lower_fun(grouped_gemm_reference, multiple_results=True)
 
 
-def _partitioned_by_xla(ctx) -> bool:
-    """Whether XLA's partitioner splits this call across devices (``jit`` over several devices,
-    outside ``shard_map``'s manual axes). The grouped kernel has no partition rule: XLA would
-    run it whole on every device, so the reference runs, which XLA partitions."""
-    axis = ctx.module_context.axis_context
-    if getattr(axis, "num_devices", None) is not None:
-        return axis.num_devices > 1
-    mesh = getattr(axis, "mesh", None)
-    return mesh is not None and mesh.size > 1 and set(getattr(axis, "manual_axes", ())) != set(mesh.axis_names)
-
-
 def _cuda_lowering(ctx, *args, **params):
-    if _partitioned_by_xla(ctx):
-        log_once(logging.INFO, "using the XLA reference for a grouped GEMM partitioned by XLA across devices "
-                               "(the grouped kernel runs under jax.shard_map, on each device's shard).")
-        return _reference_lowering(ctx, *args, **params)
     plan = plan_grouped_call(ctx.avals_in, params, devices=lowering_devices(ctx))
     return lower_by_plan(ctx, plan, _reference_lowering, *args, **params)
 
 
-mlir.register_lowering(grouped_gemm_p, default_lowering(_reference_lowering))
-mlir.register_lowering(grouped_gemm_p, _cuda_lowering, platform="cuda")
+mlir.register_lowering(grouped_gemm_p, partitioned_first(grouped_gemm_p, lower_grouped_partitioned,
+                                                         default_lowering(_reference_lowering)))
+mlir.register_lowering(grouped_gemm_p, partitioned_first(grouped_gemm_p, lower_grouped_partitioned, _cuda_lowering),
+                       platform="cuda")
 
 
 # Differentiation: the JVP of any epilogue from the accumulator's tangent, two plain grouped
@@ -115,7 +105,7 @@ def _jvp_rule(primals, tangents, *, ir, **params):
     return outs, list(t_outs)
 
 
-def _transpose_rule(cts, lhs, rhs, group_sizes, *operands, ir, transpose_b, acc_dtype, precision, config):
+def _transpose_rule(cts, lhs, rhs, group_sizes, *operands, ir, transpose_b, acc_dtype, precision, config, local):
     if operands or ir.instrs or len(ir.outputs) != 1 or ir.outputs[0].value != 0:
         raise NotImplementedError("jax_efc: only a plain grouped GEMM is linear, and transposable.")
     (ct,) = cts
@@ -125,7 +115,7 @@ def _transpose_rule(cts, lhs, rhs, group_sizes, *operands, ir, transpose_b, acc_
     if ad.is_undefined_primal(lhs):
         d_lhs = grouped_gemm_p.bind(*match_varying((ct.astype(rhs.dtype), rhs, group_sizes)),
                                     ir=identity_ir(lhs.aval.dtype, ir.epi_dtype), transpose_b=not transpose_b,
-                                    acc_dtype=acc_dtype, precision=precision, config=config)[0]
+                                    acc_dtype=acc_dtype, precision=precision, config=config, local=local)[0]
     if ad.is_undefined_primal(rhs):
         def product(r):
             r = jnp.swapaxes(r, 1, 2) if transpose_b else r
@@ -145,6 +135,7 @@ ad.primitive_transposes[grouped_gemm_p] = _transpose_rule
 
 def _batching_rule(args, dims, **params):
     """The reference under ``vmap`` (``ragged_dot``'s batching: lhs, rhs and sizes all mapped)."""
+    del params["local"]
     outs = jax.vmap(partial(grouped_gemm_reference, **params), in_axes=tuple(dims))(*args)
     return outs, [0] * len(outs)
 

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from . import compile_ahead
 from . import config as _config
 from . import device
+from . import sharding
 from .arguments import allowed_acc_dtypes, mixes_8bit
 from .epilogue import EpilogueIR, Role, canonical_shape, evaluate, identity_ir, output_shape, with_acc_output
 from .gated import split_gated
@@ -35,7 +36,8 @@ from .plan import plan_call
 from .reference import fused_gemm_reference
 
 __all__ = ["fused_gemm_p", "fused_gemm", "FallbackError", "fused_gemm_eqns", "plan_eqn", "backends", "PLANNERS",
-           "match_varying", "gemm_cotangents", "output_avals", "lower_by_plan", "default_lowering", "lowering_devices"]
+           "match_varying", "gemm_cotangents", "output_avals", "lower_by_plan", "default_lowering",
+           "partitioned_first", "lowering_devices"]
 
 
 fused_gemm_p = jex.core.Primitive("efc_fused_gemm")
@@ -303,24 +305,23 @@ def _first_line(e: BaseException) -> str:
     return text[0][:300] if text else "no message"
 
 
-
-
-def _partitioned_first(local_lowering):
-    """A call is first handed to the partitioner (``sharding``), which re-binds it with
-    ``local=True`` on each device's shard; only then does it lower to kernel or reference."""
+def partitioned_first(primitive: Any, partition: Any, local_lowering: Any) -> Any:
+    """A lowering that first hands the call to ``partition`` (a lowering of ``sharding``), which
+    re-binds ``primitive`` with ``local=True`` on each device's shard; only then does it lower
+    to ``local_lowering`` (kernel or reference). Shared by the dense and grouped primitives."""
 
     def lowering(ctx, *args, local, **params):
         if not local:
-            from . import sharding
-
-            return sharding.lower_partitioned(ctx, fused_gemm_p, *args, **params)
+            return partition(ctx, primitive, *args, **params)
         return local_lowering(ctx, *args, **params)
 
     return lowering
 
 
-mlir.register_lowering(fused_gemm_p, _partitioned_first(default_lowering(_reference_lowering)))
-mlir.register_lowering(fused_gemm_p, _partitioned_first(_cuda_lowering), platform="cuda")
+mlir.register_lowering(fused_gemm_p, partitioned_first(fused_gemm_p, sharding.lower_partitioned,
+                                                       default_lowering(_reference_lowering)))
+mlir.register_lowering(fused_gemm_p, partitioned_first(fused_gemm_p, sharding.lower_partitioned, _cuda_lowering),
+                       platform="cuda")
 
 
 # Differentiation -----------------------------------------------------------------------------

@@ -23,6 +23,8 @@ An output that reduces over M or N while that dimension is sharded is completed 
 devices (``psum`` for a sum, computed and sent in float32, or int32, and rounded once at the
 end; ``pmax`` / ``pmin``), and is replicated along the axes it reduced.
 
+The grouped GEMM is partitioned by rows and columns only (its rules are at the end).
+
 Under ``shard_map`` (all axes manual) and on one device the call is not partitioned at all.
 """
 
@@ -42,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .epilogue import EpilogueIR, Role, evaluate_product, identity_ir, store_as
 
-__all__ = ["lower_partitioned"]
+__all__ = ["lower_partitioned", "lower_grouped_partitioned", "local_group_sizes"]
 
 
 def lower_partitioned(ctx: Any, primitive: Any, *args: Any, **params: Any) -> Any:
@@ -207,22 +209,27 @@ def _infer(key, mesh, arg_shapes, result_shape):
     return _shardings(dict(key[1]), mesh, arg_shapes)[2]
 
 
+def _operand_factors(spec: Any, t: Any, i: int, lead: str) -> str:
+    """An operand's factors in a sharding rule: ``lead`` names a 3-D operand's first dimension."""
+    if len(t.shape) == 0:
+        return ""
+    core = {Role.TILE: "m n", Role.ROW: f"r{i} n", Role.COL: f"m c{i}", Role.SCALAR: f"s{i} t{i}"}[spec.role]
+    return (lead + " " if len(t.shape) == 3 else "") + core
+
+
+def _output_factors(ir: EpilogueIR, lead: str) -> list[str]:
+    return [lead + " ".join(f"r{j}{d}" if d in o.over else d for d in ("nm" if o.transposed else "mn"))
+            for j, o in enumerate(ir.outputs)]
+
+
 def _rule(key, mesh, value_types, result_types):
     params = dict(key[1])
     a_rank = len(value_types[0].shape)
     lead = "l " if a_rank == 3 else ""
     a = lead + ("k m" if params["transpose_a"] else "m k")
     b = lead + ("n k" if params["transpose_b"] else "k n")
-    ops = []
-    for i, (spec, t) in enumerate(zip(params["ir"].operands, value_types[2:])):
-        if len(t.shape) == 0:
-            ops.append("")
-            continue
-        core = {Role.TILE: "m n", Role.ROW: f"r{i} n", Role.COL: f"m c{i}",
-                Role.SCALAR: f"s{i} t{i}"}[spec.role]
-        ops.append(("l " if len(t.shape) == 3 else "") + core)
-    outs = [lead + " ".join(f"r{j}{d}" if d in o.over else d for d in ("nm" if o.transposed else "mn"))
-            for j, o in enumerate(params["ir"].outputs)]
+    ops = [_operand_factors(spec, t, i, "l") for i, (spec, t) in enumerate(zip(params["ir"].operands, value_types[2:]))]
+    outs = _output_factors(params["ir"], lead)
     return f"{', '.join([a, b, *ops])} -> {', '.join(outs)}", {"reduction_factors": ("k",)}
 
 
@@ -230,4 +237,85 @@ _partitioned.def_partition(
     partition=_partition,
     infer_sharding_from_operands=_infer,
     sharding_rule=_rule,
+)
+
+
+# The grouped GEMM (``grouped_gemm_p``: lhs (T, K) rows sorted by group, rhs (G, K, N), the
+# group sizes (G,), operands, per-group ones (G + 1, 1, N)) is partitioned by rows and by
+# columns, never over K or the groups:
+# - T sharded: each device runs its rows with the group sizes of its slice of the rows (the
+#   overlap of each group's rows with the slice, from the replicated sizes and its index);
+# - N sharded: each device runs its columns with its slice of rhs and of every row operand;
+# - K, or the groups of rhs, sharded: gathered (expert parallelism moves tokens, not weights:
+#   run it under ``jax.shard_map`` with an all-to-all, as ``examples/moe.py`` does).
+
+def lower_grouped_partitioned(ctx: Any, primitive: Any, *args: Any, **params: Any) -> Any:
+    """The lowering of the grouped GEMM's ``primitive`` before partitioning, as
+    :func:`lower_partitioned` is the dense one's."""
+    key = (primitive, tuple(sorted(params.items())))
+    return mlir.lower_fun(lambda lhs, rhs, sizes, *ops: _grouped_partitioned(key, lhs, rhs, sizes, tuple(ops)),
+                          multiple_results=True)(ctx, *args)
+
+
+@partial(custom_partitioning, static_argnums=(0,))
+def _grouped_partitioned(key, lhs, rhs, sizes, ops):
+    return key[0].bind(lhs, rhs, sizes, *ops, local=True, **dict(key[1]))
+
+
+def _grouped_shardings(params, mesh, arg_shapes):
+    lhs, rhs, _, ops = arg_shapes
+
+    def spec(x):
+        s = tuple(getattr(x.sharding, "spec", ()))
+        return s + (None,) * (len(x.shape) - len(s))
+
+    m, n = spec(lhs)[0], spec(rhs)[1 if params["transpose_b"] else 2]
+    if set(_axes(m)) & set(_axes(n)):
+        n = None
+    plan = _Plan(l=None, m=m, n=n, k=None)
+    ir = params["ir"]
+    args = (NamedSharding(mesh, P(m, None)),
+            NamedSharding(mesh, P(None, n, None) if params["transpose_b"] else P(None, None, n)),
+            NamedSharding(mesh, P(None)),
+            tuple(NamedSharding(mesh, plan.operand(s.role, len(x.shape))) for s, x in zip(ir.operands, ops)))
+    return plan, args, [NamedSharding(mesh, plan.out(2, o.over, o.transposed)) for o in ir.outputs]
+
+
+def local_group_sizes(group_sizes: Any, rows: int, index: Any) -> Any:
+    """The group sizes of the ``index``-th slice of ``rows`` rows: how many of each group's rows
+    (groups follow one another from row 0; a negative size counts as 0) fall in the slice."""
+    ends = jnp.cumsum(jnp.maximum(group_sizes, 0))
+    first = index * rows
+    starts = ends - jnp.maximum(group_sizes, 0)
+    return (jnp.clip(ends - first, 0, rows) - jnp.clip(starts - first, 0, rows)).astype(group_sizes.dtype)
+
+
+def _grouped_partition(key, mesh, arg_shapes, result_shape):
+    primitive, params = key[0], dict(key[1])
+    plan, args, out = _grouped_shardings(params, mesh, arg_shapes)
+    ir = params["ir"]
+    local_params = {**params, "ir": _with_partial_sums(ir, plan)}
+
+    def partitioned(lhs, rhs, sizes, ops):
+        if plan.m is not None:
+            sizes = local_group_sizes(sizes, lhs.shape[0], lax.axis_index(_axes(plan.m)))
+        return _completed(ir, plan, primitive.bind(lhs, rhs, sizes, *ops, local=True, **local_params))
+
+    return mesh, partitioned, out, args
+
+
+def _grouped_rule(key, mesh, value_types, result_types):
+    params = dict(key[1])
+    rhs = "g n k" if params["transpose_b"] else "g k n"
+    ops = [_operand_factors(spec, t, i, f"q{i}")
+           for i, (spec, t) in enumerate(zip(params["ir"].operands, value_types[3:]))]
+    return (f"{', '.join(['m k', rhs, 'g', *ops])} -> {', '.join(_output_factors(params['ir'], ''))}",
+            {"need_replication_factors": ("k", "g")})
+
+
+_grouped_partitioned.def_partition(
+    partition=_grouped_partition,
+    infer_sharding_from_operands=lambda key, mesh, arg_shapes, result_shape: _grouped_shardings(
+        dict(key[1]), mesh, arg_shapes)[2],
+    sharding_rule=_grouped_rule,
 )

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import jax_efc as efc
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from conftest import run_for_sm90
 
 
@@ -191,16 +193,79 @@ calls = {
     "shard_map": (jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("e"),) * 3, out_specs=P("e"))),
                   [S(*a, "e") for a in shapes]),
 }
-print(json.dumps({name: "CuteDSLRT" in jax.export.export(fn, platforms=["cuda"],
-                                                        disabled_checks=efc.export_checks())(*args).mlir_module()
-                  for name, (fn, args) in calls.items()}))
+def kernel_runs(name, fn, args):
+    # jax.export cannot serialize the partitioner's callback, which builds each device's kernel
+    # when XLA compiles the program: there, the call must reach the partitioner whole
+    if "jit over" in name:
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return "CustomSPMDPartitioning" in text and "ragged" not in text
+    return "CuteDSLRT" in jax.export.export(fn, platforms=["cuda"], disabled_checks=efc.export_checks())(*args).mlir_module()
+
+
+print(json.dumps({name: kernel_runs(name, fn, args) for name, (fn, args) in calls.items()}))
 """
 
 
-def test_xla_partitions_what_it_splits_across_devices():
-    """The grouped kernel has no partition rule: under jit over several devices the reference
-    runs (which XLA partitions), not the kernel run whole on every device; on one device and in
-    shard_map (each device's shard) the kernel runs."""
+def test_the_kernel_runs_on_each_device_s_shard():
+    """On one device and in shard_map the kernel runs; under jit over several devices the call
+    reaches the partitioner whole (not as ragged_dot), which lowers each device's shard as the
+    one-device call is lowered (the shards' numerics: test_sharded_jit_partitions_rows_and_columns)."""
     pytest.importorskip("cutlass.jax")
     out = json.loads(run_for_sm90(_PARTITIONED, JAX_EFC_UNVERIFIED_KERNELS="1").strip().splitlines()[-1])
-    assert out == {"one device": True, "jit over 4": False, "shard_map": True}, out
+    assert out == {"one device": True, "jit over 4": True, "shard_map": True}, out
+
+
+@pytest.mark.parametrize("rows", [8, 13])
+def test_local_group_sizes_cover_each_slice(rows):
+    """Each slice of the rows gets, per group, the count of that group's rows inside it: over
+    the slices they add up to the group sizes clipped to the rows (negative sizes count 0)."""
+    from jax_efc.sharding import local_group_sizes
+
+    slices = 5
+    for sizes in ([7, 0, 20, 3], [0, 0, 0, 0], [100, 5], [3, -2, 9], [1] * 9):
+        group = np.concatenate([np.full(max(n, 0), g) for g, n in enumerate(sizes)] + [np.full(rows * slices, -1)])
+        for i in range(slices):
+            got = np.asarray(local_group_sizes(jnp.asarray(sizes, jnp.int32), rows, i))
+            want = [int(np.sum(group[i * rows:(i + 1) * rows] == g)) for g in range(len(sizes))]
+            assert got.tolist() == want, (sizes, i)
+
+
+_SHARDED = {
+    # name: lhs, rhs, bias, c specs; collectives the forward must not run
+    "rows": ((P("data"), P(), P(), P("data")), ("all-gather",)),
+    "columns": ((P(), P(None, None, "model"), P(None, "model"), P(None, "model")), ("all-gather", "all-reduce")),
+    "rows_and_columns": ((P("data"), P(None, None, "model"), P(None, "model"), P("data", "model")), ("all-gather",)),
+    "rows_over_two_axes": ((P(("data", "model")), P(), P(), P(("data", "model"))), ("all-gather",)),
+    # K and the experts are gathered, not split
+    "k_and_experts": ((P(None, "model"), P("data", "model"), P(), P()), ()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_SHARDED))
+def test_sharded_jit_partitions_rows_and_columns(rng, case):
+    """Sharded jit on 8 host devices: the values and gradients of one device, the output sharded
+    as the rows and columns were, with a column sum (over the sharded rows) completed by psum."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    specs, forbidden = _SHARDED[case]
+    t, k, n, sizes = 64, 32, 48, jnp.asarray([20, 0, 30, 5], jnp.int32)
+    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((t, k), (4, k, n), (4, n), (t, n))]
+
+    def f(x, w, b, c):
+        return efc.grouped_gemm(x, w, sizes, lambda acc, c, b: (jax.nn.silu(acc + b) + c, jnp.sum(acc, axis=0)), c,
+                                group_operands=[b])
+
+    sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+    want, got = f(*args), jax.jit(f)(*sharded)
+    for u, v in zip(got, want):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-5, atol=1e-4)
+    hlo = jax.jit(f).lower(*sharded).compile().as_text()
+    for op in forbidden:
+        assert op not in hlo, f"{case}: the forward runs an {op}"
+    rows, cols = specs[0][0] if specs[0] else None, specs[1][2] if len(specs[1]) == 3 else None
+    assert got[0].sharding.is_equivalent_to(NamedSharding(mesh, P(rows, cols)), 2)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a)[0] ** 2)
+
+    for u, v in zip(jax.jit(jax.grad(loss(f), argnums=(0, 1, 2, 3)))(*sharded), jax.grad(loss(f), argnums=(0, 1, 2, 3))(*args)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-4, atol=1e-3 * float(jnp.abs(v).max()))
