@@ -113,8 +113,10 @@ def test_a_grouped_kernel_is_checked_as_one(gpu, monkeypatch):
     """The checking job says whether the call is a grouped GEMM's (its group count), so the
     checking process runs the grouped check on it; a dense call's job says 0."""
     from jax_efc.epilogue import identity_ir
+    from jax_efc.kernels.sm90_policy import Sm90Policy
     from jax_efc.plan import plan_grouped_call
 
+    monkeypatch.setattr(Sm90Policy, "verified_grouped", False)
     assert _plan().backend == "kernel"
     avals = [jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16), jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16),
              jax.ShapeDtypeStruct((4,), jnp.int32)]
