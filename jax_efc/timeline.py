@@ -34,7 +34,7 @@ from .bench import (EPILOGUES, Problem, bench_problem, config_label, fixed_width
                     parse_shape, random_inputs)
 from .kernels import TIMELINE_EVENTS
 from .plan import plan_call
-from .primitive import fused_gemm_eqns
+from .primitive import fused_gemm_eqns, fused_gemm_p
 
 __all__ = ["Summary", "summarize", "Positions", "by_position", "timeline_call", "record", "main"]
 
@@ -127,8 +127,8 @@ def timeline_call(problem: Problem) -> tuple[Callable[..., Any], list[jax.ShapeD
     from . import ffi
 
     eqns = fused_gemm_eqns(jax.make_jaxpr(problem.ours)(*problem.specs))
-    if len(eqns) != 1:
-        raise ValueError(f"{problem.epilogue} runs {len(eqns)} fused GEMMs; a timeline needs one.")
+    if len(eqns) != 1 or eqns[0].primitive is not fused_gemm_p:
+        raise ValueError(f"{problem.epilogue} runs {len(eqns)} fused GEMMs; a timeline needs one dense one.")
     specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqns[0].invars]
     plan = plan_call(specs, eqns[0].params)
     fn = jax.jit(lambda *a: ffi.fused_gemm(*a, plan=plan, timeline=True)[-1])

@@ -168,6 +168,18 @@ def test_an_unverified_grouped_kernel_is_checked_on_first_use(monkeypatch):
     assert plan_grouped_call(avals, params, devices=()).backend == "kernel"
 
 
+def test_backends_reports_grouped_calls(monkeypatch):
+    """efc.backends judges a grouped call as its lowering would: the reference on a CPU, the
+    grouped kernel for an sm_90a export."""
+    pytest.importorskip("cutlass.jax")
+    S = jax.ShapeDtypeStruct
+    specs = [S((1024, 256), jnp.bfloat16), S((4, 256, 512), jnp.bfloat16), S((4,), jnp.int32)]
+    fn = lambda x, w, s: efc.grouped_gemm(x, w, s, jax.nn.silu)  # noqa: E731
+    assert efc.backends(fn, *specs) == ["reference: platform cpu has no jax_efc kernel"]
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    assert efc.backends(fn, *specs) == ["kernel (sm_90a)"]
+
+
 _PARTITIONED = """
 import os, json
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
