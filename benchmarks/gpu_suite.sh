@@ -5,9 +5,9 @@
 #   usage: benchmarks/gpu_suite.sh [LOGDIR] [verify|tests|stores|examples|bench|model|fp8|all]
 #
 #   verify    the newest kernels: the grouped GEMM (its numerics; its speed against ragged_dot,
-#             Pallas's Mosaic GPU ragged dot and a dense GEMM of the same FLOPs); the gated
-#             GEMMs' speed, alone and in an MLP's training step; the reductions' cost
-#             (deterministic and by atomics)
+#             Pallas's Mosaic GPU ragged dot and a dense GEMM of the same FLOPs; an MoE layer's
+#             training step against ragged_dot's); the gated GEMMs' speed, alone and in an
+#             MLP's training step; the reductions' cost (deterministic and by atomics)
 #   tests     the rest of the GPU tests but `stores`' (the compute-sanitizer runs, marked slow, apart)
 #   stores    the epilogue reductions', transposed and masked outputs' GPU tests
 #   examples  each example at a GPU size, `jax-efc run`, info and selftest
@@ -37,6 +37,7 @@ if want verify; then
     --epilogues grouped:bias+silu,grouped-skewed:bias+silu \
     --shapes 16384,14336,4096,8 16384,3584,4096,8 16384,3584,4096,64
   step grouped-peers python3 benchmarks/grouped_peers.py
+  step moe-step python3 benchmarks/moe_step.py
   step bench-gated python3 benchmarks/run.py --json "$logs/bench-gated.json" --epilogues gated:swiglu,gated:geglu \
     --shapes 8192,14336,4096 4096,14336,4096
   step bench-gated-mlp python3 benchmarks/run.py --json "$logs/bench-gated-mlp.json" \

@@ -39,3 +39,26 @@ def test_benchmark_script():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bias+gelu" in proc.stdout
+
+
+BENCHMARKS = {
+    # script: small arguments, a line its output must hold
+    "grouped_peers.py": (["--shapes", "256,64,32,4", "--routing", "balanced", "skewed", "--rounds", "1"],
+                         "XLA: ragged_dot"),
+    "moe_step.py": (["--tokens", "64", "--width", "16", "--hidden", "32", "--dtype", "float32", "--rounds", "1"],
+                    "relative difference of the losses"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(BENCHMARKS))
+def test_benchmark_scripts_run_small(script):
+    """The grouped GEMM's benchmarks run end to end on small shapes (here on the reference) and
+    pass their own checks (the MoE step's losses agree)."""
+    if script == "moe_step.py":
+        pytest.importorskip("flax")
+        pytest.importorskip("optax")
+    args, needle = BENCHMARKS[script]
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert needle in proc.stdout
