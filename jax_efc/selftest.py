@@ -36,7 +36,8 @@ class Case:
     ``transposed_outputs``), whether reductions keep their fixed order (``deterministic``), and
     the bound on the largest error relative to the largest magnitude of each output. ``gated``:
     a gated GEMM of that block, B (K, 2N) interleaved, the epilogue and oracle taking (gate, up,
-    *operands)."""
+    *operands). ``groups``: a grouped GEMM (``efc.grouped_gemm``) of these group sizes, B (G,
+    K, N), its operands per group ("group": (G, N), each row's group's row, 0 past the groups)."""
 
     name: str
     dtype: str
@@ -52,6 +53,7 @@ class Case:
     transposed: Any = None
     deterministic: bool = True
     gated: int = 0
+    groups: tuple[int, ...] = ()
 
 
 def _cases() -> tuple[Case, ...]:
@@ -87,6 +89,9 @@ def _cases() -> tuple[Case, ...]:
         Case("bf16 gated SwiGLU (blocks of 64)", "bfloat16", (1000, 1024, 520),
              lambda g, u, b: jax.nn.silu(g + b) * u, lambda g, u, b: (g + b) / (1 + np.exp(-(g + b))) * u,
              operands=("row",), gated=64),
+        Case("bf16 grouped bias+silu (an empty group, rows past the groups)", "bfloat16", (1000, 520, 264),
+             lambda acc, b: jax.nn.silu(acc + b), lambda acc, b: (acc + b) / (1 + np.exp(-(acc + b))),
+             operands=("group",), groups=(300, 0, 77, 412, 1)),
     ]
     return tuple(cases)
 
@@ -100,12 +105,15 @@ def _inputs(case: Case, rng: np.random.Generator) -> tuple[list[Any], list[np.nd
     lead = () if case.batch is None else (case.batch,)
     dtype = jnp.dtype(case.dtype)
     cols = 2 * n if case.gated else n  # a gated GEMM's B holds gate and up columns
+    b_lead = (len(case.groups),) if case.groups else lead
     if jnp.issubdtype(dtype, jnp.integer):
-        a, b = (rng.integers(-8, 8, lead + s) for s in ((m, k), (cols, k) if case.transpose_b else (k, cols)))
+        a = rng.integers(-8, 8, lead + (m, k))
+        b = rng.integers(-8, 8, b_lead + ((cols, k) if case.transpose_b else (k, cols)))
     else:
         a = rng.standard_normal(lead + (m, k)) / math.sqrt(k)
-        b = rng.standard_normal(lead + ((cols, k) if case.transpose_b else (k, cols)))
-    ops = [rng.standard_normal((n,) if role == "row" else lead + (m, n)) for role in case.operands]
+        b = rng.standard_normal(b_lead + ((cols, k) if case.transpose_b else (k, cols)))
+    shapes = {"row": (n,), "tile": lead + (m, n), "group": (len(case.groups), n)}
+    ops = [rng.standard_normal(shapes[role]) for role in case.operands]
     arrays = [jnp.asarray(a, dtype), jnp.asarray(b, dtype)] + [jnp.asarray(x, jnp.bfloat16) for x in ops]
     return arrays, [np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64) for x in arrays]
 
@@ -127,6 +135,9 @@ def run_case(case: Case, strict: bool, seed: int = 0) -> dict[str, Any]:
         arrays, f64 = _inputs(case, np.random.default_rng(seed))
 
         def call(a, b, *ops):
+            if case.groups:
+                return efc.grouped_gemm(a, b, jnp.asarray(case.groups, jnp.int32), case.epilogue,
+                                        group_operands=ops, out_dtypes=case.out_dtypes, config=case.config)
             return efc.gemm(a, b, case.epilogue, *ops, transpose_b=case.transpose_b, out_dtypes=case.out_dtypes,
                             config=case.config, transposed_outputs=case.transposed,
                             deterministic=case.deterministic, gated=case.gated or None)
@@ -134,7 +145,15 @@ def run_case(case: Case, strict: bool, seed: int = 0) -> dict[str, Any]:
         backend = "; ".join(sorted(set(efc.backends(call, *arrays))))
         got = _leaves(jax.jit(call)(*arrays))
         a, b, *ops = f64
-        acc = np.matmul(a, np.swapaxes(b, -1, -2) if case.transpose_b else b)
+        if case.groups:  # each group's rows times its matrix; the rows past the groups 0, as their operands
+            ends = np.cumsum(case.groups)
+            acc = np.zeros((a.shape[0], b.shape[-1]))
+            for g, (end, size) in enumerate(zip(ends, case.groups)):
+                acc[end - size:end] = a[end - size:end] @ b[g]
+            group = np.searchsorted(ends, np.arange(a.shape[0]), side="right")
+            ops = [np.concatenate([x, np.zeros_like(x[:1])])[group] for x in ops]
+        else:
+            acc = np.matmul(a, np.swapaxes(b, -1, -2) if case.transpose_b else b)
         if case.gated:  # (M, 2N) in (gate, up) block pairs -> the gate's and the up projection's
             pairs = acc.reshape(*acc.shape[:-1], -1, 2, case.gated)
             accs = [pairs[..., i, :].reshape(*acc.shape[:-1], -1) for i in (0, 1)]

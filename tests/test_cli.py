@@ -627,3 +627,8 @@ def test_selftest_passes_here_and_reports_a_wrong_answer(tmp_path, capsys):
     swapped = dataclasses.replace(gated, name="gate and up swapped", oracle=lambda g, u, b: gated.oracle(u, g, b))
     (row,) = selftest.run((swapped,))
     assert row["result"] == "FAIL" and row["error"] > row["bound"]
+    # the grouped case's oracle gives each row its own group's bias: reversed, it fails
+    (grouped,) = [c for c in selftest.CASES if c.groups]
+    reversed_bias = dataclasses.replace(grouped, name="biases reversed", oracle=lambda acc, b: grouped.oracle(acc, b[::-1]))
+    (row,) = selftest.run((reversed_bias,))
+    assert row["result"] == "FAIL" and row["error"] > row["bound"]
