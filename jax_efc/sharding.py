@@ -103,14 +103,15 @@ def _axes(entry: Any) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
+def _spec(x: Any) -> tuple:
+    """An argument's partition spec, one entry per dimension."""
+    s = tuple(getattr(x.sharding, "spec", ()))
+    return s + (None,) * (len(x.shape) - len(s))
+
+
 def _plan(params: dict[str, Any], arg_shapes: Any) -> _Plan:
     a, b = arg_shapes[0], arg_shapes[1]
-
-    def spec(x):
-        s = tuple(getattr(x.sharding, "spec", ()))
-        return s + (None,) * (len(x.shape) - len(s))
-
-    sa, sb = spec(a), spec(b)
+    sa, sb = _spec(a), _spec(b)
     batched = len(a.shape) == 3
     l = sa[0] if batched else None
     la, lb = sa[-2:], sb[-2:]
@@ -264,12 +265,7 @@ def _grouped_partitioned(key, lhs, rhs, sizes, ops):
 
 def _grouped_shardings(params, mesh, arg_shapes):
     lhs, rhs, _, ops = arg_shapes
-
-    def spec(x):
-        s = tuple(getattr(x.sharding, "spec", ()))
-        return s + (None,) * (len(x.shape) - len(s))
-
-    m, n = spec(lhs)[0], spec(rhs)[1 if params["transpose_b"] else 2]
+    m, n = _spec(lhs)[0], _spec(rhs)[1 if params["transpose_b"] else 2]
     if set(_axes(m)) & set(_axes(n)):
         n = None
     plan = _Plan(l=None, m=m, n=n, k=None)
