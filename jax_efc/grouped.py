@@ -30,7 +30,7 @@ def grouped_gemm(lhs: Any, rhs: Any, group_sizes: Any, epilogue: Callable[..., A
     ``lhs`` is (T, K) with its rows sorted by group, ``rhs`` (G, K, N) one matrix per group,
     ``group_sizes`` (G,) integers (traced: routing that changes does not recompile); row t of
     the product is ``lhs[t] @ rhs[g]`` for the group g it falls in, and rows past
-    ``sum(group_sizes)`` belong to no group: their product is 0. ``operands`` take the roles
+    ``sum(group_sizes)`` belong to no group: their product is 0 (a negative size counts as 0). ``operands`` take the roles
     of ``efc.gemm``'s for a (T, N) accumulator (tiles (T, N), rows (N,), columns (T, 1),
     scalars); each of ``group_operands`` is (G, N), one row per group (a per-expert bias), and
     reaches the epilogue as the (T, N) tile of each row's group's row (0 past the groups).
@@ -74,7 +74,8 @@ def grouped_gemm(lhs: Any, rhs: Any, group_sizes: Any, epilogue: Callable[..., A
                                             for x in per_group]
     # the GEMM computes up to the reductions and the reductions themselves; XLA what follows them
     split = split_at_reductions(ir)
-    group_sizes = group_sizes.astype(jnp.int32)
+    # a negative size counts as 0, on every backend (ragged_dot leaves it undefined)
+    group_sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     outs = grouped_gemm_p.bind(*match_varying((lhs, rhs, group_sizes, *arrays)), ir=split.gemm, transpose_b=False,
                                acc_dtype=np.dtype(acc_dtype), precision=precision, config=config, local=False)
     return restructure(structure, ir, split.finish(ir, outs, per_row(arrays, group_sizes, t), (t, n)))

@@ -278,11 +278,11 @@ def _grouped_shardings(params, mesh, arg_shapes):
 
 
 def local_group_sizes(group_sizes: Any, rows: int, index: Any) -> Any:
-    """The group sizes of the ``index``-th slice of ``rows`` rows: how many of each group's rows
-    (groups follow one another from row 0; a negative size counts as 0) fall in the slice."""
-    ends = jnp.cumsum(jnp.maximum(group_sizes, 0))
+    """The group sizes (none negative) of the ``index``-th slice of ``rows`` rows: how many of
+    each group's rows (groups follow one another from row 0) fall in the slice."""
+    ends = jnp.cumsum(group_sizes)
     first = index * rows
-    starts = ends - jnp.maximum(group_sizes, 0)
+    starts = ends - group_sizes
     return (jnp.clip(ends - first, 0, rows) - jnp.clip(starts - first, 0, rows)).astype(group_sizes.dtype)
 
 

@@ -52,6 +52,15 @@ def test_matches_a_per_group_float64_loop(rng, sizes):
     np.testing.assert_allclose(np.asarray(y), _oracle(lhs, rhs, sizes, bias, c, col), rtol=2e-5, atol=2e-5)
 
 
+def test_a_negative_group_size_counts_as_zero(rng):
+    """ragged_dot leaves negative sizes undefined (XLA's CPU reference mixed groups for them);
+    grouped_gemm counts them as 0 on every backend, as the kernel's walk does."""
+    lhs = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((3, 8, 4)), jnp.float32)
+    got = efc.grouped_gemm(lhs, rhs, jnp.asarray([3, -2, 9]))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(efc.grouped_gemm(lhs, rhs, jnp.asarray([3, 0, 9]))))
+
+
 def test_bf16_outputs_and_several_of_them(rng):
     t, k, n = 32, 64, 16
     lhs = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
@@ -230,12 +239,12 @@ def test_the_kernel_runs_on_each_device_s_shard():
 @pytest.mark.parametrize("rows", [8, 13])
 def test_local_group_sizes_cover_each_slice(rows):
     """Each slice of the rows gets, per group, the count of that group's rows inside it: over
-    the slices they add up to the group sizes clipped to the rows (negative sizes count 0)."""
+    the slices they add up to the group sizes clipped to the rows."""
     from jax_efc.sharding import local_group_sizes
 
     slices = 5
-    for sizes in ([7, 0, 20, 3], [0, 0, 0, 0], [100, 5], [3, -2, 9], [1] * 9):
-        group = np.concatenate([np.full(max(n, 0), g) for g, n in enumerate(sizes)] + [np.full(rows * slices, -1)])
+    for sizes in ([7, 0, 20, 3], [0, 0, 0, 0], [100, 5], [3, 0, 9], [1] * 9):
+        group = np.concatenate([np.full(n, g) for g, n in enumerate(sizes)] + [np.full(rows * slices, -1)])
         for i in range(slices):
             got = np.asarray(local_group_sizes(jnp.asarray(sizes, jnp.int32), rows, i))
             want = [int(np.sum(group[i * rows:(i + 1) * rows] == g)) for g in range(len(sizes))]
