@@ -2,12 +2,13 @@
 # What must be seen on a GPU, in parts that each fit a ten-minute run on an H100 or H200 from a
 # cold kernel cache (run them in this order; `all` runs every part). Logs go to LOGDIR (default
 # ./gpu-logs); each part prints its summary last.
-#   usage: benchmarks/gpu_suite.sh [LOGDIR] [verify|tests|stores|examples|bench|model|fp8|all]
+#   usage: benchmarks/gpu_suite.sh [LOGDIR] [grouped|fused|tests|stores|examples|bench|model|fp8|all]
 #
-#   verify    the newest kernels: the grouped GEMM (its numerics; its speed against ragged_dot,
-#             Pallas's Mosaic GPU ragged dot and a dense GEMM of the same FLOPs; an MoE layer's
-#             training step against ragged_dot's); the gated GEMMs' speed, alone and in an
-#             MLP's training step; the reductions' cost (deterministic and by atomics)
+#   grouped   the grouped GEMM: its numerics; its speed against ragged_dot, Pallas's Mosaic GPU
+#             ragged dot and a dense GEMM of the same FLOPs; an MoE layer's training step
+#             against ragged_dot's
+#   fused     the gated GEMMs' speed, alone and in an MLP's training step; the epilogue
+#             reductions' cost (deterministic and by atomics)
 #   tests     the rest of the GPU tests but `stores`' (the compute-sanitizer runs, marked slow, apart)
 #   stores    the epilogue reductions', transposed and masked outputs' GPU tests
 #   examples  each example at a GPU size, `jax-efc run`, info and selftest
@@ -31,13 +32,15 @@ step() {  # step NAME COMMAND...: run, log, and remember the exit status
 shapes="8192,8192,8192 8192,14336,4096 4096,4096,4096"
 want() { [[ $part == all || $part == "$1" ]]; }
 
-if want verify; then
+if want grouped; then
   step grouped python3 -m pytest -q -m gpu tests/test_gpu_grouped.py tests/test_fuzz_grouped.py
   step bench-grouped python3 benchmarks/run.py --json "$logs/bench-grouped.json" \
     --epilogues grouped:bias+silu,grouped-skewed:bias+silu \
     --shapes 16384,14336,4096,8 16384,3584,4096,8 16384,3584,4096,64
   step grouped-peers python3 benchmarks/grouped_peers.py
   step moe-step python3 benchmarks/moe_step.py
+fi
+if want fused; then
   step bench-gated python3 benchmarks/run.py --json "$logs/bench-gated.json" --epilogues gated:swiglu,gated:geglu \
     --shapes 8192,14336,4096 4096,14336,4096
   step bench-gated-mlp python3 benchmarks/run.py --json "$logs/bench-gated-mlp.json" \
