@@ -173,7 +173,7 @@ def _worker() -> None:
         specs, plan = pickle.loads(base64.b64decode(line))
         try:
             avals = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs]
-            jax.export.export(jax.jit(lambda *a: ffi.fused_gemm(*a, plan=plan)), platforms=["cuda"],
+            jax.export.export(jax.jit(lambda *a: ffi.primitive_call(*a, plan=plan)), platforms=["cuda"],
                               disabled_checks=ffi.export_checks())(*avals)
             print("compiled" if ffi.store_compiled() else "cached", flush=True)
         except Exception as e:  # noqa: BLE001 - reported to the caller, the worker goes on

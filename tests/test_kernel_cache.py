@@ -223,6 +223,37 @@ def test_warmup_builds_a_steps_kernels_in_parallel_for_the_lowering(tmp_path):
     assert len(list((tmp_path / "kernels").glob("*.kernel"))) == 3
 
 
+_WARMUP_GROUPED = """
+import json
+import jax, jax.numpy as jnp
+import jax_efc as efc
+S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+def loss(x, w, s, b):
+    return efc.grouped_gemm(x, w, s, lambda acc, b: jax.nn.silu(acc + b), group_operands=[b]).sum()
+step = jax.grad(loss, (0, 1, 3))
+specs = S((1024, 256), bf), S((4, 256, 384), bf), S((4,), jnp.int32), S((4, 384), jnp.float32)
+lines = efc.warmup(step, *specs)
+import cutlass.cute
+def compile(*args, **kwargs):
+    raise RuntimeError("the DSL compiled a kernel")
+cutlass.cute.compile = compile
+exported = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=efc.export_checks())(*specs)
+print(json.dumps({"lines": lines, "kernels": exported.mlir_module().count("custom_call @CuteDSLRT"),
+                  "again": efc.warmup(step, *specs)}))
+"""
+
+
+def test_warmup_builds_grouped_kernels(tmp_path):
+    """efc.warmup builds a grouped GEMM's kernels too (its forward and its lhs gradient, which
+    take the group sizes), and the lowering then loads them from the cache."""
+    pytest.importorskip("cutlass.jax")
+    out = json.loads(run_for_sm90(_WARMUP_GROUPED, JAX_EFC_CACHE_DIR=str(tmp_path), JAX_EFC_KERNEL_CACHE="1")
+                     .strip().splitlines()[-1])
+    assert out["lines"] == ["compiled"] * 2, out
+    assert out["kernels"] == 2
+    assert out["again"] == ["cached"] * 2
+
+
 _AHEAD = """
 import json, sys, time
 import jax, jax.numpy as jnp

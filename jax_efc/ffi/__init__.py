@@ -25,7 +25,7 @@ from jax_efc.plan import Plan, gemm_dims
 
 from . import kernel_cache
 
-__all__ = ["fused_gemm", "lower", "store_compiled", "export_checks", "KERNEL_CACHE_SIZE"]
+__all__ = ["fused_gemm", "primitive_call", "lower", "store_compiled", "export_checks", "KERNEL_CACHE_SIZE"]
 
 # compile key -> kernel object, so that re-lowering reuses it; the least recently used go first
 _KERNELS: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
@@ -123,7 +123,7 @@ def lower(ctx, *args, plan: Plan) -> Any:
     block_ops = ir.InsertionPoint.current.block.operations
     marks = len(module_ops), len(block_ops)
     try:
-        lowered = mlir.lower_fun(functools.partial(_fused_call, plan=plan), multiple_results=True)(ctx, *args)
+        lowered = mlir.lower_fun(functools.partial(primitive_call, plan=plan), multiple_results=True)(ctx, *args)
     except Exception:
         for ops, mark in ((block_ops, marks[1]), (module_ops, marks[0])):
             for i in reversed(range(mark, len(ops))):
@@ -137,11 +137,17 @@ def lower(ctx, *args, plan: Plan) -> Any:
     return lowered
 
 
-def _fused_call(a, b, *rest, plan: Plan) -> list:
-    """:func:`fused_gemm` of a primitive's inputs: a grouped GEMM's group sizes come after ``b``."""
-    if plan.problem.groups:
-        return fused_gemm(a, b, *rest[1:], plan=plan, group_sizes=rest[0])
-    return fused_gemm(a, b, *rest, plan=plan)
+def _operands(plan: Plan, rest: tuple) -> tuple[tuple, Any]:
+    """A primitive's inputs after ``b`` as (operands, group sizes): a grouped GEMM's group sizes
+    come first."""
+    return (rest[1:], rest[0]) if plan.problem.groups else (rest, None)
+
+
+def primitive_call(a, b, *rest, plan: Plan) -> list:
+    """:func:`fused_gemm` of a primitive's inputs (``a``, ``b``, then a grouped GEMM's group
+    sizes, then the operands)."""
+    operands, group_sizes = _operands(plan, rest)
+    return fused_gemm(a, b, *operands, plan=plan, group_sizes=group_sizes)
 
 
 @dataclasses.dataclass
@@ -241,8 +247,12 @@ def in_cache(plan: Plan, avals) -> bool:
     import jax
 
     keys = []
-    jax.eval_shape(lambda *args: keys.append(_assemble(plan, args[0], args[1], args[2:], False).disk_key),
-                   *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in avals])
+
+    def key(a, b, *rest):
+        operands, group_sizes = _operands(plan, rest)
+        keys.append(_assemble(plan, a, b, operands, False, group_sizes).disk_key)
+
+    jax.eval_shape(key, *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in avals])
     return keys[0] is not None and kernel_cache.exists(keys[0])
 
 
