@@ -1,7 +1,8 @@
 """Differential fuzzing of grouped GEMMs against a per-group float64 loop: random group sizes
 (empty groups, groups smaller and larger than a tile, rows past the groups), shapes, per-group
 biases and tile operands; on the reference path here, through the Hopper kernel on a GPU.
-Fixed seeds and a bounded budget, so a run is reproducible."""
+Fixed seeds and a bounded budget, so a run is reproducible. Sharded jit on 8 host devices is
+fuzzed against the same oracle."""
 
 from __future__ import annotations
 
@@ -33,25 +34,37 @@ def cases(draw, kernel: bool = False):
     return sizes, max(t, 1), k, n, dtype, draw(st.integers(0, 2 ** 31 - 1))
 
 
-def _run(case) -> None:
-    sizes, t, k, n, dtype, seed = case
-    rng = np.random.default_rng(seed)
-    g = len(sizes)
-    lhs = rng.standard_normal((t, k)) / np.sqrt(k)
-    rhs = rng.standard_normal((g, k, n))
-    bias = rng.standard_normal((g, n))
-    c = rng.standard_normal((t, n))
-    out = efc.grouped_gemm(jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), jnp.asarray(sizes, jnp.int32),
-                           lambda acc, c, b: jnp.tanh(acc + b) * 2.0 + c, jnp.asarray(c, dtype),
-                           group_operands=[jnp.asarray(bias, jnp.float32)], out_dtypes=jnp.float32)
-    # the oracle from the inputs as the op received them (rounded to dtype)
-    lhs, rhs, c = (np.asarray(jnp.asarray(x, dtype), np.float64) for x in (lhs, rhs, c))
+def _epilogue(acc, c, b):
+    return jnp.tanh(acc + b) * 2.0 + c
+
+
+def _oracle(lhs, rhs, sizes, bias, c) -> np.ndarray:
+    """The epilogue of the ragged product in float64: groups follow one another from row 0 (a
+    negative size counts as 0; rows past the last row are dropped), rows past them 0."""
+    t, n = lhs.shape[0], rhs.shape[2]
     acc = np.zeros((t, n))
     start = 0
     for group, size in enumerate(sizes):
-        acc[start:start + size] = lhs[start:start + size] @ rhs[group] + bias[group]
-        start += size
-    want = np.tanh(acc) * 2.0 + c
+        rows = slice(min(start, t), min(start + max(size, 0), t))
+        acc[rows] = lhs[rows] @ rhs[group] + bias[group]
+        start += max(size, 0)
+    return np.tanh(acc) * 2.0 + c
+
+
+def _inputs(rng, t, k, n, g):
+    return (rng.standard_normal((t, k)) / np.sqrt(k), rng.standard_normal((g, k, n)), rng.standard_normal((g, n)),
+            rng.standard_normal((t, n)))
+
+
+def _run(case) -> None:
+    sizes, t, k, n, dtype, seed = case
+    lhs, rhs, bias, c = _inputs(np.random.default_rng(seed), t, k, n, len(sizes))
+    out = efc.grouped_gemm(jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), jnp.asarray(sizes, jnp.int32),
+                           _epilogue, jnp.asarray(c, dtype), group_operands=[jnp.asarray(bias, jnp.float32)],
+                           out_dtypes=jnp.float32)
+    # the oracle from the inputs as the op received them (rounded to dtype)
+    lhs, rhs, c = (np.asarray(jnp.asarray(x, dtype), np.float64) for x in (lhs, rhs, c))
+    want = _oracle(lhs, rhs, sizes, bias, c)
     got = np.asarray(out, np.float64)
     assert got.shape == want.shape and np.isfinite(got).all()
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
@@ -70,3 +83,34 @@ def test_reference_matches_the_per_group_oracle(case):
 def test_kernel_matches_the_per_group_oracle(case):
     with fuzzing.strict():  # every call the grouped kernel, unchecked (this is its check), or an error
         _run(case)
+
+
+# (lhs rows, rhs columns) over the 2 x 4 mesh of the 8 host devices
+_SHARDINGS = {"rows": ("data", None), "columns": (None, "model"), "rows and columns": ("data", "model"),
+              "rows over both axes": (("data", "model"), None), "experts and K (gathered)": (None, None)}
+
+
+@settings(max_examples=25, **_SETTINGS)
+@given(st.sampled_from(sorted(_SHARDINGS)), st.lists(st.integers(-20, 90), min_size=1, max_size=6),
+       st.integers(1, 12), st.integers(0, 2 ** 31 - 1))
+def test_sharded_jit_matches_the_per_group_oracle(sharding, sizes, row_blocks, seed):
+    """Sharded jit on 8 host devices: each device's rows with its slice's group sizes, or its
+    columns, against the oracle of the whole call; sizes that are negative, or that overrun
+    the rows, included."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rows, cols = _SHARDINGS[sharding]
+    t, k, n = 8 * row_blocks, 16, 32
+    if sharding.startswith("experts"):
+        sizes = sizes + [0] * (len(sizes) % 2)  # experts split in two
+    lhs, rhs, bias, c = _inputs(np.random.default_rng(seed), t, k, n, len(sizes))
+    specs = {"experts and K (gathered)": (P(None, "model"), P("data", "model"), P(), P())}.get(
+        sharding, (P(rows), P(None, None, cols), P(None, cols), P(rows, cols)))
+    args = [jax.device_put(jnp.asarray(x, jnp.float32), NamedSharding(mesh, s))
+            for x, s in zip((lhs, rhs, bias, c), specs)]
+    sizes_arr = jnp.asarray(sizes, jnp.int32)
+    got = jax.jit(lambda x, w, b, c: efc.grouped_gemm(x, w, sizes_arr, _epilogue, c, group_operands=[b]))(*args)
+    want = _oracle(lhs, rhs, sizes, bias, c)
+    assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
