@@ -30,13 +30,14 @@ def grouped_gemm(lhs: Any, rhs: Any, group_sizes: Any, epilogue: Callable[..., A
     ``lhs`` is (T, K) with its rows sorted by group, ``rhs`` (G, K, N) one matrix per group,
     ``group_sizes`` (G,) integers (traced: routing that changes does not recompile); row t of
     the product is ``lhs[t] @ rhs[g]`` for the group g it falls in, and rows past
-    ``sum(group_sizes)`` belong to no group: their product is 0 (a negative size counts as 0). ``operands`` take the roles
-    of ``efc.gemm``'s for a (T, N) accumulator (tiles (T, N), rows (N,), columns (T, 1),
-    scalars); each of ``group_operands`` is (G, N), one row per group (a per-expert bias), and
-    reaches the epilogue as the (T, N) tile of each row's group's row (0 past the groups).
-    Differentiable in ``lhs``, ``rhs``, the operands and dynamic scalars (the kernel computes the
-    forward and the lhs gradient, XLA the rhs gradient); under ``vmap`` (the reference) every one
-    of ``lhs``, ``rhs`` and ``group_sizes`` must be mapped (``ragged_dot``'s rule). ``config``
+    ``sum(group_sizes)`` belong to no group: their product is 0 (a negative size counts as 0).
+    ``operands`` take the roles of ``efc.gemm``'s for a (T, N) accumulator (tiles (T, N), rows
+    (N,), columns (T, 1), scalars); each of ``group_operands`` is (G, N), one row per group (a
+    per-expert bias), and reaches the epilogue as the (T, N) tile of each row's group's row (0
+    past the groups). Differentiable in ``lhs``, ``rhs``, the operands and dynamic scalars (the
+    kernel computes the forward and the lhs gradient, XLA the rhs gradient); under ``vmap`` (the
+    reference) every one of ``lhs``, ``rhs`` and ``group_sizes`` must be mapped (``ragged_dot``'s
+    rule); under ``jit`` over several devices it is partitioned by rows and by N. ``config``
     pins the kernel's tiles, as ``efc.gemm``'s does.
 
     >>> import jax.numpy as jnp, jax_efc as efc
