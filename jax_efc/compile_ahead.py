@@ -49,11 +49,11 @@ _cached: set[tuple] = set()  # keys found in the cache when their call was trace
 _started_lock = threading.Lock()
 
 
-def speculate(avals: Sequence[Any], params: dict[str, Any]) -> None:
+def speculate(avals: Sequence[Any], params: dict[str, Any], planner: Any = None) -> None:
     """Start building the kernel a fused-GEMM call with ``avals`` and ``params`` will need, as
-    its lowering will plan it for the default device, unless it is started already. Calls
-    whose lowering plans other shapes (a sharded ``jit`` on several devices, which the
-    partitioner splits) are left to the lowering."""
+    its lowering will plan it (``planner``: the primitive's, by default the dense one's) for the
+    default device, unless it is started already. Calls whose lowering plans other shapes (a
+    sharded ``jit`` on several devices, which the partitioner splits) are left to the lowering."""
     if not compiling_ahead():
         return
     import jax
@@ -62,7 +62,7 @@ def speculate(avals: Sequence[Any], params: dict[str, Any]) -> None:
 
     if jax.device_count() > 1 and not params.get("local"):
         return
-    plan = plan_call(avals, params, devices=None if jax.default_backend() == "gpu" else ())
+    plan = (planner or plan_call)(avals, params, devices=None if jax.default_backend() == "gpu" else ())
     if plan.backend != "kernel":
         return
     specs = tuple((tuple(a.shape), str(a.dtype)) for a in avals)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax._src import dispatch
 from jax.interpreters import ad, batching, mlir
 
+from . import compile_ahead
 from .arguments import reference_precision
 from .epilogue import evaluate, identity_ir, with_acc_output
 from .plan import plan_grouped_call
@@ -56,7 +57,8 @@ def grouped_gemm_reference(lhs, rhs, group_sizes, *operands, ir, transpose_b, ac
 
 
 def _abstract_eval(lhs, rhs, group_sizes, *operands, ir, transpose_b, **params):
-    del group_sizes, operands, params
+    compile_ahead.speculate([lhs, rhs, group_sizes, *operands], dict(params, ir=ir, transpose_b=transpose_b),
+                            planner=plan_grouped_call)
     n = rhs.shape[1] if transpose_b else rhs.shape[2]
     return output_avals(ir, (lhs.shape[0], n), lhs, rhs, False, transpose_b)
 

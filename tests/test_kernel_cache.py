@@ -278,6 +278,36 @@ print(json.dumps({"kernels": exported.mlir_module().count("custom_call @CuteDSLR
 """
 
 
+_AHEAD_GROUPED = """
+import json
+import jax, jax.numpy as jnp
+import jax_efc as efc
+from jax_efc import compile_ahead
+import cutlass.cute
+def compile(*args, **kwargs):
+    raise RuntimeError("the DSL compiled a kernel in the tracing process")
+cutlass.cute.compile = compile
+S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+def loss(x, w, s, b):
+    return efc.grouped_gemm(x, w, s, lambda acc, b: jax.nn.silu(acc + b), group_operands=[b]).sum()
+step = jax.jit(jax.grad(loss, (0, 1, 3)))
+specs = S((1024, 256), bf), S((4, 256, 384), bf), S((4,), jnp.int32), S((4, 384), jnp.float32)
+exported = jax.export.export(step, platforms=["cuda"], disabled_checks=efc.export_checks())(*specs)
+outcomes = sorted(f.result() for f in compile_ahead._started.values())
+print(json.dumps({"kernels": exported.mlir_module().count("custom_call @CuteDSLRT"), "outcomes": outcomes}))
+"""
+
+
+def test_grouped_kernels_compile_ahead_too(tmp_path):
+    """A grouped GEMM's kernels (its forward and its lhs gradient) are built by the workers while
+    the step is traced, as dense ones are: the tracing process's DSL compile never runs. (The
+    workers also build the linearised tangent product, which grad transposes away.)"""
+    pytest.importorskip("cutlass.jax")
+    out = json.loads(run_for_sm90(_AHEAD_GROUPED, JAX_EFC_CACHE_DIR=str(tmp_path), JAX_EFC_KERNEL_CACHE="1",
+                                  JAX_EFC_COMPILE_AHEAD="1").strip().splitlines()[-1])
+    assert out["kernels"] == 2 and out["outcomes"] == ["compiled"] * 3, out
+
+
 @pytest.mark.parametrize("workers", ["working", "broken"])
 def test_kernels_compile_ahead_while_the_program_is_traced(tmp_path, workers):
     """With compiling ahead on, a training step's three kernels are built by worker processes
