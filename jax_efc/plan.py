@@ -208,6 +208,34 @@ def _pinned_plan(kernel: str, ir: EpilogueIR, a: Any, b: Any, operands: Sequence
     return plan
 
 
+def _before_planning(avals_in: Sequence[Any], devices: Sequence[int] | None) -> tuple[Plan | None, str | None]:
+    """(the reference's plan, with the reason, for a call no kernel is planned for: empty or
+    symbolic shapes, ``JAX_EFC_DISABLE``, no architecture; else None, and the architecture)."""
+    reason = empty_reason(avals_in)
+    if reason:
+        return _reference(reason, level=0), None
+    reason = symbolic_reason(avals_in)
+    if reason:
+        return _reference(reason), None
+    if _config.disabled():
+        return _reference("JAX_EFC_DISABLE is set."), None
+    arch = device.arch()
+    if arch is None:
+        if devices == ():
+            return _reference("exporting for CUDA without a target architecture (no GPU here): the export holds "
+                              "the XLA reference; call jax_efc.set_target_arch('sm_90a') first to hold the "
+                              "kernel."), None
+        return _reference("no CUDA device with a supported architecture was found."), None
+    return None, arch
+
+
+def _checked(plan: Plan, avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence[int] | None) -> Plan:
+    """``plan``, or the reference's where its kernel has not run on a GPU of its kind and its
+    first-use check refuses it (:mod:`jax_efc.self_check`)."""
+    reason = self_check.refusal(plan, avals_in, params, devices)
+    return plan if reason is None else _reference(reason, arch=plan.arch)
+
+
 def plan_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence[int] | None = None) -> Plan:
     """The plan of one ``fused_gemm_p`` equation lowered for CUDA: its input avals and params,
     and the devices it runs on (``None``: the first; ``()``: unknown, as when exporting).
@@ -219,20 +247,9 @@ def plan_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence
     heuristic's plan and runs the tuned config where a record or a tuning run has one. A kernel
     whose architecture or features have not yet run on a GPU of their kind checks itself first
     (:mod:`jax_efc.self_check`)."""
-    reason = empty_reason(avals_in)
-    if reason:
-        return _reference(reason, level=0)
-    reason = symbolic_reason(avals_in)
-    if reason:
-        return _reference(reason)
-    if _config.disabled():
-        return _reference("JAX_EFC_DISABLE is set.")
-    arch = device.arch()
-    if arch is None:
-        if devices == ():
-            return _reference("exporting for CUDA without a target architecture (no GPU here): the export holds "
-                              "the XLA reference; call jax_efc.set_target_arch('sm_90a') first to hold the kernel.")
-        return _reference("no CUDA device with a supported architecture was found.")
+    refused, arch = _before_planning(avals_in, devices)
+    if refused:
+        return refused
     a, b, *operands = avals_in
     kw = dict(transpose_a=params["transpose_a"], transpose_b=params["transpose_b"],
               acc_dtype=params["acc_dtype"], arch=arch, devices=devices, precision=params["precision"],
@@ -257,8 +274,7 @@ def plan_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence
                                     if getattr(tuned, f.name) != getattr(plan.config, f.name))
                 tuned_note = f"autotuned to the heuristic's config but {changed}"
                 plan = dataclasses.replace(tuned_plan, note="; ".join(filter(None, [tuned_plan.note, tuned_note])))
-    reason = self_check.refusal(plan, avals_in, params, devices)
-    return plan if reason is None else _reference(reason, arch=arch)
+    return _checked(plan, avals_in, params, devices)
 
 
 def plan_grouped_call(avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence[int] | None = None) -> Plan:
@@ -266,20 +282,12 @@ def plan_grouped_call(avals_in: Sequence[Any], params: dict[str, Any], devices: 
     CUDA, as :func:`plan_call` plans a dense one: a pinned config the kernel cannot run raises
     ``ValueError``, and a kernel that has not run on a GPU of its kind checks itself first
     (:func:`jax_efc.checking.check_grouped_call`)."""
+    refused, arch = _before_planning(avals_in, devices)
+    if refused:
+        return refused
     lhs, rhs, _, *operands = avals_in
-    reason = empty_reason(avals_in) or symbolic_reason(avals_in)
-    if reason:
-        return _reference(reason, level=0 if empty_reason(avals_in) else logging.WARNING)
-    if _config.disabled():
-        return _reference("JAX_EFC_DISABLE is set.")
-    arch = device.arch()
-    if arch is None:
-        return _reference("no CUDA device with a supported architecture was found.")
     pinned = None if autotune.requested(params["config"]) else params["config"]
     kw = dict(transpose_a=False, transpose_b=params["transpose_b"], acc_dtype=params["acc_dtype"], arch=arch,
               devices=devices, precision=params["precision"], groups=rhs.shape[0])
     plan = _pinned_plan("grouped kernel", params["ir"], lhs, rhs, operands, pinned, **kw)
-    if plan.backend != "kernel":
-        return plan
-    reason = self_check.refusal(plan, avals_in, params, devices)
-    return plan if reason is None else _reference(reason, arch=arch)
+    return plan if plan.backend != "kernel" else _checked(plan, avals_in, params, devices)
