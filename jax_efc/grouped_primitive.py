@@ -26,8 +26,7 @@ from . import compile_ahead
 from .arguments import reference_precision
 from .epilogue import evaluate, identity_ir, with_acc_output
 from .plan import plan_grouped_call
-from .primitive import (PLANNERS, default_lowering, lower_by_plan, lowering_devices, match_varying, output_avals,
-                        partitioned_first)
+from .primitive import PLANNERS, match_varying, output_avals, register_lowerings
 from .sharding import lower_grouped_partitioned
 
 __all__ = ["grouped_gemm_p", "grouped_gemm_reference", "per_row", "row_groups"]
@@ -68,18 +67,8 @@ grouped_gemm_p.def_impl(partial(dispatch.apply_primitive, grouped_gemm_p))
 dispatch.prim_requires_devices_during_lowering.add(grouped_gemm_p)  # (the partitioner's mesh)
 PLANNERS[grouped_gemm_p] = plan_grouped_call
 
-_reference_lowering = mlir.lower_fun(grouped_gemm_reference, multiple_results=True)
-
-
-def _cuda_lowering(ctx, *args, **params):
-    plan = plan_grouped_call(ctx.avals_in, params, devices=lowering_devices(ctx))
-    return lower_by_plan(ctx, plan, _reference_lowering, *args, **params)
-
-
-mlir.register_lowering(grouped_gemm_p, partitioned_first(grouped_gemm_p, lower_grouped_partitioned,
-                                                         default_lowering(_reference_lowering)))
-mlir.register_lowering(grouped_gemm_p, partitioned_first(grouped_gemm_p, lower_grouped_partitioned, _cuda_lowering),
-                       platform="cuda")
+register_lowerings(grouped_gemm_p, lower_grouped_partitioned,
+                   mlir.lower_fun(grouped_gemm_reference, multiple_results=True))
 
 
 # Differentiation: the JVP of any epilogue from the accumulator's tangent, two plain grouped

@@ -36,8 +36,7 @@ from .plan import plan_call
 from .reference import fused_gemm_reference
 
 __all__ = ["fused_gemm_p", "fused_gemm", "FallbackError", "fused_gemm_eqns", "plan_eqn", "backends", "PLANNERS",
-           "match_varying", "gemm_cotangents", "output_avals", "lower_by_plan", "default_lowering",
-           "partitioned_first", "lowering_devices"]
+           "match_varying", "gemm_cotangents", "output_avals", "register_lowerings", "lowering_devices"]
 
 
 fused_gemm_p = jex.core.Primitive("efc_fused_gemm")
@@ -261,10 +260,10 @@ def lowering_devices(ctx) -> tuple[int, ...] | None:
     return tuple(ordinals) if ordinals and None not in ordinals else ()
 
 
-def lower_by_plan(ctx, plan: Any, reference: Any, *args: Any, **params: Any) -> Any:
+def _lower_by_plan(ctx, plan: Any, reference: Any, *args: Any, **params: Any) -> Any:
     """Lower a call as its ``plan`` says: the kernel, or ``reference`` (a lowering) with the
     plan's reason logged at its level (a fallback raises under ``JAX_EFC_STRICT=1``), and the
-    reference too where building the kernel fails. Shared by the dense and grouped primitives."""
+    reference too where building the kernel fails."""
     if plan.backend != "kernel":
         if plan.level == logging.WARNING:
             _fall_back(plan.reason)
@@ -284,44 +283,40 @@ def lower_by_plan(ctx, plan: Any, reference: Any, *args: Any, **params: Any) -> 
         return reference(ctx, *args, **params)
 
 
-def default_lowering(reference: Any) -> Any:
-    """The lowering on platforms without a kernel: ``reference`` (an error under
-    ``JAX_EFC_STRICT=1``)."""
-    def lowering(ctx, *args, **params):
-        if _config.strict():
-            _fall_back(f"platform {', '.join(ctx.module_context.platforms)} has no jax_efc kernel.")
-        return reference(ctx, *args, **params)
-
-    return lowering
-
-
-def _cuda_lowering(ctx, *args, **params):
-    plan = plan_call(ctx.avals_in, params, devices=lowering_devices(ctx))
-    return lower_by_plan(ctx, plan, _reference_lowering, *args, **params)
-
-
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0][:300] if text else "no message"
 
 
-def partitioned_first(primitive: Any, partition: Any, local_lowering: Any) -> Any:
-    """A lowering that first hands the call to ``partition`` (a lowering of ``sharding``), which
-    re-binds ``primitive`` with ``local=True`` on each device's shard; only then does it lower
-    to ``local_lowering`` (kernel or reference). Shared by the dense and grouped primitives."""
+def register_lowerings(primitive: Any, partition: Any, reference: Any) -> None:
+    """``primitive``'s lowerings (the dense and the grouped fused GEMM's): each call is first
+    handed to ``partition`` (a lowering of ``sharding``), which re-binds it with ``local=True``
+    on each device's shard; only then is it lowered, on CUDA as its planner (``PLANNERS``) plans
+    it, to the kernel or to ``reference`` (a lowering), and elsewhere to ``reference`` (an error
+    under ``JAX_EFC_STRICT=1``)."""
 
-    def lowering(ctx, *args, local, **params):
-        if not local:
-            return partition(ctx, primitive, *args, **params)
-        return local_lowering(ctx, *args, **params)
+    def partitioned_first(local_lowering):
+        def lowering(ctx, *args, local, **params):
+            if not local:
+                return partition(ctx, primitive, *args, **params)
+            return local_lowering(ctx, *args, **params)
 
-    return lowering
+        return lowering
+
+    def default(ctx, *args, **params):
+        if _config.strict():
+            _fall_back(f"platform {', '.join(ctx.module_context.platforms)} has no jax_efc kernel.")
+        return reference(ctx, *args, **params)
+
+    def cuda(ctx, *args, **params):
+        plan = PLANNERS[primitive](ctx.avals_in, params, devices=lowering_devices(ctx))
+        return _lower_by_plan(ctx, plan, reference, *args, **params)
+
+    mlir.register_lowering(primitive, partitioned_first(default))
+    mlir.register_lowering(primitive, partitioned_first(cuda), platform="cuda")
 
 
-mlir.register_lowering(fused_gemm_p, partitioned_first(fused_gemm_p, sharding.lower_partitioned,
-                                                       default_lowering(_reference_lowering)))
-mlir.register_lowering(fused_gemm_p, partitioned_first(fused_gemm_p, sharding.lower_partitioned, _cuda_lowering),
-                       platform="cuda")
+register_lowerings(fused_gemm_p, sharding.lower_partitioned, _reference_lowering)
 
 
 # Differentiation -----------------------------------------------------------------------------
