@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_shapes", "compare", "check_call", "check_group_sizes", "check_grouped_call"]
+__all__ = ["check_shapes", "compare", "check_call", "check_group_sizes", "check_grouped_call",
+           "check_contraction_call"]
 
 
 def check_shapes(config: Any, tile_k: int, batched: bool, gated: int = 0) -> tuple[int, int, int, int]:
@@ -178,6 +179,45 @@ def check_grouped_call(specs: Sequence[tuple], params: dict[str, Any]) -> tuple[
     return (False, f"{why} on {groups} groups of sizes {sizes} ({t}x{n}x{k})") if why else (True, "")
 
 
+def check_contraction_call(specs: Sequence[tuple], params: dict[str, Any]) -> tuple[bool, str]:
+    """:func:`check_call` for a grouped weight gradient (``grouped_contraction_p``'s inputs and
+    parameters): its kernel, with the call's group count and config, on the groups of
+    :func:`check_group_sizes` in k-tiles (a last k-tile cut at its group's end, an empty group,
+    one shorter than a k-tile, whole k-tiles), M and N as :func:`check_shapes` makes them, and
+    NaN in the rows past the groups (which no group's product may read)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_efc import device, ffi
+    from jax_efc.grouped_primitive import grouped_contraction_reference
+    from jax_efc.kernels.problem import tile_k
+    from jax_efc.plan import plan_kernel
+
+    a, b, sizes_spec = (jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs)
+    ir, config = params["ir"], params["config"]
+    groups, ab_dtype = sizes_spec.shape[0], np.dtype(a.dtype).name
+    depth = tile_k(ab_dtype)
+    sizes = check_group_sizes(groups, depth)
+    t = sum(sizes) + depth // 2
+    m, n, _, _ = check_shapes(config, depth, False)
+    check_a, check_b = jax.ShapeDtypeStruct((t, m), a.dtype), jax.ShapeDtypeStruct((t, n), b.dtype)
+    keys = jax.random.split(jax.random.key(0), 2)
+    inputs = [_random(s, kk).at[sum(sizes):].set(jnp.nan) for s, kk in zip((check_a, check_b), keys)]
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    cpu = jax.devices("cpu")[0]
+    reference = jax.jit(lambda a, b, sizes: grouped_contraction_reference(
+        a, b, sizes, ir=ir, acc_dtype=params["acc_dtype"], precision=params["precision"], config=config))
+    want = reference(*(jax.device_put(x, cpu) for x in (*inputs, group_sizes)))
+    check = plan_kernel(ir, check_a, check_b, [], config=config, transpose_a=True, transpose_b=False,
+                        acc_dtype=params["acc_dtype"], arch=device.arch(), precision=params["precision"],
+                        groups=groups, ragged_k=True)
+    if check.backend != "kernel":
+        return False, f"the check's {m}x{n}x{t} problem of {groups} groups cannot run the kernel: {check.reason}"
+    got = jax.jit(lambda a, b, sizes: ffi.fused_gemm(a, b, plan=check, group_sizes=sizes))(*inputs, group_sizes)
+    why = compare(got, want, [o.name for o in ir.outputs], [_tolerance(o.dtype, ab_dtype, False) for o in ir.outputs])
+    return (False, f"{why} on {groups} groups of sizes {sizes} ({m}x{n}x{t})") if why else (True, "")
+
+
 def main(argv: Sequence[str]) -> None:
     """The checking process: check the job's call and keep the verdict under the key the parent
     passed (``JAX_EFC_SELF_CHECK_KEY``)."""
@@ -187,8 +227,10 @@ def main(argv: Sequence[str]) -> None:
     from jax_efc.config import write_record
 
     specs, params = device.read_job(argv[0])
-    grouped = params.pop("groups")  # a grouped_gemm_p call's group count, 0 for a dense call
-    passed, detail = (check_grouped_call if grouped else check_call)(specs, params)
+    # a grouped call's group count (0 for a dense call), and whether its groups split the contraction
+    grouped, ragged_k = params.pop("groups"), params.pop("ragged_k")
+    check = check_contraction_call if ragged_k else check_grouped_call if grouped else check_call
+    passed, detail = check(specs, params)
     write_record(self_check.folder(), os.environ["JAX_EFC_SELF_CHECK_KEY"], {"passed": passed, "detail": detail})
 
 

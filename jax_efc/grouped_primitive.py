@@ -9,6 +9,11 @@ the rows past the groups) zero. A call is first partitioned across devices by ro
 (``sharding.lower_grouped_partitioned``); each device's shard lowers to the XLA reference, and
 on CUDA to the grouped kernel where one fits (``plan.plan_grouped_call``), else falls back with
 its reason.
+
+``grouped_contraction_p`` is its weight gradient's GEMM: ``a`` (T, M) and ``b`` (T, N), their
+rows in the same groups, make (G, M, N), group g's product ``a[rows_g].T @ b[rows_g]`` (rows
+past the groups in none). It is partitioned by M, N and rows (partial products summed), and
+lowered as the grouped GEMM is (``plan.plan_contraction_call``).
 """
 
 from __future__ import annotations
@@ -24,12 +29,14 @@ from jax.interpreters import ad, batching, mlir
 
 from . import compile_ahead
 from .arguments import reference_precision
+from .autotune import requested as autotune_requested
 from .epilogue import evaluate, identity_ir, with_acc_output
-from .plan import plan_grouped_call
+from .plan import plan_contraction_call, plan_grouped_call
 from .primitive import PLANNERS, match_varying, output_avals, register_lowerings
-from .sharding import lower_grouped_partitioned
+from .sharding import lower_contraction_partitioned, lower_grouped_partitioned
 
-__all__ = ["grouped_gemm_p", "grouped_gemm_reference", "per_row", "row_groups"]
+__all__ = ["grouped_gemm_p", "grouped_gemm_reference", "grouped_contraction_p", "grouped_contraction_reference",
+           "per_row", "row_groups"]
 
 grouped_gemm_p = jex.core.Primitive("efc_grouped_gemm")
 grouped_gemm_p.multiple_results = True
@@ -108,15 +115,13 @@ def _transpose_rule(cts, lhs, rhs, group_sizes, *operands, ir, transpose_b, acc_
                                     ir=identity_ir(lhs.aval.dtype, ir.epi_dtype), transpose_b=not transpose_b,
                                     acc_dtype=acc_dtype, precision=precision, config=config, local=local)[0]
     if ad.is_undefined_primal(rhs):
-        def product(r):
-            r = jnp.swapaxes(r, 1, 2) if transpose_b else r
-            return jax.lax.ragged_dot(lhs, r, group_sizes, precision=reference_precision(precision, lhs.dtype),
-                                      preferred_element_type=acc_dtype)
-
-        # (the point of linearisation varies over the manual axes the cotangent does)
-        point, _ = match_varying((jnp.zeros(rhs.aval.shape, rhs.aval.dtype), ct))
-        _, pullback = jax.vjp(product, point)
-        d_rhs = pullback(ct.astype(acc_dtype))[0].astype(rhs.aval.dtype)
+        # each group's rows of lhs, transposed, times the cotangent's ((G, N, K): the other way
+        # round); the heuristic's tiles (a pinned config is the product's, not this GEMM's)
+        c = ct.astype(lhs.dtype)
+        d_rhs = grouped_contraction_p.bind(*match_varying((c, lhs, group_sizes) if transpose_b else (lhs, c, group_sizes)),
+                                           ir=identity_ir(rhs.aval.dtype, ir.epi_dtype), acc_dtype=acc_dtype,
+                                           precision=precision, local=local,
+                                           config=config if autotune_requested(config) else None)[0]
     return [d_lhs, d_rhs, None]
 
 
@@ -132,3 +137,78 @@ def _batching_rule(args, dims, **params):
 
 
 batching.primitive_batchers[grouped_gemm_p] = _batching_rule
+
+
+# The weight gradient's GEMM ------------------------------------------------------------------
+
+grouped_contraction_p = jex.core.Primitive("efc_grouped_contraction")
+grouped_contraction_p.multiple_results = True
+
+_CONTRACT_ROWS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+def grouped_contraction_reference(a, b, group_sizes, *, ir, acc_dtype, precision, config):
+    """XLA's ``ragged_dot_general`` over each group's rows, converted to the output's dtype."""
+    del config
+    out = jax.lax.ragged_dot_general(a, b.astype(a.dtype), group_sizes, _CONTRACT_ROWS,
+                                     precision=reference_precision(precision, a.dtype),
+                                     preferred_element_type=acc_dtype)
+    return [out.astype(ir.outputs[0].dtype)]
+
+
+def _contraction_abstract_eval(a, b, group_sizes, *, ir, **params):
+    compile_ahead.speculate([a, b, group_sizes], dict(params, ir=ir), planner=plan_contraction_call)
+    (out,) = output_avals(ir, (a.shape[1], b.shape[1]), a, b, True, False)
+    sharding = getattr(out, "sharding", None)
+    lead = {} if sharding is None else {"sharding": sharding.update(spec=(None, *sharding.spec))}
+    return [out.update(shape=(group_sizes.shape[0], *out.shape), **lead)]
+
+
+grouped_contraction_p.def_abstract_eval(_contraction_abstract_eval)
+grouped_contraction_p.def_impl(partial(dispatch.apply_primitive, grouped_contraction_p))
+dispatch.prim_requires_devices_during_lowering.add(grouped_contraction_p)
+PLANNERS[grouped_contraction_p] = plan_contraction_call
+
+register_lowerings(grouped_contraction_p, lower_contraction_partitioned,
+                   mlir.lower_fun(grouped_contraction_reference, multiple_results=True))
+
+
+def _contraction_jvp(primals, tangents, **params):
+    a, b, group_sizes = primals
+    t_a, t_b, _ = tangents
+    out = grouped_contraction_p.bind(*match_varying(primals), **params)
+    terms = [grouped_contraction_p.bind(*match_varying((x, y, group_sizes)), **params)[0]
+             for x, y, t in ((t_a, b, t_a), (a, t_b, t_b)) if type(t) is not ad.Zero]
+    return out, [sum(terms[1:], terms[0]) if terms else jnp.zeros_like(out[0])]
+
+
+def _contraction_transpose(cts, a, b, group_sizes, *, ir, acc_dtype, precision, config, local):
+    """Row t of the cotangent of ``a`` is ``b[t] @ ct[g].T``, of ``b`` ``a[t] @ ct[g]``, for t's
+    group g (0 past the groups): grouped GEMMs of the kernel's."""
+    (ct,) = cts
+    if type(ct) is ad.Zero:
+        return [None, None, None]
+
+    def grouped(x, out, transpose_b):
+        return grouped_gemm_p.bind(*match_varying((x, ct.astype(x.dtype), group_sizes)),
+                                   ir=identity_ir(out.aval.dtype, ir.epi_dtype), transpose_b=transpose_b,
+                                   acc_dtype=acc_dtype, precision=precision, config=config, local=local)[0]
+
+    d_a = grouped(b, a, True) if ad.is_undefined_primal(a) else None
+    d_b = grouped(a, b, False) if ad.is_undefined_primal(b) else None
+    return [d_a, d_b, None]
+
+
+ad.primitive_jvps[grouped_contraction_p] = _contraction_jvp
+ad.primitive_transposes[grouped_contraction_p] = _contraction_transpose
+
+
+def _contraction_batching(args, dims, **params):
+    """The reference under ``vmap``."""
+    del params["local"]
+    outs = jax.vmap(partial(grouped_contraction_reference, **params), in_axes=tuple(dims))(*args)
+    return outs, [0] * len(outs)
+
+
+batching.primitive_batchers[grouped_contraction_p] = _contraction_batching

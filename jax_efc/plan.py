@@ -28,7 +28,7 @@ from jax_efc.kernels import KernelProblem, no_kernel_reason, policy
 from jax_efc.kernels.grouped_walk import tile_bound
 from jax_efc.kernels.schedule import TileSchedule, plan_schedule
 
-__all__ = ["Plan", "plan_call", "plan_grouped_call", "plan_kernel", "gemm_dims", "empty_reason", "symbolic_reason"]
+__all__ = ["Plan", "plan_call", "plan_grouped_call", "plan_contraction_call", "plan_kernel", "gemm_dims", "empty_reason", "symbolic_reason"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,20 +67,25 @@ def _spec(x: Any) -> tuple:
     return tuple(x.shape), np.dtype(x.dtype).name
 
 
-def gemm_dims(a_shape, b_shape, transpose_a: bool, transpose_b: bool) -> tuple[int, int, int, int | None]:
-    """(M, N, K, L or None) from the primitive's canonical shapes."""
+def gemm_dims(a_shape, b_shape, transpose_a: bool, transpose_b: bool, groups: int = 0,
+              ragged_k: bool = False) -> tuple[int, int, int, int | None]:
+    """(M, N, K, L or None) from the primitive's canonical shapes. A grouped GEMM has no L (B's
+    leading axis holds the groups), unless its groups split the contraction (``ragged_k``): then
+    its output has one product per group, L = ``groups``."""
     *la, a0, a1 = a_shape
     *lb, b0, b1 = b_shape
     m, k = (a1, a0) if transpose_a else (a0, a1)
     n = b0 if transpose_b else b1
     lead = la or lb
+    if groups:
+        return m, n, k, (groups if ragged_k else None)
     return m, n, k, (lead[0] if lead else None)
 
 
 def plan_kernel(ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], *, transpose_a: bool,
                 transpose_b: bool, acc_dtype: Any, config: GemmConfig | None, arch: str | None,
                 devices: Sequence[int] | None = None, precision: Any = None, sm_margin: int = 0,
-                groups: int = 0) -> Plan:
+                groups: int = 0, ragged_k: bool = False) -> Plan:
     """The kernel's plan for a call on ``arch``, or the reference's with the reason the kernel
     cannot run it. ``a``, ``b`` and ``operands`` are avals (``shape``/``dtype``) in the
     primitive's canonical shapes; ``devices``: the ordinals of the CUDA devices the call runs
@@ -88,7 +93,9 @@ def plan_kernel(ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], *, tran
     float inputs promote partial sums into fp32 unless it asks for fast accumulation);
     ``sm_margin``: the SMs the heuristic's config leaves free (a pinned config keeps its own
     ``sm_margin``); ``groups``: a grouped GEMM's group count, ``b`` then (G, K, N) or (G, N, K),
-    one matrix per group (its plan's ``mnkl`` has L = 1). Raises
+    one matrix per group (its plan's ``mnkl`` has L = 1); with ``ragged_k`` the groups split the
+    contraction instead: ``a`` (T, M) and ``b`` (T, N) (``transpose_a``, not ``transpose_b``),
+    the output (G, M, N) and ``mnkl`` (M, N, T, G). Raises
     ``TypeError`` when ``a`` and ``b`` differ in dtype, unless they are the two 8-bit float
     formats."""
     if np.dtype(a.dtype) != np.dtype(b.dtype) and not mixes_8bit(a.dtype, b.dtype):
@@ -100,7 +107,8 @@ def plan_kernel(ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], *, tran
     promote = is_8bit_float(a.dtype) and not fast_accumulation(precision)
     return _plan_kernel(ir, _spec(a), _spec(b), tuple(_spec(x) for x in operands), bool(transpose_a),
                         bool(transpose_b), np.dtype(acc_dtype).name, config, arch,
-                        None if devices is None else tuple(devices), promote, sm_margin, groups, _switches())
+                        None if devices is None else tuple(devices), promote, sm_margin, groups, bool(ragged_k),
+                        _switches())
 
 
 def _switches() -> tuple[str, str, str]:
@@ -113,19 +121,19 @@ def _switches() -> tuple[str, str, str]:
 
 @functools.lru_cache(maxsize=1024)
 def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config, arch, devices, promote,
-                 sm_margin, groups, switches) -> Plan:
+                 sm_margin, groups, ragged_k, switches) -> Plan:
     reason = no_kernel_reason(arch) or device.dsl_reason()
     if reason:
         return _reference(reason, arch=arch)
     pol = policy(arch)
-    m, n, k, batch = gemm_dims(a[0], b[0], transpose_a, transpose_b)
-    batch = None if groups else batch  # a grouped GEMM's B is batched by group
+    m, n, k, batch = gemm_dims(a[0], b[0], transpose_a, transpose_b, groups, ragged_k)
     mnkl = (m, n, k, batch or 1)
     problem = KernelProblem(
         ir=ir, ab_dtype=a[1], b_dtype=b[1], acc_dtype=acc_dtype, a_major="m" if transpose_a else "k",
         b_major="k" if transpose_b else "n", batched=batch is not None, a_batched=len(a[0]) == 3,
         b_batched=len(b[0]) == 3, operand_batched=tuple(len(x[0]) == 3 for x in operands), arch=arch,
         config=config if config is not None else GemmConfig(), promote=promote, groups=groups,
+        ragged_k=ragged_k,
     )
     reason = pol.dtype_reason(problem)
     if reason:
@@ -153,7 +161,7 @@ def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config
     clusters, resident = device.residency(cluster_size, devices, pol.assumed_max_clusters(cluster_size, sms))
     if cfg.sm_margin:  # one CTA an SM: the grid's clusters on the SMs left
         clusters = min(clusters, (sms - cfg.sm_margin) // cluster_size)
-    if groups:  # no more clusters than the most tiles any group sizes give
+    if groups and not ragged_k:  # no more clusters than the most tiles any group sizes give
         clusters = min(clusters, tile_bound(groups, m, cfg.tile_m, -(-n // (cfg.tile_n * cfg.cluster_n))))
     # stream-K makes CTAs wait on one another: only where the whole grid is known resident (and
     # a grouped GEMM's tiles are known only to the kernel)
@@ -282,12 +290,26 @@ def plan_grouped_call(avals_in: Sequence[Any], params: dict[str, Any], devices: 
     CUDA, as :func:`plan_call` plans a dense one: a pinned config the kernel cannot run raises
     ``ValueError``, and a kernel that has not run on a GPU of its kind checks itself first
     (:func:`jax_efc.checking.check_grouped_call`)."""
+    return _grouped_plan("grouped kernel", avals_in, params, devices, transpose_a=False,
+                         transpose_b=params["transpose_b"])
+
+
+def plan_contraction_call(avals_in: Sequence[Any], params: dict[str, Any],
+                          devices: Sequence[int] | None = None) -> Plan:
+    """The plan of one ``grouped_contraction_p`` equation (a (T, M), b (T, N), group sizes): the
+    grouped kernel over groups of the contraction, as :func:`plan_grouped_call` plans the
+    grouped GEMM."""
+    return _grouped_plan("grouped weight-gradient kernel", avals_in, params, devices, transpose_a=True,
+                         transpose_b=False, ragged_k=True)
+
+
+def _grouped_plan(kernel: str, avals_in: Sequence[Any], params: dict[str, Any], devices: Sequence[int] | None,
+                  **kw: Any) -> Plan:
     refused, arch = _before_planning(avals_in, devices)
     if refused:
         return refused
-    lhs, rhs, _, *operands = avals_in
+    a, b, sizes, *operands = avals_in
     pinned = None if autotune.requested(params["config"]) else params["config"]
-    kw = dict(transpose_a=False, transpose_b=params["transpose_b"], acc_dtype=params["acc_dtype"], arch=arch,
-              devices=devices, precision=params["precision"], groups=rhs.shape[0])
-    plan = _pinned_plan("grouped kernel", params["ir"], lhs, rhs, operands, pinned, **kw)
+    plan = _pinned_plan(kernel, params["ir"], a, b, operands, pinned, acc_dtype=params["acc_dtype"], arch=arch,
+                        devices=devices, precision=params["precision"], groups=sizes.shape[0], **kw)
     return plan if plan.backend != "kernel" else _checked(plan, avals_in, params, devices)

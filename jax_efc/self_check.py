@@ -79,8 +79,9 @@ def _verdict(plan: Any, avals: Sequence[Any], params: dict[str, Any], gpu: tuple
         record = read_record(folder(), key)
         if record is None or not isinstance(record.get("passed"), bool):
             # the job pins the config the plan chose (the heuristic's, a pinned or a tuned one),
-            # and says whether the call is a grouped GEMM's
-            job = dict(params, config=plan.problem.config, groups=plan.problem.groups)
+            # and says whether the call is a grouped GEMM's, and of which kind
+            job = dict(params, config=plan.problem.config, groups=plan.problem.groups,
+                       ragged_k=plan.problem.ragged_k)
             ran, last = device.run_on_gpu("jax_efc.checking", avals, job,
                                           JAX_EFC_UNVERIFIED_KERNELS="1", JAX_EFC_SELF_CHECK_KEY=key)
             record = read_record(folder(), key) if ran else {"passed": False, "detail": f"the check stopped: {last}"}

@@ -23,7 +23,8 @@ An output that reduces over M or N while that dimension is sharded is completed 
 devices (``psum`` for a sum, computed and sent in float32, or int32, and rounded once at the
 end; ``pmax`` / ``pmin``), and is replicated along the axes it reduced.
 
-The grouped GEMM is partitioned by rows and columns only (its rules are at the end).
+The grouped GEMM is partitioned by rows and columns only, its weight gradient's GEMM also by
+the rows it contracts (their rules are at the end).
 
 Under ``shard_map`` (all axes manual) and on one device the call is not partitioned at all.
 """
@@ -44,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .epilogue import EpilogueIR, Role, evaluate_product, identity_ir, store_as
 
-__all__ = ["lower_partitioned", "lower_grouped_partitioned", "local_group_sizes"]
+__all__ = ["lower_partitioned", "lower_grouped_partitioned", "lower_contraction_partitioned", "local_group_sizes"]
 
 
 def lower_partitioned(ctx: Any, primitive: Any, *args: Any, **params: Any) -> Any:
@@ -314,4 +315,61 @@ _grouped_partitioned.def_partition(
     infer_sharding_from_operands=lambda key, mesh, arg_shapes, result_shape: _grouped_shardings(
         dict(key[1]), mesh, arg_shapes)[2],
     sharding_rule=_grouped_rule,
+)
+
+
+# The grouped GEMM's weight gradient (``grouped_contraction_p``: a (T, M) and b (T, N), rows in
+# groups, to (G, M, N)) is partitioned by M and N, and by the rows it contracts: each device
+# contracts its slice of the rows, with the group sizes of that slice, and the partial products
+# are summed with ``psum`` (in the dtype of the dense GEMM's row-parallel partials). The groups
+# are never split.
+
+def lower_contraction_partitioned(ctx: Any, primitive: Any, *args: Any, **params: Any) -> Any:
+    """The lowering of the grouped weight gradient's ``primitive`` before partitioning."""
+    key = (primitive, tuple(sorted(params.items())))
+    return mlir.lower_fun(lambda a, b, sizes: _contraction_partitioned(key, a, b, sizes),
+                          multiple_results=True)(ctx, *args)
+
+
+@partial(custom_partitioning, static_argnums=(0,))
+def _contraction_partitioned(key, a, b, sizes):
+    return key[0].bind(a, b, sizes, local=True, **dict(key[1]))
+
+
+def _contraction_shardings(mesh, arg_shapes):
+    (t, m), (tb, n) = _spec(arg_shapes[0]), _spec(arg_shapes[1])
+    used: set[str] = set()
+    plan = {}
+    for name, entry in (("k", t if t == tb else None), ("m", m), ("n", n)):
+        axes = _axes(entry)
+        plan[name] = entry if axes and not used.intersection(axes) else None
+        used.update(_axes(plan[name]))
+    plan = _Plan(l=None, **plan)
+    args = (NamedSharding(mesh, P(plan.k, plan.m)), NamedSharding(mesh, P(plan.k, plan.n)),
+            NamedSharding(mesh, P(None)))
+    return plan, args, [NamedSharding(mesh, P(None, plan.m, plan.n))]
+
+
+def _contraction_partition(key, mesh, arg_shapes, result_shape):
+    primitive, params = key[0], dict(key[1])
+    plan, args, out = _contraction_shardings(mesh, arg_shapes)
+    ir = params["ir"]
+
+    def partitioned(a, b, sizes):
+        if plan.k is None:
+            return primitive.bind(a, b, sizes, local=True, **params)
+        sizes = local_group_sizes(sizes, a.shape[0], lax.axis_index(_axes(plan.k)))
+        plain = identity_ir(_partial_sum_dtype(params), ir.epi_dtype)
+        (part,) = primitive.bind(a, b, sizes, local=True, **{**params, "ir": plain})
+        return [store_as(lax.psum(part, plan.k), ir.outputs[0].dtype)]
+
+    return mesh, partitioned, out, args
+
+
+_contraction_partitioned.def_partition(
+    partition=_contraction_partition,
+    infer_sharding_from_operands=lambda key, mesh, arg_shapes, result_shape: _contraction_shardings(
+        mesh, arg_shapes)[2],
+    sharding_rule=lambda key, mesh, value_types, result_types: (
+        "t m, t n, g -> g m n", {"reduction_factors": ("t",), "need_replication_factors": ("g",)}),
 )

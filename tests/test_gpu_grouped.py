@@ -1,7 +1,9 @@
 """The grouped (ragged) GEMM kernel on a Hopper GPU against a float64 oracle: balanced, skewed
 and empty groups, groups smaller than a tile and partial tiles at every group edge, rows past
 the groups, per-group biases, a tile operand, both schedules, the lhs gradient, and outputs
-poisoned with NaN beforehand (every row must be written, each by its own group's tile)."""
+poisoned with NaN beforehand (every row must be written, each by its own group's tile); and the
+weight gradient's kernel (groups of the contraction) likewise, with NaN in the rows past the
+groups."""
 
 from __future__ import annotations
 
@@ -122,14 +124,16 @@ def test_outputs_are_written_over_poisoned_buffers(rng):
         np.testing.assert_allclose(y, _oracle(lhs, rhs, sizes, bias, np.zeros((t, n))), rtol=2e-2, atol=2e-2)
 
 
-def test_lhs_gradient_runs_the_kernel(rng):
-    """d lhs = the grouped GEMM of the cotangent with each group's matrix transposed (the kernel);
-    d rhs by XLA; both against float64."""
+def test_lhs_and_rhs_gradients_run_the_kernel(rng, monkeypatch):
+    """d lhs = the grouped GEMM of the cotangent with each group's matrix transposed, d rhs = each
+    group's rows of lhs, transposed, times the cotangent's (the weight-gradient kernel, run
+    unchecked here); both against float64."""
     import jax
     import jax.numpy as jnp
 
     import jax_efc as efc
 
+    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
     t, k, n, sizes = 768, 256, 128, (300, 0, 200, 100)
     lhs, rhs, _, _ = _inputs(rng, t, k, n, len(sizes))
     ct = jnp.asarray(rng.standard_normal((t, n)), jnp.float32)
@@ -178,4 +182,100 @@ def test_checked_on_first_use_then_the_kernel_runs(rng, tmp_path, monkeypatch):
     assert records == [{"passed": True, "detail": ""}]
     want = _oracle(lhs, rhs, sizes, bias, c)
     assert np.abs(np.asarray(out, np.float64) - want).max() <= 2e-2 * np.abs(want).max()
+    self_check._memo.clear()
+
+
+# The weight gradient's GEMM (groups of the contraction): (G, M, N) from a (T, M) and b (T, N)
+WGRAD_SIZES = {
+    "balanced": (256, 256, 256, 256),
+    "skewed": (900, 3, 0, 121),
+    "partial_k_tiles": (65, 63, 64, 1, 191, 256),  # every group's last k-tile cut at its end
+    "rows_past_the_groups": (100, 50, 0, 10),  # NaN there: no group may read them
+    "empty_groups": (0, 512, 0, 0, 512, 0),
+    "more_rows_than_given": (700, 500),  # clamped to the 1024 rows
+}
+WGRAD_CONFIGS = {
+    "heuristic": None,
+    "pingpong_128x192_c1x2": dict(tile_m=128, tile_n=192, cluster_n=2, pingpong=True, epi_n=32),
+    "cooperative_128x256_c1x2": dict(tile_m=128, tile_n=256, cluster_n=2, epi_n=32),
+    "cooperative_128x128": dict(tile_m=128, tile_n=128),
+}
+
+
+def _contraction_oracle(a, b, sizes):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    out, start = np.zeros((len(sizes), a.shape[1], b.shape[1])), 0
+    for g, size in enumerate(sizes):
+        end = min(start + size, a.shape[0])
+        out[g] = a[start:end].T @ b[start:end]
+        start = end
+    return out
+
+
+def _contraction(config=None):
+    import jax
+    import jax.numpy as jnp
+
+    from jax_efc.config import GemmConfig
+    from jax_efc.epilogue import identity_ir
+    from jax_efc.grouped_primitive import grouped_contraction_p
+
+    cfg = None if config is None else GemmConfig(**config)
+
+    def run(a, b, sizes, poison):
+        del poison  # donated: its buffer becomes the output's
+        return grouped_contraction_p.bind(a, b, sizes, ir=identity_ir(jnp.bfloat16), acc_dtype=np.dtype(np.float32),
+                                          precision=None, config=cfg, local=False)[0]
+
+    return jax.jit(run, donate_argnums=3)
+
+
+@pytest.mark.parametrize("config", list(WGRAD_CONFIGS))
+@pytest.mark.parametrize("sizes", list(WGRAD_SIZES))
+def test_weight_gradient_matches_the_float64_oracle(rng, sizes, config, monkeypatch):
+    """Into outputs donated from NaN-filled buffers: every group's product written (an empty
+    group's as zeros), none reading another group's rows or the NaN rows past the groups."""
+    import jax.numpy as jnp
+
+    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
+    sizes = WGRAD_SIZES[sizes]
+    t, m, n = 1024, 384, 320
+    a = np.asarray(rng.standard_normal((t, m)), np.float32)
+    b = np.asarray(rng.standard_normal((t, n)), np.float32)
+    a[sum(sizes):], b[sum(sizes):] = np.nan, np.nan
+    a, b = jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16)
+    run = _contraction(WGRAD_CONFIGS[config])
+    for _ in range(2):
+        poison = jnp.full((len(sizes), m, n), jnp.nan, jnp.bfloat16)
+        got = np.asarray(run(a, b, jnp.asarray(sizes, jnp.int32), poison), np.float64)
+        want = _contraction_oracle(a, b, sizes)
+        assert not np.isnan(got).any()
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * max(1.0, np.abs(want).max()))
+
+
+def test_weight_gradient_checked_on_first_use_then_the_kernel_runs(rng, tmp_path, monkeypatch):
+    """Unverified, the weight-gradient kernel is checked by a checking process the first time a
+    call plans it (jax_efc.checking.check_contraction_call), then runs: the rhs gradient of a
+    grouped GEMM against float64."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_efc as efc
+    from jax_efc import self_check
+    from jax_efc.config import read_record
+    from jax_efc.kernels.sm90_policy import Sm90Policy
+
+    monkeypatch.setattr(Sm90Policy, "verified_grouped_k", False)
+    monkeypatch.setenv("JAX_EFC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("JAX_EFC_UNVERIFIED_KERNELS", raising=False)
+    self_check._memo.clear()
+    sizes = (300, 0, 77, 400)
+    lhs, rhs, _, _ = _inputs(rng, 900, 256, 384, len(sizes))
+    ct = jnp.asarray(rng.standard_normal((900, 384)), jnp.bfloat16)
+    s = jnp.asarray(sizes, jnp.int32)
+    d_rhs = jax.jit(lambda lhs, rhs: jax.vjp(lambda r: efc.grouped_gemm(lhs, r, s), rhs)[1](ct)[0])(lhs, rhs)
+    records = [read_record(self_check.folder(), p.stem) for p in (tmp_path / "self_check").glob("*.json")]
+    assert {"passed": True, "detail": ""} in records and all(r["passed"] for r in records), records
+    want = _contraction_oracle(lhs, ct, sizes)
+    assert np.abs(np.asarray(d_rhs, np.float64) - want).max() <= 2e-2 * np.abs(want).max()
     self_check._memo.clear()

@@ -77,3 +77,39 @@ def test_tiles_walk_down_m_first_within_a_group():
 
 def test_table_is_the_scan_of_the_sizes():
     assert table((3, 0, 200), 128, 2, 300) == [(0, 0), (3, 2), (3, 2), (203, 6), (300, 8)]
+
+
+@pytest.mark.parametrize("sizes, rows", [
+    ((256, 256, 256, 256), 1024),  # balanced, whole k-tiles
+    ((1000, 3, 0, 21), 1024),  # skewed, with an empty group
+    ((5, 7, 1, 2), 15),  # every group shorter than a k-tile
+    ((100, 50, 0, 10), 400),  # rows past the groups: in no group's contraction
+    ((300, 300), 400),  # more rows in the groups than A and B have: clamped
+])
+@pytest.mark.parametrize("clusters, cluster_n", [(5, 1), (1, 1), (4, 2), (132, 1)])
+def test_contraction_walk_covers_every_group_tile_once_with_its_rows(sizes, rows, clusters, cluster_n):
+    """A walk over groups of the contraction: every (m, n) tile of every group once, each over its
+    group's rows exactly (k-tiles of 64 from the group's first row, the last one cut at its end)."""
+    from jax_efc.kernels.grouped_walk import ContractionWalk
+    from jax_efc.kernels.schedule import TileSchedule, TileWalk
+
+    tile_k, tiles_m, tiles_n = 64, 3, 2
+    entries = table(sizes, 128, 1, rows)
+    schedule = TileSchedule(clusters, (1, cluster_n), True, 1)
+    covered = {}
+    for c in range(clusters):
+        for cta_n in range(cluster_n):
+            tiles = TileWalk(schedule, (tiles_m, -(-tiles_n // cluster_n), len(sizes)), c, (0, cta_n), clusters, 99)
+            walk = ContractionWalk(tiles, lambda g: entries[g][0], tile_k)
+            for j in range(walk.count()):
+                u = walk.unit(j)
+                start = min(sum(max(s, 0) for s in sizes[:u.l]), rows)
+                end = min(start + max(sizes[u.l], 0), rows)
+                assert (u.k_start, u.k_end) == (start, end) and u.k_begin == 0
+                assert u.k_count * tile_k >= end - start > (u.k_count - 1) * tile_k or u.k_count == end - start == 0
+                key = (u.m, u.n, u.l)
+                assert key not in covered
+                covered[key] = u
+    want = {(m, n, g) for m in range(tiles_m) for n in range(-(-tiles_n // cluster_n) * cluster_n)
+            for g in range(len(sizes))}
+    assert set(covered) == want

@@ -1,14 +1,16 @@
 """Grouped (ragged) GEMMs (``KernelProblem.groups``) compiled on the CPU for sm_90a, as
 ``test_kernel_compile.py`` compiles the dense variants: the PTX holds WGMMA, the TMA loads of A,
 B and TILE operands, TMA stores and the predicated stores of a group's last tile, and nothing
-spills. No GPU has run them yet, so they compile under ``JAX_EFC_UNVERIFIED_KERNELS=1``; the
-policy's refusals run by default."""
+spills; the weight gradient's (groups of the contraction) reads both operands transposed and
+clears the rows of a group's last k-tile past its end. They compile under
+``JAX_EFC_UNVERIFIED_KERNELS=1``; the policy's refusals run by default."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -31,6 +33,18 @@ GROUPED_VARIANTS = {
                                     "multi", (1000, 768, 256, 5)),
     # cooperative 128x128 tiles in 1x2 clusters, a bf16 and an fp32 output
     "bf16_two_outputs_128x128_c1x2": ("bfloat16", False, (128, 128, 1, 2), "two_outputs", (1536, 512, 384, 256)),
+}
+
+
+# name -> (dtype, config, (T, M, N, G)): the weight gradient's GEMM, (G, M, N) from a (T, M) and
+# b (T, N); the first two are the heuristic's configs for 8 and 64 experts of 4096 -> 3584
+CONTRACTION_VARIANTS = {
+    "bf16_wgrad_pingpong_128x192_c1x2": ("bfloat16", (128, 192, 1, 2, {"pingpong": True, "epi_n": 32}),
+                                         (4096, 512, 576, 8)),
+    "bf16_wgrad_pingpong_128x128_c1x2": ("bfloat16", (128, 128, 1, 2, {"pingpong": True, "epi_n": 32}),
+                                         (4096, 512, 384, 64)),
+    "bf16_wgrad_128x256_c1x2": ("bfloat16", (128, 256, 1, 2, {"epi_n": 32}), (2000, 384, 768, 5)),
+    "fp16_wgrad_128x128": ("float16", (128, 128, 1, 1), (1000, 200, 136, 3)),
 }
 
 
@@ -70,6 +84,7 @@ def _compile_all(dump_dir: str, arch: str = "sm_90a") -> dict:
 
     import jax_efc.ffi as F
     import jax_efc.plan as P
+    from jax_efc.epilogue import identity_ir
 
     results = {}
     for name, (dt, tb, cfg, epi, (t, n, k, g)) in GROUPED_VARIANTS.items():
@@ -95,6 +110,23 @@ def _compile_all(dump_dir: str, arch: str = "sm_90a") -> dict:
             "ptx": "".join(open(os.path.join(dump_dir, f)).read() for f in new),
             "clusters": plan.schedule.clusters,
         }
+    for name, (dt, cfg, (t, m, n, g)) in CONTRACTION_VARIANTS.items():
+        dtype = jnp.dtype(dt)
+        a, b = jax.ShapeDtypeStruct((t, m), dtype), jax.ShapeDtypeStruct((t, n), dtype)
+        sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+        plan = P.plan_kernel(identity_ir(dtype), a, b, [], transpose_a=True, transpose_b=False, acc_dtype=jnp.float32,
+                             config=_config(cfg), arch=arch, groups=g, ragged_k=True)
+        if plan.reason:
+            results[name] = {"error": plan.reason}
+            continue
+        before = set(os.listdir(dump_dir))
+        exported = jax.export.export(
+            jax.jit(lambda a, b, s, plan=plan: F.fused_gemm(a, b, plan=plan, group_sizes=s)),
+            platforms=["cuda"], disabled_checks=get_export_disabled_safety_checks(),
+        )(a, b, sizes)
+        new = [f for f in set(os.listdir(dump_dir)) - before if f.endswith(".ptx")]
+        results[name] = {"out_shapes": [list(x.shape) for x in exported.out_avals],
+                         "ptx": "".join(open(os.path.join(dump_dir, f)).read() for f in new)}
     return results
 
 
@@ -129,6 +161,24 @@ def test_variant_compiles_to_wgmma_and_tma(compiled, name):
     assert 0 <= wait < ptx.find("ld.global")  # the group sizes are read after the wait
     _, _, cfg, _, (t, n, _, _) = GROUPED_VARIANTS[name]
     assert result["out_shapes"][0] == [t, n]
+    if cfg[3] > 1:
+        assert "multicast::cluster" in ptx
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("name", list(CONTRACTION_VARIANTS))
+def test_weight_gradient_variant_reads_both_operands_transposed_and_clears_the_group_edge(compiled, name):
+    """The weight gradient's WGMMAs read A and B M/N-major (transpose flags 1, 1), the TMA loads
+    start at the group's rows, a group's last k-tile is cleared past its end (16-bit shared stores,
+    then a proxy fence before the WGMMAs read it), and the output is (G, M, N)."""
+    result = compiled[name]
+    assert "error" not in result, result.get("error")
+    ptx = result["ptx"]
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.\w+\.\w+ [^;]*, 1,\s*1;", ptx)
+    assert "st.shared.b16" in ptx and "fence.proxy.async.shared::cta" in ptx
+    assert "cp.async.bulk.tensor" in ptx and "@p st.global" not in ptx  # whole tiles, TMA stores
+    _, cfg, (t, m, n, g) = CONTRACTION_VARIANTS[name]
+    assert result["out_shapes"][0] == [g, m, n]
     if cfg[3] > 1:
         assert "multicast::cluster" in ptx
 
@@ -173,6 +223,61 @@ def test_policy_refusals(change, needle):
                                 jnp.bfloat16)
         change["ir"], change["operand_batched"] = split_at_reductions(ir).gemm, ()
     assert needle in POLICY.unsupported_reason(_problem(**change))
+
+
+def _contraction_problem(**change):
+    import jax.numpy as jnp
+
+    from jax_efc.config import GemmConfig
+    from jax_efc.epilogue import identity_ir
+    from jax_efc.kernels import KernelProblem
+
+    problem = KernelProblem(ir=identity_ir(jnp.bfloat16), ab_dtype="bfloat16", acc_dtype="float32", a_major="m",
+                            b_major="n", batched=True, a_batched=False, b_batched=False, operand_batched=(),
+                            arch="sm_90a", config=GemmConfig(), groups=8, ragged_k=True)
+    return dataclasses.replace(problem, **change)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float32"])
+def test_the_weight_gradient_kernel_reads_16_bit_inputs_only(dtype):
+    """Planned as the primitive plans it (8-bit and TF32 operands are first moved K-major, which
+    the contraction along their rows cannot be): the reference, saying why."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_efc.plan import plan_kernel
+
+    a, b = jax.ShapeDtypeStruct((1024, 256), dtype), jax.ShapeDtypeStruct((1024, 512), dtype)
+    plan = plan_kernel(_contraction_problem().ir, a, b, [], transpose_a=True, transpose_b=False,
+                       acc_dtype=jnp.float32, config=None, arch="sm_90a", groups=4, ragged_k=True)
+    assert plan.backend == "reference" and "reads 16-bit inputs only" in plan.reason, plan.reason
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(a_major="k"), "reads A stored (T, M) and B stored (T, N) only"),
+    (dict(epilogue="silu"), "stores the plain product only"),
+])
+def test_weight_gradient_policy_refusals(change, needle):
+    import jax
+    import jax.numpy as jnp
+
+    from jax_efc.kernels.sm90_policy import POLICY
+    from jax_efc.tracing import trace_epilogue
+
+    if change.pop("epilogue", None):
+        change["ir"] = trace_epilogue(jax.nn.silu, (512, 512), [], [], {}, {}, None, jnp.bfloat16)[0]
+    assert needle in POLICY.unsupported_reason(_contraction_problem(**change))
+
+
+def test_the_weight_gradient_kernel_is_unverified_until_it_runs_on_a_gpu():
+    """Its own flag: the grouped GEMM's verification does not cover it, and its compile key
+    differs from the grouped GEMM's of the same shapes."""
+    from jax_efc.kernels.sm90_policy import POLICY
+
+    problem = _contraction_problem()
+    assert POLICY.unsupported_reason(problem) is None
+    assert "groups of the contraction" in POLICY.unverified_reason(problem)
+    assert problem.compile_key != dataclasses.replace(problem, ragged_k=False).compile_key
 
 
 def test_grouped_kernels_are_verified_on_hopper_and_blackwell_refuses_them():

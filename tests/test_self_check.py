@@ -83,7 +83,7 @@ def gpu(monkeypatch, tmp_path):
 
     def run_on_gpu(module, avals, params, **env):
         runs.append((module, params["config"], env))
-        gpu.groups.append(params["groups"])
+        gpu.groups.append((params["groups"], params["ragged_k"]))
         if gpu.verdict is None:
             return False, "RuntimeError: CUDA_ERROR_ILLEGAL_ADDRESS"
         from jax_efc.config import write_record
@@ -110,20 +110,25 @@ def test_a_kernel_that_passes_its_check_runs_and_the_verdict_is_kept(gpu):
 
 
 def test_a_grouped_kernel_is_checked_as_one(gpu, monkeypatch):
-    """The checking job says whether the call is a grouped GEMM's (its group count), so the
-    checking process runs the grouped check on it; a dense call's job says 0."""
+    """The checking job says whether the call is a grouped GEMM's (its group count) and whether
+    its groups split the contraction (a weight gradient), so the checking process runs the right
+    check on it; a dense call's job says 0."""
     from jax_efc.epilogue import identity_ir
     from jax_efc.kernels.sm90_policy import Sm90Policy
-    from jax_efc.plan import plan_grouped_call
+    from jax_efc.plan import plan_contraction_call, plan_grouped_call
 
     monkeypatch.setattr(Sm90Policy, "verified_grouped", False)
+    monkeypatch.setattr(Sm90Policy, "verified_grouped_k", False)
     assert _plan().backend == "kernel"
     avals = [jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16), jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16),
              jax.ShapeDtypeStruct((4,), jnp.int32)]
     params = dict(ir=identity_ir(jnp.bfloat16, jnp.float32), transpose_b=False, acc_dtype=np.dtype(np.float32),
                   precision=None, config=None)
     assert plan_grouped_call(avals, params, devices=None).backend == "kernel"
-    assert gpu.groups == [0, 4]
+    avals[1] = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
+    del params["transpose_b"]
+    assert plan_contraction_call(avals, params, devices=None).backend == "kernel"
+    assert gpu.groups == [(0, False), (4, False), (4, True)]
 
 
 def test_a_kernel_that_fails_its_check_runs_the_reference_and_asks_for_a_report(gpu):

@@ -179,8 +179,8 @@ def _assemble(plan: Plan, a, b, operands, timeline: bool, group_sizes=None) -> _
     got = (np.dtype(a.dtype).name, np.dtype(b.dtype).name, len(a.shape) == 3, len(b.shape) == 3,
            tuple(len(x.shape) == 3 for x in operands))
     want = (problem.ab_dtype, problem.b_dtype, problem.a_batched, problem.b_batched, problem.operand_batched)
-    m, n, k, batch = gemm_dims(a.shape, b.shape, problem.a_major == "m", problem.b_major == "k")
-    batch = None if problem.groups else batch  # B's leading axis holds the groups
+    m, n, k, batch = gemm_dims(a.shape, b.shape, problem.a_major == "m", problem.b_major == "k", problem.groups,
+                               problem.ragged_k)
     if (group_sizes is None) != (not problem.groups):
         raise ValueError(f"a grouped GEMM's plan ({problem.groups} groups) takes group sizes, any other none.")
     if got != want or (m, n, k, batch or 1) != plan.mnkl:

@@ -91,8 +91,12 @@ class FusedGemmBase:
         # outputs' tile is half as wide, a gate block's columns
         self.gated = problem.ir.gated
         self.out_tile = (tile_m, tile_n // 2 if self.gated else tile_n)
-        # a grouped GEMM (jax_efc.grouped_gemm): units walk grouped_walk.GroupedWalk
+        # a grouped GEMM (jax_efc.grouped_gemm): units walk grouped_walk.GroupedWalk, where the
+        # groups split the output's rows, or grouped_walk.ContractionWalk, where they split the
+        # contraction (the output then batched by group, its tiles those of a batched GEMM)
         self.groups = problem.groups
+        self.grouped_rows = bool(problem.groups) and not problem.ragged_k
+        self.grouped_k = bool(problem.groups) and problem.ragged_k
         self.reductions = tuple(TileReduction(o.reduce, o.over, self.epi_tile, self.out_tile, epi_threads,
                                               epi_blocks, atomic=o.atomic) for o in self.visitor.reduced)
         # subtiles of the outputs' tile, numbered down M first (of the accumulator tile:
@@ -429,15 +433,16 @@ class FusedGemmBase:
 
     def _tile_of(self, tiles: cute.Tensor, m_idx, n_idx, l_idx) -> cute.Tensor:
         """Tile (m_idx, n_idx, l_idx) of ``tiles`` (a tensor's, from :meth:`_local_tiles`). In a
-        grouped GEMM ``m_idx`` is the tile's first row, anywhere (groups are not padded to whole
-        tiles), and ``l_idx`` (the group) indexes none of the outputs and TILE operands."""
-        if self.groups:
+        GEMM whose groups split the rows ``m_idx`` is the tile's first row, anywhere (groups are
+        not padded to whole tiles), and ``l_idx`` (the group) indexes none of the outputs and TILE
+        operands."""
+        if self.grouped_rows:
             return cute.domain_offset((m_idx, 0), tiles[(None, None, 0, n_idx, 0)])
         return tiles[(None, None, m_idx, n_idx, l_idx)]
 
     def _first_row(self, m_idx):
         """The first row of a unit's tile (a grouped GEMM's units give it as their ``m``)."""
-        return m_idx if self.groups else m_idx * self.out_tile[0]
+        return m_idx if self.grouped_rows else m_idx * self.out_tile[0]
 
     def _tile_op_partitions(self, epi: ConsumerEpilogue, m_idx, n_idx, l_idx) -> list:
         """(smem, gmem) TMA partitions of tile (m_idx, n_idx, l_idx)'s TILE-operand subtiles."""
@@ -476,7 +481,7 @@ class FusedGemmBase:
         # box (bounding it at the group's end would take a tensor map per group, rewritten on the
         # device before the store, for one tile a group).
         whole = True
-        if cutlass.const_expr(self.groups):
+        if cutlass.const_expr(self.grouped_rows):
             whole = m_idx + self.out_tile[0] <= m_end
         running = [r.start() for r in self.reductions]
         for s in cutlass.range_constexpr(n_sub):
@@ -533,7 +538,7 @@ class FusedGemmBase:
                     if cutlass.const_expr(i not in self.masked):
                         s_part, g_part = (self._subtile_tma(epi.tma_d[i], out_views[i], gD[i])
                                           if out_in_ring else bSG[i])
-                        if cutlass.const_expr(self.groups):
+                        if cutlass.const_expr(self.grouped_rows):
                             if whole:
                                 cute.copy(epi.tma_d[i], s_part[(None, out_stage)], g_part[(None, s)])
                         else:
@@ -544,7 +549,7 @@ class FusedGemmBase:
                     self._load_tile_ops(epi, bSC, s + EPI_STAGES, buf)
                 if cutlass.const_expr(not out_in_ring):
                     epi.store_pipe.producer_acquire()
-            if cutlass.const_expr(self.groups):
+            if cutlass.const_expr(self.grouped_rows):
                 if not whole:
                     self._store_group_rows(epi, s, out_stage, m_idx, n_idx, m_end)
             # (under the stores just issued)

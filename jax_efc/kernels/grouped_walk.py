@@ -14,6 +14,12 @@ takes tiles ``c, c + P, ...`` (whole tiles: no stream-K). Before its walk each C
 :func:`table` of its groups' first rows and first tiles (a scan of the sizes) into shared
 memory; a tile's group is then a binary search of that table.
 
+A grouped GEMM whose groups split the contraction instead (the weight gradient: group g's
+product is A's rows of the group, transposed, times B's) has the same (M, N) tiles for every
+group, walked as a batch of G (:class:`ContractionWalk`); its units run ``ceil(size_g /
+tile_k)`` k-tiles from row start_g on (none for an empty group, whose tiles store zeros), and
+the rows of their last k-tile past the group's end are cleared before the MMAs read them.
+
 The arithmetic is plain integer operations that trace into the kernel and also run on Python
 ints, which is how the tests check it (``schedule.TileWalk`` does the same).
 """
@@ -22,9 +28,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from jax_efc.kernels.schedule import Unit, _is_static, _min, _select
+from jax_efc.kernels.schedule import TileWalk, Unit, _is_static, _min, _select
 
-__all__ = ["GroupedWalk", "group_step", "table", "tile_bound"]
+__all__ = ["ContractionWalk", "GroupedWalk", "group_step", "table", "tile_bound"]
 
 
 def _max(a, b):
@@ -111,3 +117,23 @@ class GroupedWalk:
         n = r // row_tiles * self.cluster_n + self.cta_n
         k_count = _select(g < self.groups, self.k_tiles, 0)
         return Unit(row, n, g, 0, k_count, 0, -1, end)
+
+
+class ContractionWalk:
+    """One CTA's view of a grouped GEMM whose groups split the contraction: ``tiles`` (a
+    :class:`~jax_efc.kernels.schedule.TileWalk` of whole tiles over L = the groups) says which
+    tiles, ``first_row(g)`` where group g's rows start (:func:`table`, g in 0..G), and each
+    unit runs its group's k-tiles of ``tile_k`` rows."""
+
+    def __init__(self, tiles: TileWalk, first_row: Callable[[Any], Any], tile_k: int):
+        self.tiles, self.first_row, self.tile_k = tiles, first_row, tile_k
+
+    def count(self):
+        """Units of this CTA's cluster."""
+        return self.tiles.count()
+
+    def unit(self, j) -> Unit:
+        """Unit ``j`` (``0 <= j < count()``) of this CTA's cluster."""
+        u = self.tiles.unit(j)
+        start, end = self.first_row(u.l), self.first_row(u.l + 1)
+        return u._replace(k_count=(end - start + self.tile_k - 1) // self.tile_k, k_start=start, k_end=end)

@@ -13,7 +13,7 @@ import os
 
 from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR, Role
-from jax_efc.kernels.dtypes import OPERAND_DTYPES, OUT_DTYPES, VALUE_DTYPES, align_elems
+from jax_efc.kernels.dtypes import OPERAND_DTYPES, OUT_DTYPES, VALUE_DTYPES, align_elems, bits
 from jax_efc.kernels.problem import KernelProblem, cta_tile, epilogue_tile, tile_k
 
 __all__ = ["ArchPolicy", "MAX_ELEMENTS", "unverified_allowed"]
@@ -63,6 +63,7 @@ class ArchPolicy:
     # run on a GPU of this architecture
     grouped_kernel: bool = False
     verified_grouped: bool = False
+    verified_grouped_k: bool = False  # of those, groups of the contraction (KernelProblem.ragged_k)
     # GEMMs the heuristic hands to XLA's GEMM (xla_faster_reason): at most this many rows per B
     # (None: none are), or more rows in 128x128 tiles that fill less than this share of the SMs
     xla_rows: int | None = None
@@ -101,6 +102,8 @@ class ArchPolicy:
             return f"the {self.arch} kernel's gated epilogue (gate and up columns paired)"
         if not self.verified_grouped and problem.groups:
             return f"the {self.arch} grouped (ragged) GEMM kernel"
+        if not self.verified_grouped_k and problem.ragged_k:
+            return f"the {self.arch} grouped GEMM over groups of the contraction (a grouped weight gradient)"
         return None
 
     # ---- limits
@@ -207,8 +210,25 @@ class ArchPolicy:
             return "the grouped kernel does not pair gated columns; XLA computes gated grouped GEMMs."
         if problem.aliased or any(o.transposed for o in problem.ir.outputs):
             return "the grouped kernel stores its outputs untransposed and into arrays of their own only."
+        if problem.ragged_k:
+            return self._ragged_k_reason(problem)
         if problem.a_major != "k":
             return "the grouped kernel reads A (the tokens) K-major only."
+        return None
+
+    @staticmethod
+    def _ragged_k_reason(problem: KernelProblem) -> str | None:
+        """Why the grouped kernel cannot run ``problem``, a grouped GEMM over groups of the
+        contraction: it reads both operands M/N-major (their rows are the contraction), which
+        Hopper's MMA does only for 16-bit inputs, and stores each group's product as it is."""
+        if bits(problem.ab_dtype) != 16:
+            return (f"the grouped weight-gradient kernel reads 16-bit inputs only (not {problem.ab_dtype}: the "
+                    "MMA reads 8-bit and TF32 operands K-major, and the contraction runs along their rows).")
+        if (problem.a_major, problem.b_major) != ("m", "n"):
+            return "the grouped weight-gradient kernel reads A stored (T, M) and B stored (T, N) only."
+        ir = problem.ir
+        if ir.operands or ir.instrs or len(ir.outputs) != 1 or ir.outputs[0].value != 0:
+            return "the grouped weight-gradient kernel stores the plain product only."
         return None
 
     def grouped_fit(self, problem: KernelProblem, config: GemmConfig) -> GemmConfig:

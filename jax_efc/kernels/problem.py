@@ -48,6 +48,9 @@ class KernelProblem:
     allows it). ``groups``: a grouped (ragged) GEMM of that many groups (0: not one), whose A rows
     are split into groups by sizes the kernel reads at run time, B batched by group
     (:mod:`~jax_efc.kernels.grouped_walk`); its batched operands are indexed by group.
+    ``ragged_k``: the groups split the contraction instead (a grouped GEMM's weight gradient):
+    A stored (T, M) and B (T, N), their rows in groups, and the output (G, M, N), each group's
+    product of its own rows (:class:`~jax_efc.kernels.grouped_walk.ContractionWalk`).
     """
 
     ir: EpilogueIR
@@ -64,6 +67,7 @@ class KernelProblem:
     b_dtype: str = ""
     promote: bool = False
     groups: int = 0
+    ragged_k: bool = False
 
     def __post_init__(self) -> None:
         if not self.b_dtype:
@@ -116,7 +120,7 @@ class KernelProblem:
             self.arch,
             self.promote,
             dataclasses.astuple(self.config),
-        ) + ((("groups", self.groups),) if self.groups else ())
+        ) + ((("groups", self.groups, self.ragged_k),) if self.groups else ())
 
 
 def tile_k(ab_dtype: str) -> int:

@@ -125,7 +125,9 @@ class Unit(NamedTuple):
     and ``k_count`` short of the tile's k-tiles collects the partials of the clusters
     ``first_helper .. last_helper`` (an empty range otherwise). A grouped walk's units
     (:class:`~jax_efc.kernels.grouped_walk.GroupedWalk`) give the tile's first row as ``m``
-    and its group's end as ``m_end``."""
+    and its group's end as ``m_end``; those of a walk over groups of the contraction
+    (:class:`~jax_efc.kernels.grouped_walk.ContractionWalk`) give the group's rows of A and B as
+    [``k_start``, ``k_end``)."""
 
     m: Any
     n: Any
@@ -135,6 +137,8 @@ class Unit(NamedTuple):
     first_helper: Any
     last_helper: Any
     m_end: Any = None
+    k_start: Any = None
+    k_end: Any = None
 
     def subtiles(self, per_tile: int):
         """Epilogue subtiles this unit runs: ``per_tile``, or none for a contributing piece."""

@@ -38,7 +38,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from jax_efc.kernels.epilogue_state import ConsumerEpilogue, EpilogueTensors
 from jax_efc.kernels.gemm_base import FusedGemmBase
-from jax_efc.kernels.grouped_walk import GroupedWalk, group_step
+from jax_efc.kernels.grouped_walk import ContractionWalk, GroupedWalk, group_step
 from jax_efc.kernels.problem import SMEM_ALIGN, KernelProblem
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, cluster_tiles
 from jax_efc.kernels.sm90_policy import mma_warpgroups, pipeline_stages
@@ -167,7 +167,7 @@ class Sm90FusedGemm(FusedGemmBase):
             grouped = (grouped[0], tuple(outputs))  # (sizes, the outputs for predicated stores)
         tiles_mnl = cluster_tiles(*d0.shape, self.out_tile, self.cluster_mn)
         clusters = self.schedule.clusters
-        if cutlass.const_expr(not split and not self.groups):  # (the plan bounds a grouped grid)
+        if cutlass.const_expr(not split and not self.grouped_rows):  # (the plan bounds a grouped grid)
             clusters = cutlass.min(tiles_mnl[0] * tiles_mnl[1] * tiles_mnl[2], clusters)
         self.kernel(
             tiled_mma, tma_a, g_a, tma_b, g_b, tuple(tma_d), tuple(g_d), tuple(operands),
@@ -274,12 +274,16 @@ class Sm90FusedGemm(FusedGemmBase):
             for g in cutlass.range(tidx, self.groups, self.threads):
                 group_table[(g, 1)] = grouped[0][g]
             cute.arch.sync_threads()
-            if tidx == 0:
-                self._fill_group_table(group_table, tiles_mnl[1], mA.shape[0])
+            if tidx == 0:  # (the groups' rows: of the output, or of A and B, (M|K, K|T, 1))
+                self._fill_group_table(group_table, tiles_mnl[1], mA.shape[1] if self.grouped_k else mA.shape[0])
             cute.arch.sync_threads()
-            walk = GroupedWalk(lambda g: group_table[(g, 0)], lambda g: group_table[(g, 1)], self.groups,
-                               self.tile_mnk[0], tiles_mnl[1], bidz, bidy, self.cluster_mn[1],
-                               cute.arch.grid_dim()[2], k_tiles)
+            if cutlass.const_expr(self.grouped_k):
+                walk = ContractionWalk(TileWalk(self.schedule, tiles_mnl, bidz, (bidx, bidy), cute.arch.grid_dim()[2],
+                                                k_tiles), lambda g: group_table[(g, 0)], self.tile_mnk[2])
+            else:
+                walk = GroupedWalk(lambda g: group_table[(g, 0)], lambda g: group_table[(g, 1)], self.groups,
+                                   self.tile_mnk[0], tiles_mnl[1], bidz, bidy, self.cluster_mn[1],
+                                   cute.arch.grid_dim()[2], k_tiles)
             n_units = walk.count()
 
         # ================================================================ producer
@@ -297,11 +301,15 @@ class Sm90FusedGemm(FusedGemmBase):
                 j = cutlass.Int32(0)
                 while j < n_units:
                     u = self._unit(walk, j)
-                    if cutlass.const_expr(self.groups):
-                        tAgA_t = self._group_rows(tma_a, gA, sA, u.m, cluster_coord[1])
+                    if cutlass.const_expr(self.grouped_k):  # A and B from the group's first row
+                        tAgA_t = self._shifted(tma_a, gA, sA, (0, u.k_start), u.m, cluster_coord[1], 1)
+                        tBgB_t = self._shifted(tma_b, gB, sB, (0, u.k_start), u.n, cluster_coord[0], 0)
                     else:
-                        tAgA_t = tAgA[(None, u.m, None, u.l if self.a_batched else 0)]
-                    tBgB_t = tBgB[(None, u.n, None, u.l if self.b_batched else 0)]
+                        if cutlass.const_expr(self.grouped_rows):  # A from the tile's first row
+                            tAgA_t = self._shifted(tma_a, gA, sA, (u.m, 0), 0, cluster_coord[1], 1)
+                        else:
+                            tAgA_t = tAgA[(None, u.m, None, u.l if self.a_batched else 0)]
+                        tBgB_t = tBgB[(None, u.n, None, u.l if self.b_batched else 0)]
                     for k in range(u.k_count):
                         mainloop.producer_acquire(state)
                         bar = mainloop.producer_get_barrier(state)
@@ -333,7 +341,7 @@ class Sm90FusedGemm(FusedGemmBase):
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             epi = self._consumer_epilogue(tiled_mma, ctid, group, warp_idx, tensors, sA, sB)
-            if cutlass.const_expr(self.groups):
+            if cutlass.const_expr(self.grouped_rows):
                 epi = dataclasses.replace(epi, outputs=grouped[1])
             acc = cute.make_rmem_tensor(cute.shape(epi.tCcT), self.acc_dtype)
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -374,12 +382,18 @@ class Sm90FusedGemm(FusedGemmBase):
                 if cutlass.const_expr(self.pingpong):
                     self._order_barrier(_MMA_ORDER_ID, group).arrive_and_wait()
                 self._stamp(stamps, ctid, slot, group, j, "mainloop")
+                clear = None
                 if cutlass.const_expr(self.groups):
-                    # the rows past the groups run no mainloop: their product is 0 (zeroed in a branch
-                    # taken for those tiles only, the accumulators spilled: ptxas, 464 bytes at 128x256)
+                    # the rows past the groups (an empty group of the contraction) run no mainloop:
+                    # their product is 0 (zeroed in a branch taken for those tiles only, the
+                    # accumulators spilled: ptxas, 464 bytes at 128x256)
                     acc.fill(0.0)
+                    if cutlass.const_expr(self.grouped_k):
+                        # the rows of the group's last k-tile from here on are the next group's
+                        clear = (sA, sB, u.k_end - u.k_start - (u.k_count - 1) * self.tile_mnk[2], ctid,
+                                 epi.barrier)
                 read, release, tiled_mma = self._mainloop(mainloop, read, release, tiled_mma, acc,
-                                                          tCrA, tCrB, u.k_count)
+                                                          tCrA, tCrB, u.k_count, clear)
                 if cutlass.const_expr(self.pingpong):
                     # our WGMMAs are issued: the other consumer may issue its own
                     self._order_barrier(_MMA_ORDER_ID, 1 - group).arrive()
@@ -458,13 +472,32 @@ class Sm90FusedGemm(FusedGemmBase):
         table[(self.groups + 1, 0)] = row
         table[(self.groups + 1, 1)] = tiles
 
-    def _group_rows(self, tma_a: cute.CopyAtom, gA: cute.Tensor, sA: cute.Tensor, row, cta_n) -> cute.Tensor:
-        """A grouped GEMM's TMA partition of the A k-tiles of the tile whose first row is ``row``
-        (rows past A's end load as zeros; the next group's rows in the tile make products that its
-        epilogue does not store)."""
-        rows = cute.domain_offset((row, 0, 0), gA[(None, None, 0, None, 0)])
-        return cpasync.tma_partition(tma_a, cta_n, cute.make_layout(self.cluster_mn[1]),
-                                     cute.group_modes(sA, 0, 2), cute.group_modes(rows, 0, 2))[1]
+    def _shifted(self, tma: cute.CopyAtom, tiles: cute.Tensor, smem: cute.Tensor, shift: tuple, index,
+                 cluster_coord, mcast_mode: int) -> cute.Tensor:
+        """A grouped GEMM's TMA partition of the k-tiles of ``tiles`` (gA or gB) ``index`` moved by
+        ``shift`` (rows, k) elements: a tile at its group's first row, or the k-tiles from the
+        group's first row of the contraction on (the copy multicast along cluster mode
+        ``mcast_mode``, as the unshifted partition's is). Rows past the tensor's end load as zeros;
+        other groups' rows in a tile make products its epilogue does not store, and in a k-tile
+        are cleared (:meth:`_clear_k_rows`)."""
+        moved = cute.domain_offset((*shift, 0), tiles[(None, None, index, None, 0)])
+        return cpasync.tma_partition(tma, cluster_coord, cute.make_layout(self.cluster_mn[mcast_mode]),
+                                     cute.group_modes(smem, 0, 2), cute.group_modes(moved, 0, 2))[1]
+
+    @cute.jit
+    def _clear_k_rows(self, sA: cute.Tensor, sB: cute.Tensor, stage, first, ctid, barrier):
+        """Zero rows ``first`` on of the k-tile in ``stage`` of the A and B rings (each thread of
+        the epilogue group that consumes it a share, consecutive threads along M or N), and make
+        the zeros visible to the WGMMAs that read them. A grouped GEMM over groups of the
+        contraction loads whole k-tiles from its group's first row; those rows are the next
+        group's (or any rows past the groups: zeroing only one operand would leave 0 * NaN)."""
+        bm, bn, bk = self.tile_mnk
+        for e in cutlass.range(ctid, (bk - first) * bm, self.n_epi_threads):
+            sA[(e % bm, first + e // bm, stage)] = self.ab_dtype(0)
+        for e in cutlass.range(ctid, (bk - first) * bn, self.n_epi_threads):
+            sB[(e % bn, first + e // bn, stage)] = self.b_dtype(0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        barrier.arrive_and_wait()
 
     @staticmethod
     def _order_barrier(first_id, group):
@@ -474,13 +507,14 @@ class Sm90FusedGemm(FusedGemmBase):
 
     @cute.jit
     def _mainloop(self, mainloop, read, release, tiled_mma: cute.TiledMma, acc: cute.Tensor,
-                  tCrA: cute.Tensor, tCrB: cute.Tensor, k_tiles):
+                  tCrA: cute.Tensor, tCrB: cute.Tensor, k_tiles, clear=None):
         """Issue one tile's WGMMAs, keeping one k-tile batch in flight (none where partial sums
         are promoted) and releasing each stage once the batch after it is issued; the last
         batch is left in flight (the caller
         waits for it and releases its stage). Returns the advanced (read, release) states and
         ``tiled_mma`` (its accumulate field is set here; the caller rebinds all three so the
-        tracer carries them through the tile loop)."""
+        tracer carries them through the tile loop). ``clear``: (sA, sB, rows, ctid, barrier), the
+        last k-tile's rows of the group (:meth:`_clear_k_rows` zeroes the rest)."""
         if cutlass.const_expr(self.promote):
             # 8-bit floats: each k-tile's WGMMAs accumulate into ``part`` from zero and, once
             # they complete, ``part`` is added into ``acc`` in fp32 (Hopper's 8-bit WGMMA keeps
@@ -499,6 +533,11 @@ class Sm90FusedGemm(FusedGemmBase):
             warpgroup.fence()
         for k in range(k_tiles):
             mainloop.consumer_wait(read)
+            if cutlass.const_expr(clear is not None):
+                sA, sB, rows, ctid, barrier = clear
+                if k == k_tiles - 1:
+                    if rows < self.tile_mnk[2]:
+                        self._clear_k_rows(sA, sB, read.index, rows, ctid, barrier)
             if cutlass.const_expr(self.promote):
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                 # order the adds' reads of ``part`` (and the epilogue's of ``acc``) before them
