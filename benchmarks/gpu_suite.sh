@@ -4,9 +4,9 @@
 # ./gpu-logs); each part prints its summary last.
 #   usage: benchmarks/gpu_suite.sh [LOGDIR] [grouped|fused|tests|stores|examples|bench|model|fp8|all]
 #
-#   grouped   the grouped GEMM: its numerics; its speed against ragged_dot, Pallas's Mosaic GPU
-#             ragged dot and a dense GEMM of the same FLOPs; an MoE layer's training step
-#             against ragged_dot's
+#   grouped   the grouped GEMM: its numerics; its speed (and its weight gradient's) against
+#             ragged_dot, Pallas's Mosaic GPU ragged dot and a dense GEMM of the same FLOPs; an
+#             MoE layer's training step against ragged_dot's
 #   fused     the gated GEMMs' speed, alone and in an MLP's training step; the epilogue
 #             reductions' cost (deterministic and by atomics)
 #   tests     the rest of the GPU tests but `stores`' (the compute-sanitizer runs, marked slow, apart)
@@ -35,7 +35,7 @@ want() { [[ $part == all || $part == "$1" ]]; }
 if want grouped; then
   step grouped python3 -m pytest -q -m gpu tests/test_gpu_grouped.py tests/test_fuzz_grouped.py
   step bench-grouped python3 benchmarks/run.py --json "$logs/bench-grouped.json" \
-    --epilogues grouped:bias+silu,grouped-skewed:bias+silu \
+    --epilogues grouped:bias+silu,grouped-skewed:bias+silu,grouped-wgrad:gemm,grouped-wgrad-skewed:gemm \
     --shapes 16384,14336,4096,8 16384,3584,4096,8 16384,3584,4096,64
   step grouped-peers python3 benchmarks/grouped_peers.py
   step moe-step python3 benchmarks/moe_step.py

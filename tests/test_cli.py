@@ -249,6 +249,28 @@ def test_bench_training_step(capsys):
 
 
 
+@pytest.mark.parametrize("name", ["grouped-wgrad:gemm", "grouped-wgrad-skewed:gemm"])
+def test_bench_grouped_weight_gradient(name):
+    # the experts' weight gradient (G, K, N) of x (M, K) and the output gradient (M, N): each
+    # expert's rows of x, transposed, times the gradient's, ours and ragged_dot's VJP against
+    # float64, with the TFLOP/s of one M x N x K GEMM shared by the experts
+    import numpy as np
+
+    from jax_efc.bench import problems
+
+    m, n, k, g = 96, 40, 24, 3
+    problem = bench.bench_problem(name, (m, n, k, g))
+    assert [s.shape for s in problem.specs] == [(m, k), (m, n)] and problem.gemms == 1 / g
+    x, dy = bench.random_inputs(problem.specs, jax.random.key(0), problem.stds)
+    sizes = problems.group_sizes(m, g, "skewed" in name)
+    x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    ends = np.cumsum(sizes)
+    want = np.stack([x64[e - s:e].T @ dy64[e - s:e] for s, e in zip(sizes, ends)])
+    for got in (problem.ours(x, dy), problem.baseline(x, dy)):
+        assert got.shape == (g, k, n)
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-2 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("name,gated", [("train:mlp+gelu_tanh", False), ("train:gated_mlp+silu", True)])
 def test_bench_mlp_training_step(name, gated):
     # an MLP's output and the gradients of x and every parameter, ours and plain JAX's, each

@@ -65,8 +65,11 @@ FP8_TRAIN_STEPS = ("fp8train:bias+gelu_tanh", "fp8train-fast:bias+gelu_tanh", "f
 # a Mixture-of-Experts layer's expert GEMM (shape M,N,K,G: M tokens sorted by expert over G
 # experts, each (K, N) with its own bias), silu(ragged_dot + bias[expert]): ours one grouped GEMM,
 # against XLA's ragged_dot and the epilogue after it; "grouped" gives the experts equal shares of
-# the tokens, "grouped-skewed" shares falling by 0.6 an expert (the last ones nearly empty)
-GROUPED_EPILOGUES = ("grouped:bias+silu", "grouped-skewed:bias+silu")
+# the tokens, "grouped-skewed" shares falling by 0.6 an expert (the last ones nearly empty); the
+# "grouped-wgrad" ones time the experts' weight gradient (G, K, N), each expert's rows of x
+# transposed times the output gradient's, against ragged_dot's own (its VJP)
+GROUPED_EPILOGUES = ("grouped:bias+silu", "grouped-skewed:bias+silu", "grouped-wgrad:gemm",
+                     "grouped-wgrad-skewed:gemm")
 NAMED_EPILOGUES = (EPILOGUES + TRAIN_EPILOGUES + MLP_STEPS + SCAN_EPILOGUES + EIGHT_BIT_EPILOGUES
                    + REDUCTION_EPILOGUES + FP8_TRAIN_STEPS + GATED_EPILOGUES
                    + GROUPED_EPILOGUES)  # every name --epilogues takes
@@ -377,9 +380,13 @@ def grouped_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
                     config: GemmConfig | str | None = None) -> Problem:
     """``epilogue`` in ``GROUPED_EPILOGUES``: ``silu(x @ w[e] + b[e])`` for the rows of each expert
     e (shape M,N,K,G), ours one ``grouped_gemm``, the baseline ``jax.lax.ragged_dot`` and the
-    epilogue in XLA. The group sizes are fixed per problem (a device array, read at run time)."""
+    epilogue in XLA; or (``grouped-wgrad``) the weight gradient of ``x @ w[e]`` for an output
+    gradient ``dy``, ours the grouped kernel over groups of the contraction. The group sizes are
+    fixed per problem (a device array, read at run time)."""
     m, n, k, groups = shape
     sizes = jnp.asarray(group_sizes(m, groups, "skewed" in epilogue))
+    if "wgrad" in epilogue:
+        return _grouped_wgrad_problem(epilogue, shape, sizes, dtype, config)
     specs = tuple(jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (groups, k, n), (groups, n)))
     fn = _bias_activation("silu")
 
@@ -393,6 +400,24 @@ def grouped_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
     exact = functools.partial(plain, precision=jax.lax.Precision.HIGHEST)
     return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs, jax.jit(ours),
                    jax.jit(plain), jax.jit(_in_float32(exact)), gemms=1 / groups, stds=(1.0, k ** -0.5))
+
+
+def _grouped_wgrad_problem(epilogue: str, shape: Shape, sizes: Any, dtype: Any,
+                           config: GemmConfig | str | None) -> Problem:
+    m, n, k, groups = shape
+    specs = tuple(jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (m, n)))
+
+    def weight_gradient(product):
+        def f(x, dy):
+            w = jnp.zeros((groups, k, n), x.dtype)  # (the product is linear in w: any point)
+            return jax.vjp(lambda w: product(x, w), w)[1](dy)[0]
+        return f
+
+    ours = weight_gradient(lambda x, w: grouped_gemm(x, w, sizes, out_dtypes=x.dtype, config=config))
+    plain = weight_gradient(lambda x, w: jax.lax.ragged_dot(x, w, sizes))
+    exact = weight_gradient(lambda x, w: jax.lax.ragged_dot(x, w, sizes, precision=jax.lax.Precision.HIGHEST))
+    return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs, jax.jit(ours),
+                   jax.jit(plain), jax.jit(_in_float32(exact)), gemms=1 / groups)
 
 
 def scan_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
