@@ -34,8 +34,9 @@ def grouped_gemm(lhs: Any, rhs: Any, group_sizes: Any, epilogue: Callable[..., A
     ``operands`` take the roles of ``efc.gemm``'s for a (T, N) accumulator (tiles (T, N), rows
     (N,), columns (T, 1), scalars); each of ``group_operands`` is (G, N), one row per group (a
     per-expert bias), and reaches the epilogue as the (T, N) tile of each row's group's row (0
-    past the groups). Differentiable in ``lhs``, ``rhs``, the operands and dynamic scalars (the
-    kernel computes the forward and the lhs gradient, XLA the rhs gradient); under ``vmap`` (the
+    past the groups). Differentiable in ``lhs``, ``rhs``, the operands and dynamic scalars (on
+    Hopper the forward and the lhs gradient run the grouped kernel, the rhs gradient its kernel
+    over groups of the contraction, with the heuristic's tiles); under ``vmap`` (the
     reference) every one of ``lhs``, ``rhs`` and ``group_sizes`` must be mapped (``ragged_dot``'s
     rule); under ``jit`` over several devices it is partitioned by rows and by N. ``config``
     pins the kernel's tiles, as ``efc.gemm``'s does.

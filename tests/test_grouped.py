@@ -290,3 +290,61 @@ def test_sharded_jit_partitions_rows_and_columns(rng, case):
 
     for u, v in zip(jax.jit(jax.grad(loss(f), argnums=(0, 1, 2, 3)))(*sharded), jax.grad(loss(f), argnums=(0, 1, 2, 3))(*args)):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-4, atol=1e-3 * float(jnp.abs(v).max()))
+
+
+@pytest.mark.parametrize("specs, out, reduced", [
+    ((P("data"), P(), P("data")), P(), True),  # tokens sharded: partial products summed
+    ((P("data", "model"), P(), P("data")), P(None, "model"), True),  # and the experts' K
+    ((P(), P(), P(None, "model")), P(None, None, "model"), False),  # the experts' N: no communication
+])
+def test_sharded_weight_gradient_contracts_each_device_s_tokens(rng, specs, out, reduced):
+    """The weight gradient under jit on 8 host devices: each device contracts its slice of the
+    tokens with that slice's group sizes, the partial products summed by one all-reduce (never an
+    all-gather of the tokens); the gradient is sharded as the weight is and equals one device's."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    t, k, n, sizes = 64, 32, 48, jnp.asarray([20, 0, 30, 5], jnp.int32)
+    x, w, ct = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((t, k), (4, k, n), (t, n)))
+
+    def d_w(x, w, ct):
+        return jax.vjp(lambda w: efc.grouped_gemm(x, w, sizes), w)[1](ct)[0]
+
+    sharded = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w, ct), specs)]
+    hlo = jax.jit(d_w).lower(*sharded).compile().as_text()
+    assert ("all-reduce" in hlo) == reduced and "all-gather" not in hlo
+    got = jax.jit(d_w)(*sharded)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(d_w(x, w, ct)), rtol=1e-5, atol=1e-4)
+    assert got.sharding.is_equivalent_to(NamedSharding(mesh, out), 3), got.sharding
+
+
+def test_weight_gradient_ignores_rows_past_the_groups_and_has_second_derivatives(rng):
+    """d rhs (grouped_contraction_p) against a float64 loop with NaN in the rows past the groups,
+    sizes past the rows clamped; its own JVP and transposes (a Hessian-vector product) against
+    ragged_dot's."""
+    from jax_efc.epilogue import identity_ir
+    from jax_efc.grouped_primitive import grouped_contraction_p
+
+    t, m, n = 40, 12, 9
+    a = rng.standard_normal((t, m)).astype(np.float32)
+    b = rng.standard_normal((t, n)).astype(np.float32)
+    for sizes in ([10, 0, 25], [30, 20], [0, 0, 0]):
+        a_, b_ = a.copy(), b.copy()
+        a_[sum(sizes):], b_[sum(sizes):] = np.nan, np.nan
+        (got,) = grouped_contraction_p.bind(jnp.asarray(a_), jnp.asarray(b_), jnp.asarray(sizes, jnp.int32),
+                                            ir=identity_ir(jnp.float32), acc_dtype=np.dtype(np.float32),
+                                            precision=None, config=None, local=False)
+        want, start = np.zeros((len(sizes), m, n)), 0
+        for g, size in enumerate(sizes):
+            end = min(start + size, t)
+            want[g] = a[start:end].astype(np.float64).T @ b[start:end]
+            start = end
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+    lhs, rhs = jnp.asarray(a), jnp.asarray(rng.standard_normal((3, m, n)), jnp.float32)
+    s = jnp.asarray([10, 0, 25], jnp.int32)
+
+    def hvp(product):
+        loss = lambda l, r: jnp.sum(jnp.tanh(product(l, r)))  # noqa: E731
+        return jax.jvp(jax.grad(loss, (0, 1)), (lhs, rhs), (0.1 * lhs, 0.1 * rhs))[1]
+
+    for u, v in zip(hvp(lambda l, r: efc.grouped_gemm(l, r, s)), hvp(lambda l, r: jax.lax.ragged_dot(l, r, s))):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-4, atol=1e-5)
