@@ -1,6 +1,8 @@
 """Differential fuzzing of grouped GEMMs against a per-group float64 loop: random group sizes
 (empty groups, groups smaller and larger than a tile, rows past the groups), shapes, per-group
-biases and tile operands; on the reference path here, through the Hopper kernel on a GPU.
+biases and tile operands, and the weight gradient (each group's rows of lhs, transposed, times
+the output gradient's, with NaN in the rows past the groups); on the reference path here,
+through the Hopper kernels on a GPU.
 Fixed seeds and a bounded budget, so a run is reproducible. Sharded jit on 8 host devices is
 fuzzed against the same oracle."""
 
@@ -83,6 +85,41 @@ def test_reference_matches_the_per_group_oracle(case):
 def test_kernel_matches_the_per_group_oracle(case):
     with fuzzing.strict():  # every call the grouped kernel, unchecked (this is its check), or an error
         _run(case)
+
+
+def _run_weight_gradient(case) -> None:
+    import jax
+
+    sizes, t, k, n, dtype, seed = case
+    rng = np.random.default_rng(seed)
+    lhs, ct = rng.standard_normal((t, k)), rng.standard_normal((t, n))
+    lhs, ct = (np.asarray(jnp.asarray(x, dtype), np.float64) for x in (lhs, ct))
+    past = sum(sizes)
+    poisoned = [jnp.asarray(np.where(np.arange(t)[:, None] < past, x, np.nan), dtype) for x in (lhs, ct)]
+    rhs = jnp.zeros((len(sizes), k, n), dtype)  # (the product is linear in rhs: any point)
+    _, pullback = jax.vjp(lambda r: efc.grouped_gemm(poisoned[0], r, jnp.asarray(sizes, jnp.int32)), rhs)
+    got = np.asarray(pullback(poisoned[1])[0], np.float64)
+    want, start = np.zeros((len(sizes), k, n)), 0
+    for group, size in enumerate(sizes):
+        want[group] = lhs[start:start + size].T @ ct[start:start + size]
+        start += size
+    assert got.shape == want.shape and np.isfinite(got).all(), case
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max()), case
+
+
+@settings(max_examples=25, **_SETTINGS)
+@given(cases())
+def test_reference_weight_gradient_matches_the_per_group_oracle(case):
+    _run_weight_gradient(case)
+
+
+@pytest.mark.gpu
+@settings(max_examples=30, **_SETTINGS)
+@given(cases(kernel=True))
+def test_kernel_weight_gradient_matches_the_per_group_oracle(case):
+    with fuzzing.strict():  # the weight-gradient kernel, unchecked (this is its check), or an error
+        _run_weight_gradient(case)
 
 
 # (lhs rows, rhs columns) over the 2 x 4 mesh of the 8 host devices
