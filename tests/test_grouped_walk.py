@@ -101,6 +101,8 @@ def test_contraction_walk_covers_every_group_tile_once_with_its_rows(sizes, rows
         for cta_n in range(cluster_n):
             tiles = TileWalk(schedule, (tiles_m, -(-tiles_n // cluster_n), len(sizes)), c, (0, cta_n), clusters, 99)
             walk = ContractionWalk(tiles, lambda g: entries[g][0], tile_k)
+            for j in range(walk.count() + 2):  # ping-pong reads units past the end: in the table
+                walk.unit(j)
             for j in range(walk.count()):
                 u = walk.unit(j)
                 start = min(sum(max(s, 0) for s in sizes[:u.l]), rows)

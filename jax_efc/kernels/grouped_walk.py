@@ -135,5 +135,8 @@ class ContractionWalk:
     def unit(self, j) -> Unit:
         """Unit ``j`` (``0 <= j < count()``) of this CTA's cluster."""
         u = self.tiles.unit(j)
-        start, end = self.first_row(u.l), self.first_row(u.l + 1)
+        # (a unit past the walk's end, which ping-pong reads but never runs, has a group past the
+        # last: it reads the table's last entries, the rows past the groups, not past the table)
+        g = _min(u.l, self.tiles.lc)
+        start, end = self.first_row(g), self.first_row(g + 1)
         return u._replace(k_count=(end - start + self.tile_k - 1) // self.tile_k, k_start=start, k_end=end)
