@@ -186,7 +186,9 @@ def batches(key: jax.Array, tokens: int, width: int, centres: int) -> Iterator[t
         kc, kx = jax.random.split(key)
         c = jax.random.randint(kc, (tokens,), 0, centres)
         x = centre[c] + jax.random.normal(kx, (tokens, width))
-        return x, jnp.tanh(jnp.einsum("td,tde->te", x, maps[c]))
+        # each centre's map on its own tokens (gathering a map per token would take tokens x width^2)
+        y = sum(jnp.where((c == i)[:, None], x @ maps[i], 0.0) for i in range(centres))
+        return x, jnp.tanh(y)
 
     while True:
         key, k = jax.random.split(key)
