@@ -129,14 +129,18 @@ ad.primitive_jvps[grouped_gemm_p] = _jvp_rule
 ad.primitive_transposes[grouped_gemm_p] = _transpose_rule
 
 
-def _batching_rule(args, dims, **params):
-    """The reference under ``vmap`` (``ragged_dot``'s batching: lhs, rhs and sizes all mapped)."""
-    del params["local"]
-    outs = jax.vmap(partial(grouped_gemm_reference, **params), in_axes=tuple(dims))(*args)
-    return outs, [0] * len(outs)
+def _batched_reference(reference):
+    """A batching rule: ``reference`` under ``vmap`` (``ragged_dot``'s batching: every array
+    mapped, or broadcast)."""
+    def rule(args, dims, **params):
+        del params["local"]
+        outs = jax.vmap(partial(reference, **params), in_axes=tuple(dims))(*args)
+        return outs, [0] * len(outs)
+
+    return rule
 
 
-batching.primitive_batchers[grouped_gemm_p] = _batching_rule
+batching.primitive_batchers[grouped_gemm_p] = _batched_reference(grouped_gemm_reference)
 
 
 # The weight gradient's GEMM ------------------------------------------------------------------
@@ -204,11 +208,4 @@ ad.primitive_jvps[grouped_contraction_p] = _contraction_jvp
 ad.primitive_transposes[grouped_contraction_p] = _contraction_transpose
 
 
-def _contraction_batching(args, dims, **params):
-    """The reference under ``vmap``."""
-    del params["local"]
-    outs = jax.vmap(partial(grouped_contraction_reference, **params), in_axes=tuple(dims))(*args)
-    return outs, [0] * len(outs)
-
-
-batching.primitive_batchers[grouped_contraction_p] = _contraction_batching
+batching.primitive_batchers[grouped_contraction_p] = _batched_reference(grouped_contraction_reference)

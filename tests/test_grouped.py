@@ -119,6 +119,19 @@ def test_vmap_over_batches_of_tokens_and_experts(rng):
                                    rtol=1e-5)
 
 
+def test_vmap_of_the_weight_gradient(rng):
+    """Per-batch weight gradients (the weight gradient's GEMM under vmap) against ragged_dot's."""
+    lhs = jnp.asarray(rng.standard_normal((3, 20, 8)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((3, 2, 8, 4)), jnp.float32)
+    sizes = jnp.array([[5, 15], [20, 0], [0, 12]])
+
+    def d_rhs(product):
+        return jax.vmap(jax.grad(lambda x, w, s: jnp.sum(jnp.sin(product(x, w, s))), argnums=1))(lhs, rhs, sizes)
+
+    np.testing.assert_allclose(np.asarray(d_rhs(efc.grouped_gemm)), np.asarray(d_rhs(jax.lax.ragged_dot)),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_arguments_are_checked():
     lhs, rhs, sizes = jnp.ones((8, 4)), jnp.ones((2, 4, 3)), jnp.array([4, 4])
     with pytest.raises(ValueError, match=r"lhs must be \(T, K\) and rhs \(G, K, N\)"):
