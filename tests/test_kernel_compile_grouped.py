@@ -169,13 +169,14 @@ def test_variant_compiles_to_wgmma_and_tma(compiled, name):
 @pytest.mark.parametrize("name", list(CONTRACTION_VARIANTS))
 def test_weight_gradient_variant_reads_both_operands_transposed_and_clears_the_group_edge(compiled, name):
     """The weight gradient's WGMMAs read A and B M/N-major (transpose flags 1, 1), the TMA loads
-    start at the group's rows, a group's last k-tile is cleared past its end (16-bit shared stores,
-    then a proxy fence before the WGMMAs read it), and the output is (G, M, N)."""
+    start at the group's rows, a group's last k-tile is cleared past its end (16-byte shared
+    stores of zeros, then a proxy fence before the WGMMAs read it), and the output is (G, M, N)."""
     result = compiled[name]
     assert "error" not in result, result.get("error")
     ptx = result["ptx"]
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.\w+\.\w+ [^;]*, 1,\s*1;", ptx)
-    assert "st.shared.b16" in ptx and "fence.proxy.async.shared::cta" in ptx
+    assert re.search(r"st\.shared\.v4\.b32\s+\[%r\d+\], \{0, 0, 0, 0\};", ptx)  # 16 zero bytes a store
+    assert "fence.proxy.async.shared::cta" in ptx
     assert "cp.async.bulk.tensor" in ptx and "@p st.global" not in ptx  # whole tiles, TMA stores
     _, cfg, (t, m, n, g) = CONTRACTION_VARIANTS[name]
     assert result["out_shapes"][0] == [g, m, n]

@@ -67,6 +67,8 @@ _WG = 128  # threads per warpgroup
 # ping-pong: consumer g waits on named barrier _MMA_ORDER_ID + g before its mainloop and,
 # once its WGMMAs are issued, arrives on the other consumer's; likewise _EPI_ORDER_ID + g
 # around its epilogue (256 threads each: both warpgroups)
+# 16-bit values in one 16-byte unit of shared memory, which the 128-byte swizzle keeps whole
+_UNIT = 8
 _MMA_ORDER_ID = 3
 _EPI_ORDER_ID = 5
 
@@ -491,13 +493,22 @@ class Sm90FusedGemm(FusedGemmBase):
         the zeros visible to the WGMMAs that read them. A grouped GEMM over groups of the
         contraction loads whole k-tiles from its group's first row; those rows are the next
         group's (or any rows past the groups: zeroing only one operand would leave 0 * NaN)."""
-        bm, bn, bk = self.tile_mnk
-        for e in cutlass.range(ctid, (bk - first) * bm, self.n_epi_threads):
-            sA[(e % bm, first + e // bm, stage)] = self.ab_dtype(0)
-        for e in cutlass.range(ctid, (bk - first) * bn, self.n_epi_threads):
-            sB[(e % bn, first + e // bn, stage)] = self.b_dtype(0)
+        self._zero_rows(sA, self.tile_mnk[0], stage, first, ctid)
+        self._zero_rows(sB, self.tile_mnk[1], stage, first, ctid)
         cute.arch.fence_proxy("async.shared", space="cta")
         barrier.arrive_and_wait()
+
+    @cute.jit
+    def _zero_rows(self, smem: cute.Tensor, width: int, stage, first, ctid):
+        """Zero rows ``first`` on of ``smem``'s k-tile in ``stage``, 16 bytes a store: M/N-major,
+        eight consecutive 16-bit values of a row stay together under the 128-byte swizzle (it
+        permutes 16-byte units), so each thread writes whole units."""
+        zeros = cute.make_rmem_tensor((_UNIT,), smem.element_type)
+        zeros.fill(0)
+        units = width // _UNIT
+        for e in cutlass.range(ctid, (self.tile_mnk[2] - first) * units, self.n_epi_threads):
+            row = cute.zipped_divide(smem[(None, first + e // units, stage)], (_UNIT,))
+            cute.autovec_copy(zeros, row[(None, e % units)])
 
     @staticmethod
     def _order_barrier(first_id, group):
