@@ -142,6 +142,9 @@ class Sm90Policy(ArchPolicy):
     # edge, rows past the groups, poisoned outputs, four configs, the lhs gradient
     grouped_kernel = True
     verified_grouped = True
+    # (the weight gradient's walk, groups of the contraction, is not: its current build, which
+    # keeps ping-pong's look-ahead inside the group table, has not run on a GPU; each config is
+    # checked on first use)
 
     def accumulator_reason(self, problem: KernelProblem) -> str | None:
         if problem.acc_dtype == "float16" and problem.ab_dtype != "float16":
