@@ -29,7 +29,6 @@ from jax.interpreters import ad, batching, mlir
 
 from . import compile_ahead
 from .arguments import reference_precision
-from .autotune import requested as autotune_requested
 from .epilogue import evaluate, identity_ir, with_acc_output
 from .plan import plan_contraction_call, plan_grouped_call
 from .primitive import PLANNERS, match_varying, output_avals, register_lowerings
@@ -120,8 +119,7 @@ def _transpose_rule(cts, lhs, rhs, group_sizes, *operands, ir, transpose_b, acc_
         c = ct.astype(lhs.dtype)
         d_rhs = grouped_contraction_p.bind(*match_varying((c, lhs, group_sizes) if transpose_b else (lhs, c, group_sizes)),
                                            ir=identity_ir(rhs.aval.dtype, ir.epi_dtype), acc_dtype=acc_dtype,
-                                           precision=precision, local=local,
-                                           config=config if autotune_requested(config) else None)[0]
+                                           precision=precision, config=None, local=local)[0]
     return [d_lhs, d_rhs, None]
 
 
