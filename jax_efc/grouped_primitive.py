@@ -117,7 +117,8 @@ def _transpose_rule(cts, lhs, rhs, group_sizes, *operands, ir, transpose_b, acc_
         # each group's rows of lhs, transposed, times the cotangent's ((G, N, K): the other way
         # round); the heuristic's tiles (a pinned config is the product's, not this GEMM's)
         c = ct.astype(lhs.dtype)
-        d_rhs = grouped_contraction_p.bind(*match_varying((c, lhs, group_sizes) if transpose_b else (lhs, c, group_sizes)),
+        a, b = (c, lhs) if transpose_b else (lhs, c)
+        d_rhs = grouped_contraction_p.bind(*match_varying((a, b, group_sizes)),
                                            ir=identity_ir(rhs.aval.dtype, ir.epi_dtype), acc_dtype=acc_dtype,
                                            precision=precision, config=None, local=local)[0]
     return [d_lhs, d_rhs, None]

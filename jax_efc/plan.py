@@ -28,7 +28,8 @@ from jax_efc.kernels import KernelProblem, no_kernel_reason, policy
 from jax_efc.kernels.grouped_walk import tile_bound
 from jax_efc.kernels.schedule import TileSchedule, plan_schedule
 
-__all__ = ["Plan", "plan_call", "plan_grouped_call", "plan_contraction_call", "plan_kernel", "gemm_dims", "empty_reason", "symbolic_reason"]
+__all__ = ["Plan", "plan_call", "plan_grouped_call", "plan_contraction_call", "plan_kernel", "gemm_dims",
+           "empty_reason", "symbolic_reason"]
 
 
 @dataclasses.dataclass(frozen=True)
