@@ -37,7 +37,10 @@ class Case:
     the bound on the largest error relative to the largest magnitude of each output. ``gated``:
     a gated GEMM of that block, B (K, 2N) interleaved, the epilogue and oracle taking (gate, up,
     *operands). ``groups``: a grouped GEMM (``efc.grouped_gemm``) of these group sizes, B (G,
-    K, N), its operands per group ("group": (G, N), each row's group's row, 0 past the groups)."""
+    K, N), its operands per group ("group": (G, N), each row's group's row, 0 past the groups);
+    ``weight_gradient``: instead its weights' gradient (G, K, N) for the output gradient given as
+    the one tile operand, the oracle applied to each group's rows of A, transposed, times the
+    gradient's."""
 
     name: str
     dtype: str
@@ -54,6 +57,7 @@ class Case:
     deterministic: bool = True
     gated: int = 0
     groups: tuple[int, ...] = ()
+    weight_gradient: bool = False
 
 
 def _cases() -> tuple[Case, ...]:
@@ -92,6 +96,8 @@ def _cases() -> tuple[Case, ...]:
         Case("bf16 grouped bias+silu (an empty group, rows past the groups)", "bfloat16", (1000, 520, 264),
              lambda acc, b: jax.nn.silu(acc + b), lambda acc, b: (acc + b) / (1 + np.exp(-(acc + b))),
              operands=("group",), groups=(300, 0, 77, 412, 1)),
+        Case("bf16 grouped weight gradient (an empty group, rows past the groups)", "bfloat16", (1000, 264, 520),
+             lambda acc: acc, lambda acc: acc, operands=("tile",), groups=(300, 0, 77, 412, 1), weight_gradient=True),
     ]
     return tuple(cases)
 
@@ -135,6 +141,9 @@ def run_case(case: Case, strict: bool, seed: int = 0) -> dict[str, Any]:
         arrays, f64 = _inputs(case, np.random.default_rng(seed))
 
         def call(a, b, *ops):
+            if case.weight_gradient:  # (the product is linear in the weights: b is any point)
+                product = lambda w: efc.grouped_gemm(a, w, jnp.asarray(case.groups, jnp.int32))  # noqa: E731
+                return case.epilogue(jax.vjp(product, b)[1](ops[0])[0])
             if case.groups:
                 return efc.grouped_gemm(a, b, jnp.asarray(case.groups, jnp.int32), case.epilogue,
                                         group_operands=ops, out_dtypes=case.out_dtypes, config=case.config)
@@ -145,7 +154,11 @@ def run_case(case: Case, strict: bool, seed: int = 0) -> dict[str, Any]:
         backend = "; ".join(sorted(set(efc.backends(call, *arrays))))
         got = _leaves(jax.jit(call)(*arrays))
         a, b, *ops = f64
-        if case.groups:  # each group's rows times its matrix; the rows past the groups 0, as their operands
+        if case.weight_gradient:  # each group's rows of a, transposed, times the gradient's
+            ends = np.cumsum(case.groups)
+            acc, ops = np.stack([a[end - size:end].T @ ops[0][end - size:end]
+                                 for end, size in zip(ends, case.groups)]), []
+        elif case.groups:  # each group's rows times its matrix; the rows past the groups 0, as their operands
             ends = np.cumsum(case.groups)
             acc = np.zeros((a.shape[0], b.shape[-1]))
             for g, (end, size) in enumerate(zip(ends, case.groups)):

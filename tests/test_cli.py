@@ -650,7 +650,11 @@ def test_selftest_passes_here_and_reports_a_wrong_answer(tmp_path, capsys):
     (row,) = selftest.run((swapped,))
     assert row["result"] == "FAIL" and row["error"] > row["bound"]
     # the grouped case's oracle gives each row its own group's bias: reversed, it fails
-    (grouped,) = [c for c in selftest.CASES if c.groups]
+    (grouped,) = [c for c in selftest.CASES if c.groups and not c.weight_gradient]
     reversed_bias = dataclasses.replace(grouped, name="biases reversed", oracle=lambda acc, b: grouped.oracle(acc, b[::-1]))
     (row,) = selftest.run((reversed_bias,))
+    assert row["result"] == "FAIL" and row["error"] > row["bound"]
+    # the weight gradient's oracle gives each group its own rows' product: groups reversed, it fails
+    (wgrad,) = [c for c in selftest.CASES if c.weight_gradient]
+    (row,) = selftest.run((dataclasses.replace(wgrad, name="groups reversed", oracle=lambda acc: acc[::-1]),))
     assert row["result"] == "FAIL" and row["error"] > row["bound"]
