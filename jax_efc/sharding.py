@@ -118,17 +118,19 @@ def _plan(params: dict[str, Any], arg_shapes: Any) -> _Plan:
     la, lb = sa[-2:], sb[-2:]
     m, ka = (la[1], la[0]) if params["transpose_a"] else (la[0], la[1])
     kb, n = (lb[1], lb[0]) if params["transpose_b"] else (lb[0], lb[1])
-    k = ka if ka == kb else None
+    return _Plan(**_exclusive(l=l, m=m, n=n, k=ka if ka == kb else None))
+
+
+def _exclusive(**entries: Any) -> dict[str, Any]:
+    """Each dimension's mesh axes, in the order given, where no earlier dimension holds one of
+    them (a mesh axis splits one dimension only); else None (replicated)."""
     used: set[str] = set()
-    plan = {}
-    for name, entry in (("l", l), ("m", m), ("n", n), ("k", k)):
+    kept = {}
+    for name, entry in entries.items():
         axes = _axes(entry)
-        if axes and not used.intersection(axes):
-            used.update(axes)
-            plan[name] = entry
-        else:
-            plan[name] = None
-    return _Plan(**plan)
+        kept[name] = entry if axes and not used.intersection(axes) else None
+        used.update(_axes(kept[name]))
+    return kept
 
 
 def _shardings(params, mesh, arg_shapes):
@@ -266,10 +268,8 @@ def _grouped_partitioned(key, lhs, rhs, sizes, ops):
 
 def _grouped_shardings(params, mesh, arg_shapes):
     lhs, rhs, _, ops = arg_shapes
-    m, n = _spec(lhs)[0], _spec(rhs)[1 if params["transpose_b"] else 2]
-    if set(_axes(m)) & set(_axes(n)):
-        n = None
-    plan = _Plan(l=None, m=m, n=n, k=None)
+    plan = _Plan(l=None, k=None, **_exclusive(m=_spec(lhs)[0], n=_spec(rhs)[1 if params["transpose_b"] else 2]))
+    m, n = plan.m, plan.n
     ir = params["ir"]
     args = (NamedSharding(mesh, P(m, None)),
             NamedSharding(mesh, P(None, n, None) if params["transpose_b"] else P(None, None, n)),
@@ -338,13 +338,7 @@ def _contraction_partitioned(key, a, b, sizes):
 
 def _contraction_shardings(mesh, arg_shapes):
     (t, m), (tb, n) = _spec(arg_shapes[0]), _spec(arg_shapes[1])
-    used: set[str] = set()
-    plan = {}
-    for name, entry in (("k", t if t == tb else None), ("m", m), ("n", n)):
-        axes = _axes(entry)
-        plan[name] = entry if axes and not used.intersection(axes) else None
-        used.update(_axes(plan[name]))
-    plan = _Plan(l=None, **plan)
+    plan = _Plan(l=None, **_exclusive(k=t if t == tb else None, m=m, n=n))
     args = (NamedSharding(mesh, P(plan.k, plan.m)), NamedSharding(mesh, P(plan.k, plan.n)),
             NamedSharding(mesh, P(None)))
     return plan, args, [NamedSharding(mesh, P(None, plan.m, plan.n))]
