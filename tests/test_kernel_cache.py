@@ -245,11 +245,11 @@ print(json.dumps({"lines": lines, "kernels": exported.mlir_module().count("custo
 
 def test_warmup_builds_grouped_kernels(tmp_path):
     """efc.warmup builds a grouped GEMM's kernels too (its forward, its lhs gradient and its
-    weight gradient, which take the group sizes; the last run unchecked here, as no GPU can check
-    it), and the lowering then loads them from the cache."""
+    weight gradient, which take the group sizes), and the lowering then loads them from the
+    cache."""
     pytest.importorskip("cutlass.jax")
-    out = json.loads(run_for_sm90(_WARMUP_GROUPED, JAX_EFC_CACHE_DIR=str(tmp_path), JAX_EFC_KERNEL_CACHE="1",
-                                  JAX_EFC_UNVERIFIED_KERNELS="1").strip().splitlines()[-1])
+    out = json.loads(run_for_sm90(_WARMUP_GROUPED, JAX_EFC_CACHE_DIR=str(tmp_path),
+                                  JAX_EFC_KERNEL_CACHE="1").strip().splitlines()[-1])
     assert out["lines"] == ["compiled"] * 3, out
     assert out["kernels"] == 3
     assert out["again"] == ["cached"] * 3

@@ -270,14 +270,17 @@ def test_weight_gradient_policy_refusals(change, needle):
     assert needle in POLICY.unsupported_reason(_contraction_problem(**change))
 
 
-def test_the_weight_gradient_kernel_is_unverified_until_it_runs_on_a_gpu():
-    """Its own flag: the grouped GEMM's verification does not cover it, and its compile key
-    differs from the grouped GEMM's of the same shapes."""
-    from jax_efc.kernels.sm90_policy import POLICY
+def test_the_weight_gradient_kernel_has_a_verification_of_its_own(monkeypatch):
+    """Its own flag (verified on Hopper): the grouped GEMM's verification does not cover it,
+    and its compile key differs from the grouped GEMM's of the same shapes."""
+    from jax_efc.kernels.sm90_policy import POLICY, Sm90Policy
 
     problem = _contraction_problem()
     assert POLICY.unsupported_reason(problem) is None
+    assert POLICY.unverified_reason(problem) is None
+    monkeypatch.setattr(Sm90Policy, "verified_grouped_k", False)
     assert "groups of the contraction" in POLICY.unverified_reason(problem)
+    assert POLICY.unverified_reason(_problem()) is None
     assert problem.compile_key != dataclasses.replace(problem, ragged_k=False).compile_key
 
 

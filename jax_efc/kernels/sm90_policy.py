@@ -139,12 +139,12 @@ class Sm90Policy(ArchPolicy):
     verified_gated = True
     # grouped GEMMs ran against the float64 oracle on an H100 (tests/test_gpu_grouped.py and
     # tests/test_fuzz_grouped.py): balanced, skewed and empty groups, partial tiles at every group
-    # edge, rows past the groups, poisoned outputs, four configs, the lhs gradient
+    # edge, rows past the groups, poisoned outputs, four configs, the lhs gradient; and the
+    # weight gradient's walk, groups of the contraction (six group patterns with NaN past the
+    # groups and cut k-tiles, four configs, the ping-pong look-ahead past the last unit)
     grouped_kernel = True
     verified_grouped = True
-    # (the weight gradient's walk, groups of the contraction, is not: its current build, which
-    # keeps ping-pong's look-ahead inside the group table, has not run on a GPU; each config is
-    # checked on first use)
+    verified_grouped_k = True
 
     def accumulator_reason(self, problem: KernelProblem) -> str | None:
         if problem.acc_dtype == "float16" and problem.ab_dtype != "float16":
