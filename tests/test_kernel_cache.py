@@ -300,13 +300,14 @@ print(json.dumps({"kernels": exported.mlir_module().count("custom_call @CuteDSLR
 
 
 def test_grouped_kernels_compile_ahead_too(tmp_path):
-    """A grouped GEMM's kernels (its forward and its lhs gradient) are built by the workers while
-    the step is traced, as dense ones are: the tracing process's DSL compile never runs. (The
-    workers also build the linearised tangent product, which grad transposes away.)"""
+    """A grouped GEMM's kernels (its forward, its lhs gradient and its weight gradient) are built
+    by the workers while the step is traced, as dense ones are: the tracing process's DSL
+    compile never runs. (The workers also build the linearised tangent product, which grad
+    transposes away.)"""
     pytest.importorskip("cutlass.jax")
     out = json.loads(run_for_sm90(_AHEAD_GROUPED, JAX_EFC_CACHE_DIR=str(tmp_path), JAX_EFC_KERNEL_CACHE="1",
                                   JAX_EFC_COMPILE_AHEAD="1").strip().splitlines()[-1])
-    assert out["kernels"] == 2 and out["outcomes"] == ["compiled"] * 3, out
+    assert out["kernels"] == 3 and out["outcomes"] == ["compiled"] * 4, out
 
 
 @pytest.mark.parametrize("workers", ["working", "broken"])
