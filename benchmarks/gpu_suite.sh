@@ -12,8 +12,8 @@
 #   tests     the rest of the GPU tests but `stores`' (the compute-sanitizer runs, marked slow, apart)
 #   stores    the epilogue reductions', transposed and masked outputs' GPU tests
 #   examples  each example at a GPU size, `jax-efc run`, info and selftest
-#   bench     the benchmark's shapes with both XLA baselines, the 8-bit epilogues, TF32, and
-#             autotuning's gain over the heuristic
+#   bench     the benchmark's shapes with both XLA baselines, the 8-bit epilogues, TF32,
+#             autotuning's gain over the heuristic, and one config timed twice (the spread)
 #   model     a GPT-style model's first step (compile time), its training step in bf16 and FP8
 #   fp8       the bound that model's GEMM share sets on any FP8 step's speedup, the FP8 dense
 #             layer's training step against Flax's FP8 Dense, and both kernel by kernel
@@ -77,6 +77,11 @@ if want bench; then
   step bench-tf32 python3 benchmarks/run.py --dtype float32 --json "$logs/bench-tf32.json" \
     --epilogues gemm,bias+gelu_tanh --shapes 8192,8192,8192 4096,4096,4096
   step bench-autotune python3 benchmarks/run.py --json "$logs/bench-autotune.json" --configs auto autotune \
+    --epilogues gemm,bias+gelu_tanh --shapes $shapes
+  # the benchmark's own spread: the heuristic's config timed twice in the same rounds, the
+  # yardstick for autotuning's gain (tuned rows that ran the heuristic's kernel came out up to
+  # 3.9% apart on an H100: benchmarks/FINDINGS.md, "Seventh sitting")
+  step bench-same-config python3 benchmarks/run.py --json "$logs/bench-same-config.json" --configs auto auto \
     --epilogues gemm,bias+gelu_tanh --shapes $shapes
 fi
 if want model; then
