@@ -154,12 +154,11 @@ def run_case(case: Case, strict: bool, seed: int = 0) -> dict[str, Any]:
         backend = "; ".join(sorted(set(efc.backends(call, *arrays))))
         got = _leaves(jax.jit(call)(*arrays))
         a, b, *ops = f64
+        ends = np.cumsum(case.groups)  # (grouped cases) each group's end row
         if case.weight_gradient:  # each group's rows of a, transposed, times the gradient's
-            ends = np.cumsum(case.groups)
             acc, ops = np.stack([a[end - size:end].T @ ops[0][end - size:end]
                                  for end, size in zip(ends, case.groups)]), []
         elif case.groups:  # each group's rows times its matrix; the rows past the groups 0, as their operands
-            ends = np.cumsum(case.groups)
             acc = np.zeros((a.shape[0], b.shape[-1]))
             for g, (end, size) in enumerate(zip(ends, case.groups)):
                 acc[end - size:end] = a[end - size:end] @ b[g]

@@ -63,12 +63,12 @@ __all__ = ["Sm90FusedGemm"]
 _PRODUCER_REGS = 40
 _CONSUMER_REGS = 232
 _WG = 128  # threads per warpgroup
+# 16-bit values in one 16-byte unit of shared memory, which the 128-byte swizzle keeps whole
+_UNIT = 8
 # (the epilogue named barrier of consumer group g is gemm_base.EPI_BARRIER_ID + g: 1 or 2)
 # ping-pong: consumer g waits on named barrier _MMA_ORDER_ID + g before its mainloop and,
 # once its WGMMAs are issued, arrives on the other consumer's; likewise _EPI_ORDER_ID + g
 # around its epilogue (256 threads each: both warpgroups)
-# 16-bit values in one 16-byte unit of shared memory, which the 128-byte swizzle keeps whole
-_UNIT = 8
 _MMA_ORDER_ID = 3
 _EPI_ORDER_ID = 5
 
