@@ -233,10 +233,10 @@ def test_every_tile_folds_into_each_result_once(over, cfg, m, n, k, split):
                     pieces += 1
                     continue
                 for s in (s for s in range(red.n_sub) if red.closes(s)):
-                    for ctid in range(threads):
-                        at, writes = red.target(s, ctid % red.lanes, ctid // red.lanes, u.m, u.n, (m, n))
+                    for p in range(red.positions):
+                        at, writes = red.target(s, p, u.m, u.n, (m, n))
                         if writes:
-                            assert 0 <= at[0] < shape[0] and 0 <= at[1] < shape[1], (u, s, ctid, at, shape)
+                            assert 0 <= at[0] < shape[0] and 0 <= at[1] < shape[1], (u, s, p, at, shape)
                             folds[at] += 1
     assert (pieces > 0) == split
     per_value = (tiles_m if "m" in over else 1) * (tiles_n if "n" in over else 1)

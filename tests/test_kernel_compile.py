@@ -477,6 +477,9 @@ _KNOWN_SPILLS = {
     "fp16_256x192_mk": (4, 4),
     "fp16_pingpong_bias_gelu_192x128_epi64x64": (376, 448),
     "bf16_pingpong_multi_c1x2": (376, 420),
+    # two row reductions on a pinned 128x192 ping-pong stream-K tile in 128-row subtiles: a
+    # thread's four rows each keep a running value, and an edge subtile's column masks
+    "bf16_pingpong_row_stats_128x192_c2x1_stream_k": (16, 16),
 }
 
 

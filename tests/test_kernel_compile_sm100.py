@@ -568,5 +568,23 @@ def test_every_output_element_is_stored_once(walk_maps, name):
                                       "2cta_128x128_fp8_out_epi64", "fp16_acc_2cta_128x256")), (name, outside)
 
 
+@pytest.mark.matrix
+@pytest.mark.parametrize("over", [("m",), ("n",), ("m", "n")])
+@pytest.mark.parametrize("name", list(_WALKS))
+def test_reductions_meet_on_the_tensor_memory_layout(walk_maps, name, over, rng):
+    """The epilogue reductions on Blackwell's own thread/value layout (each of the 128 epilogue
+    threads a row of the tile, a 2-CTA 128-row tile's subtiles split in two column blocks): the
+    lane map the kernel reads off it folds, shuffles and writes every row's or column's total
+    once (``test_reductions.reduce_as_the_kernel``)."""
+    from test_reductions import check_tile_reduction
+
+    from jax_efc.kernels.reduction import TileReduction
+
+    info = walk_maps[name]
+    tile = tuple(info["cta_tile"])
+    red = TileReduction("max", over, tuple(info["epi_tile"]), tile, 128, info["epi_blocks"])
+    check_tile_reduction(red, lambda t: [[tuple(p) for p in sub] for sub in info["threads"][t]["tile"]], tile, rng)
+
+
 if __name__ == "__main__":
     print(json.dumps(_walk_maps(json.loads(sys.argv[1]))))

@@ -223,56 +223,139 @@ def test_backends_of_reductions_in_an_export(monkeypatch):
 
 # The kernel's side (kernels/reduction.py), checked without a GPU ------------------------------
 
+def wgmma_points(tile: tuple[int, int], epi: tuple[int, int], threads: int):
+    """``points(t)`` of Hopper's accumulator layout: a WGMMA's C fragment (PTX ISA, "wgmma
+    register fragments": lane l of warp w holds rows 16w + l // 4 (+ 8) and columns 2 (l % 4)
+    (+ 1) of every 8 of each 64-row block), the tile's 64-row blocks dealt in turn to ``threads
+    // 128`` warpgroups; the values of each subtile in one order for every thread."""
+    groups = threads // 128
+
+    def points(t):
+        g, w, lane = t // 128, t // 32 % 4, t % 32
+        values = [((i * groups + g) * 64 + 16 * w + lane // 4 + 8 * h, 8 * j + 2 * (lane % 4) + e)
+                  for i in range(tile[0] // 64 // groups) for j in range(tile[1] // 8) for h in (0, 1)
+                  for e in (0, 1)]
+        sub_m = tile[0] // epi[0]
+        subtiles = [[] for _ in range(sub_m * (tile[1] // epi[1]))]
+        for m, n in values:
+            subtiles[n // epi[1] * sub_m + m // epi[0]].append((m, n))
+        return subtiles
+
+    return points
+
+
+def reduce_as_the_kernel(red, points, data, extent) -> dict:
+    """One tile's reduction step by step as ``TileReduction`` runs it (fold, publish, flush) on
+    the lane map it reads off ``points``: {(subtile, position): what flush writes}."""
+    from jax_efc.kernels.reduction import lane_map
+
+    identity = {"sum": 0.0, "max": -np.inf, "min": np.inf}[red.kind]
+
+    def combine(a, b):
+        if red.kind == "sum":
+            return a + b
+        return b if ((b > a) if red.kind == "max" else (b < a)) or b != b else a
+
+    lanes = lane_map(red, points)
+    pts = [points(t) for t in range(red.threads)]
+    running = [[identity] * lanes.slots for _ in range(red.threads)]
+    written = {}
+    for s in range(red.n_sub):
+        for t in range(red.threads):
+            for v, (m, n) in enumerate(pts[t][s]):
+                j = lanes.slot[s][v]
+                inside = ("m" not in red.over or m < extent[0]) and ("n" not in red.over or n < extent[1])
+                running[t][j] = combine(running[t][j], data[m, n] if inside else identity)
+        if not red.closes(s):
+            continue
+        buf = {}
+        for j, v in lanes.closing[s]:
+            vals = [running[t][j] for t in range(red.threads)]
+            for offset in lanes.shuffle:
+                vals = [combine(vals[t], vals[t ^ offset]) for t in range(red.threads)]
+            for t in range(red.threads):
+                if t & sum(lanes.shuffle) == 0:
+                    holder = sum((t >> b & 1) << i for i, b in enumerate(lanes.holders))
+                    key = (red.position(s, pts[t][s][v]), holder)
+                    assert key not in buf, key
+                    buf[key] = vals[t]
+                running[t][j] = identity
+        for p in range(red.positions):
+            total = buf[(p, 0)]
+            for h in range(1, 1 << len(lanes.holders)):
+                total = combine(total, buf[(p, h)])
+            written[(s, p)] = total
+    assert all(x == identity for row in running for x in row)  # nothing left unwritten
+    return written
+
+
+def check_tile_reduction(red, points, tile, rng):
+    """``reduce_as_the_kernel`` against NumPy on a tile of small integers (sums exact), cut by
+    M and N edges inside it, with a NaN for max and min; every position of the tile published
+    once, those inside the edges (the ones ``target`` writes) with their totals."""
+    data = rng.integers(-50, 50, tile).astype(np.float64)
+    if red.kind != "sum":
+        data[tile[0] // 3, tile[1] // 5] = np.nan
+    extent = (tile[0] - 5, tile[1] - 3)
+    inside = np.where((np.arange(tile[0])[:, None] < extent[0]) & (np.arange(tile[1]) < extent[1]), data,
+                      {"sum": 0.0, "max": -np.inf, "min": np.inf}[red.kind])
+    fold = {"sum": np.sum, "max": np.max, "min": np.min}[red.kind]
+    written = reduce_as_the_kernel(red, points, data, extent)
+    seen = []
+    for (s, p), got in written.items():
+        if red.over == ("m",):
+            at = s // red.sub_m * red.run + red.spread(p)
+            want = fold(inside[:, at])
+        elif red.over == ("n",):
+            at = s % red.sub_m * red.epi_m + p
+            want = fold(inside[at, :])
+        else:
+            at, want = 0, fold(inside)
+        seen.append(at)
+        if at < (extent[1] if red.over == ("m",) else extent[0] if red.over == ("n",) else 1):  # else not written
+            np.testing.assert_array_equal(got, want, err_msg=str((s, p)))
+    assert sorted(seen) == list(range(tile[1] if red.over == ("m",) else tile[0] if red.over == ("n",) else 1))
+
+
 WALKS = [  # (over, epilogue subtile, tile, epilogue threads)
     (("m",), (128, 32), (128, 128), 128), (("m",), (64, 16), (192, 128), 128),
     (("n",), (128, 32), (128, 192), 128), (("n",), (64, 32), (128, 128), 128),
     (("m", "n"), (128, 32), (128, 256), 256), (("n",), (128, 64), (256, 128), 256),
-    (("m", "n"), (64, 16), (64, 256), 128),
+    (("m", "n"), (64, 16), (64, 256), 128), (("n",), (256, 64), (256, 128), 256),
+    (("m",), (128, 64), (256, 128), 256),
 ]
 
 
+@pytest.mark.parametrize("kind", ["sum", "max"])
 @pytest.mark.parametrize("over, epi, tile, threads", WALKS)
-def test_the_kernel_reduction_reads_every_value_once(over, epi, tile, threads):
-    """Per subtile, the threads' (lane, group, i) positions cover the staged subtile exactly
-    once, each lane reading only its own column (over M) or row (over N); the running values'
-    bands put every subtile's lanes where the subtile lies in the tile, and together cover the
-    tile's columns (rows) exactly once."""
+def test_the_kernel_reduction_on_wgmma_fragments(rng, kind, over, epi, tile, threads):
+    """On Hopper's accumulator layout: every value folds once, lanes and warps that share a
+    position meet, each position is written once with its row's or column's total (masked at
+    the M and N edges, NaN kept by max)."""
     pytest.importorskip("cutlass")
-    from jax_efc.kernels.problem import reduction_reason
-    from jax_efc.kernels.reduction import TileReduction
+    from jax_efc.kernels.reduction import TileReduction, lane_map
 
-    assert reduction_reason(over, epi, threads) is None
-    red = TileReduction("sum", over, epi, tile, threads)
-    seen = []
-    for ctid in range(threads):
-        lane, group = ctid % red.lanes, ctid // red.lanes
-        for i in range(red.length // red.groups):
-            r, c = red.position(lane, group, i)
-            assert (c if "m" in over else r) == lane
-            seen.append((r, c))
-    assert sorted(seen) == [(r, c) for r in range(epi[0]) for c in range(epi[1])]
-    sub_m, n_sub = tile[0] // epi[0], (tile[0] // epi[0]) * (tile[1] // epi[1])
-    assert red.n_sub == n_sub
-    folded = {slot: [] for slot in range(red.slots)}  # the subtiles in each running value since it was written
-    written = []
-    for s in range(n_sub):
-        folded[red.slot(s)].append(s)
-        if len(over) == 1:  # the subtile's lanes lie where the subtile lies in the tile
-            start = s // sub_m * epi[1] if over == ("m",) else s % sub_m * epi[0]
-            assert [red.offset(s, lane) for lane in range(red.lanes)] == list(range(start, start + red.lanes))
-        if red.closes(s):
-            # what a running value holds when written: every subtile along its reduced axis
-            subs = folded[red.slot(s)]
-            if over == ("m",):
-                assert subs == [s - s % sub_m + i for i in range(sub_m)]
-            elif over == ("n",):
-                assert subs == list(range(s % sub_m, n_sub, sub_m))
-            else:
-                assert subs == list(range(n_sub))
-            written += [red.offset(s, lane) for lane in range(red.lanes)] if len(over) == 1 else [0]
-            folded[red.slot(s)] = []
-    assert all(not v for v in folded.values())  # nothing left unwritten
-    assert sorted(written) == (list(range(tile[1] if over == ("m",) else tile[0])) if len(over) == 1 else [0])
+    red = TileReduction(kind, over, epi, tile, threads)
+    check_tile_reduction(red, wgmma_points(tile, epi, threads), tile, rng)
+    lanes = lane_map(red, wgmma_points(tile, epi, threads))
+    # WGMMA: the four lanes of a quad share a row, the eight quads a column; warps share columns
+    assert lanes.shuffle == ((4, 8, 16) if over == ("m",) else (1, 2) if over == ("n",) else (1, 2, 4, 8, 16))
+    assert len(lanes.holders) == (0 if over == ("n",) else threads.bit_length() - 1 - 5)
+
+
+def test_a_layout_the_lane_map_cannot_read_fails_to_compile():
+    """A layout whose values do not move with the thread's bits by one offset each is refused
+    at trace time, not reduced wrongly."""
+    pytest.importorskip("cutlass")
+    from jax_efc.kernels.reduction import TileReduction, lane_map
+
+    red = TileReduction("sum", ("m",), (64, 32), (64, 32), 128)
+    good = wgmma_points((64, 32), (64, 32), 128)
+    lane_map(red, good)
+    with pytest.raises(RuntimeError, match="bits' offsets"):  # threads 5 and 6 trade values
+        lane_map(red, lambda t: good({5: 6, 6: 5}.get(t, t)))
+    with pytest.raises(RuntimeError, match="different offsets"):  # thread 1's values out of order
+        lane_map(red, lambda t: [sub[::-1] for sub in good(t)] if t == 1 else good(t))
 
 
 @pytest.mark.parametrize("over", [("m",), ("n",), ("m", "n")])
@@ -284,8 +367,8 @@ def test_the_kernel_reduction_reads_every_value_once(over, epi, tile, threads):
 ])
 def test_every_partial_is_written_once_and_nothing_past_the_partials(over, cfg, m, n, k):
     """The per-tile partials each reducing output leaves: over the grid's walk (clusters cover a
-    tile count rounded up to the cluster, so some tiles lie wholly past an edge), every thread
-    that writes (``TileReduction.target``) writes inside the partials' shape, and every partial
+    tile count rounded up to the cluster, so some tiles lie wholly past an edge), every position
+    a tile writes (``TileReduction.target``) lies inside the partials' shape, and every partial
     is written exactly once, by the unit that runs its tile's epilogue."""
     pytest.importorskip("cutlass")
     from test_schedule import _walks
@@ -309,20 +392,12 @@ def test_every_partial_is_written_once_and_nothing_past_the_partials(over, cfg, 
                 for s in range(red.n_sub):
                     if not red.closes(s):
                         continue
-                    for ctid in range(threads):
-                        at, writes = red.target(s, ctid % red.lanes, ctid // red.lanes, u.m, u.n, (m, n))
+                    for p in range(red.positions):
+                        at, writes = red.target(s, p, u.m, u.n, (m, n))
                         if writes:
-                            assert 0 <= at[0] < shape[0] and 0 <= at[1] < shape[1], (u, s, ctid, at, shape)
+                            assert 0 <= at[0] < shape[0] and 0 <= at[1] < shape[1], (u, s, p, at, shape)
                             written.append(at)
     assert len(written) == len(set(written)) == shape[0] * shape[1]
-
-
-def test_the_kernel_refuses_reductions_its_threads_cannot_split():
-    from jax_efc.kernels.problem import reduction_reason
-
-    # a 192-row subtile has more rows than a ping-pong consumer's 128 threads
-    assert "128 epilogue threads" in reduction_reason(("n",), (192, 32), 128)
-    assert reduction_reason(("m",), (192, 32), 128) is None
 
 
 def _reduction_plan(monkeypatch, fn, m, n, k, unverified="1", **config):
@@ -338,9 +413,8 @@ def _reduction_plan(monkeypatch, fn, m, n, k, unverified="1", **config):
 
 
 def test_the_kernel_plans_reductions(monkeypatch):
-    """The Hopper kernel plans reductions (verified on a GPU: no first-use check); an epilogue
-    of reductions alone, or a config whose threads cannot split a subtile, runs on the
-    reference, with the reason."""
+    """The Hopper kernel plans reductions (verified on a GPU: no first-use check), in subtiles
+    of any shape; an epilogue of reductions alone runs on the reference, with the reason."""
     from jax_efc.kernels import policy
 
     fn = lambda acc: (acc, jnp.sum(acc, axis=0))  # noqa: E731
@@ -351,7 +425,7 @@ def test_the_kernel_plans_reductions(monkeypatch):
     assert plan.backend == "reference" and "every output of the epilogue is a reduction" in plan.reason
     _, plan = _reduction_plan(monkeypatch, lambda acc: (acc, jnp.max(acc, axis=1)), 4096, 4096, 4096,
                               tile_m=192, tile_n=128, pingpong=True)
-    assert plan.backend == "reference" and "split each subtile" in plan.reason
+    assert plan.backend == "kernel", plan.reason
 
 
 @pytest.mark.parametrize("fn", [

@@ -79,10 +79,11 @@ class ConsumerEpilogue:
     store_pipe: pipeline.PipelineTmaStore
     is_store_warp: object  # this warp issues the group's TMA stores and TILE-operand loads
     ctid: object  # this thread's index in its group
-    # per reducing output: its smem buffers (staging subtile, group partials, lane totals),
-    # its global partials and the fp32 register fragment its values are staged from
+    # per reducing output: its smem buffer (where warps meet), its global partials, the fp32
+    # register fragment its values are folded from and where its threads' values meet
     red_smem: tuple = ()
     red_out: tuple = ()
     red_frag: tuple = ()
+    red_lanes: tuple = ()
     frag_up: object = None  # a gated GEMM's up-projection accumulators of the subtile; else None
     outputs: tuple = ()  # a grouped GEMM's outputs as global tensors (a group's last tile stores by predicate)

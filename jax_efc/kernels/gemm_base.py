@@ -23,6 +23,7 @@ The mainloop, the warp roles and the launch are the architecture's (``sm90.py``,
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import cutlass
 import cutlass.cute as cute
@@ -285,19 +286,19 @@ class FusedGemmBase:
               for dt, layout in zip(self.out_dtypes, d_smem)]
         sC = [smem.allocate_tensor(dt, layout.outer, SMEM_ALIGN, layout.inner)
               for dt, layout in zip(self.tile_op_dtypes, c_smem)]
-        red_smem = [tuple(smem.allocate_tensor(cutlass.Float32, layout, 16) for layout in r.layouts())
-                    for r in self.reductions]
+        red_smem = [smem.allocate_tensor(cutlass.Float32, r.layout(), 16) for r in self.reductions]
         c_bar = self._full_barriers(smem, EPI_STAGES, warp_idx) if self.tile_ops else None
         return EpilogueTensors(operands, mD, sD, tma_d, mC, sC, tma_c, c_bar, red_smem, mP)
 
     def _consumer_epilogue_from(self, tensors: EpilogueTensors, r2s: list, s2r: list, frag_shape, ctid, group,
-                                warp_idx, *, coords: Callable[[], tuple], ring: tuple) -> ConsumerEpilogue:
+                                warp_idx, *, coords: Callable[[Any], tuple], ring: tuple) -> ConsumerEpilogue:
         """Epilogue group ``group``'s machinery for its thread ``ctid``, from the architecture's
         register <-> smem copies (``r2s`` per output, ``s2r`` per TILE operand, all of one
         thread/value partition, whose register fragments have ``frag_shape``) and ``coords``,
-        which gives the coordinates of its accumulator values (``tCcT``, ``acc_index``: see
-        :class:`ConsumerEpilogue`); it is called where Hopper's kernel has always built them,
-        which keeps that kernel's generated code as it was."""
+        which gives the coordinates of a thread's accumulator values (``tCcT``, ``acc_index``: see
+        :class:`ConsumerEpilogue`); it is called for ``ctid`` where Hopper's kernel has always
+        built them, which keeps that kernel's generated code as it was, and for threads given as
+        integers where the reductions read their layout."""
         t = tensors
         thr_r2s = [c.get_slice(ctid) for c in r2s]
         thr_s2r = [c.get_slice(ctid) for c in s2r]
@@ -327,7 +328,7 @@ class FusedGemmBase:
             frag_raw=(cute.make_rmem_tensor(frag_shape, self.acc_dtype)
                       if self.acc_dtype in (cutlass.Int32,) else None),
         )
-        fields["tCcT"], fields["acc_index"] = coords()
+        fields["tCcT"], fields["acc_index"] = coords(ctid)
         return ConsumerEpilogue(
             **fields,
             barrier=pipeline.NamedBarrier(barrier_id=EPI_BARRIER_ID + group, num_threads=self.n_epi_threads),
@@ -340,6 +341,8 @@ class FusedGemmBase:
             red_smem=tuple(t.red_smem),
             red_out=tuple(t.mP),
             red_frag=tuple(cute.make_rmem_tensor(frag_shape, cutlass.Float32) for _ in self.reductions),
+            red_lanes=tuple(r.lane_map(lambda t: self._subtile_points(coords(t)[0], fields["acc_index"]))
+                            for r in self.reductions),
         )
 
     def _tile_coords(self, epi: ConsumerEpilogue, s: int, m_idx, n_idx) -> list[tuple]:
@@ -349,6 +352,15 @@ class FusedGemmBase:
             gate, _, shift = self._gated_subtiles(s)
             return [(m0 + epi.tCcT[i][0], n0 + epi.tCcT[i][1] - shift) for i in epi.acc_index[gate]]
         return [(m0 + epi.tCcT[i][0], n0 + epi.tCcT[i][1]) for i in epi.acc_index[s]]
+
+    def _subtile_points(self, tCcT, acc_index: list) -> list[list[tuple]]:
+        """Per output subtile, the (m, n) within the outputs' tile of each fragment value of the
+        thread whose accumulator coordinates are ``tCcT`` (trace-time integers for a thread
+        given as one: what :func:`~jax_efc.kernels.reduction.lane_map` reads)."""
+        if self.gated:
+            return [[(tCcT[i][0], tCcT[i][1] - shift) for i in acc_index[gate]]
+                    for gate, _, shift in map(self._gated_subtiles, range(self.n_sub))]
+        return [[tuple(tCcT[i]) for i in acc_index[s]] for s in range(self.n_sub)]
 
     @cute.jit
     def _split_epilogue(self, epi: ConsumerEpilogue, acc: cute.Tensor, bSC, u: Unit, subtile_count,
@@ -483,7 +495,7 @@ class FusedGemmBase:
         whole = True
         if cutlass.const_expr(self.grouped_rows):
             whole = m_idx + self.out_tile[0] <= m_end
-        running = [r.start() for r in self.reductions]
+        running = [r.start(lanes) for r, lanes in zip(self.reductions, epi.red_lanes)]
         for s in cutlass.range_constexpr(n_sub):
             coords = self._subtile_accumulators(epi, acc, s, m_idx, n_idx)
             buf = subtile_count % EPI_STAGES
@@ -529,7 +541,8 @@ class FusedGemmBase:
                     cute.copy(epi.r2s[i], epi.frag_out[i], out_smem[i][(None, None, None, out_stage)])
             for r in cutlass.range_constexpr(len(self.reductions)):
                 epi.red_frag[r].store(outs[n_out + r])
-                self.reductions[r].stage(epi.red_smem[r], epi.red_frag[r], epi.tCcT, epi.acc_index[s], s)
+                self.reductions[r].fold(epi.red_lanes[r], running[r], epi.red_frag[r], s, coords, origin,
+                                        epi.mn_extent)
             # make the generic-proxy smem writes visible to the TMA (async proxy)
             cute.arch.fence_proxy("async.shared", space="cta")
             epi.barrier.arrive_and_wait()
@@ -552,15 +565,18 @@ class FusedGemmBase:
             if cutlass.const_expr(self.grouped_rows):
                 if not whole:
                     self._store_group_rows(epi, s, out_stage, m_idx, n_idx, m_end)
-            # (under the stores just issued)
+            # (under the stores just issued) the positions this subtile closes meet: across lanes,
+            # then across warps through smem, read after the barrier below
+            closes = any(r.closes(s) for r in self.reductions)
             for r in cutlass.range_constexpr(len(self.reductions)):
-                self.reductions[r].reduce(epi.red_smem[r], running[r], s, origin, epi.mn_extent, epi.ctid,
-                                          epi.barrier)
-                self.reductions[r].flush(epi.red_out[r], running[r], s, m_idx, n_idx, l_idx, epi.mn_extent,
-                                         epi.ctid)
+                self.reductions[r].publish(epi.red_lanes[r], epi.red_smem[r], running[r], s, coords, origin,
+                                           epi.ctid)
             # (a subtile staged in its own ring slot waits for no earlier store to read it)
-            if cutlass.const_expr(not out_in_ring):
+            if cutlass.const_expr(not out_in_ring or closes):
                 epi.barrier.arrive_and_wait()
+            for r in cutlass.range_constexpr(len(self.reductions)):
+                self.reductions[r].flush(epi.red_lanes[r], epi.red_smem[r], epi.red_out[r], s, m_idx, n_idx,
+                                         l_idx, epi.mn_extent, epi.ctid)
             subtile_count += 1
         if cutlass.const_expr(len(self.reductions) > 0):
             # every thread is done with the reduction buffers before the other consumer's

@@ -12,7 +12,7 @@ from jax_efc.kernels.dtypes import bits
 
 __all__ = ["KernelProblem", "tile_k", "EPI_STAGES", "SMEM_ALIGN", "TIMELINE_EVENTS", "TIMELINE_UNITS",
            "REDUCTION_IDENTITY", "cta_tile", "epilogue_tile", "epilogue_smem_bytes", "tile_operand_indices",
-           "reduction_lanes", "reduction_reason", "reduction_smem_floats", "round_up"]
+           "reduction_positions", "reduction_smem_floats", "WARP", "round_up"]
 
 # A pipeline stage's k-tile is 128 bytes of a K-major row, exactly one 128-byte swizzle atom:
 # 64 16-bit values (four 16-deep MMA steps), 128 8-bit ones (four 32-deep steps).
@@ -30,6 +30,8 @@ SMEM_ALIGN = 1024
 TIMELINE_EVENTS = ("reached", "mainloop", "issued", "complete", "epilogue", "end")
 TIMELINE_UNITS = 256
 # what a reduction of each kind starts from
+WARP = 32  # threads of a warp
+
 REDUCTION_IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
 
@@ -162,24 +164,14 @@ def tile_operand_indices(ir: EpilogueIR) -> tuple[int, ...]:
     return tuple(i for i, inp in enumerate(ir.operands) if inp.role is Role.TILE and ir.uses(i + ir.n_acc))
 
 
-def reduction_lanes(over: tuple[str, ...], epi_tile: tuple[int, int]) -> tuple[int, int]:
-    """(positions reduced apart, positions along each) of a subtile for a reduction ``over``."""
+def reduction_positions(over: tuple[str, ...], epi_tile: tuple[int, int]) -> int:
+    """Values a subtile's reduction ``over`` these axes keeps apart: its columns over M, its
+    rows over N, one over both."""
     epi_m, epi_n = epi_tile
-    return (epi_n, epi_m) if "m" in over else (epi_m, epi_n)
-
-
-def reduction_reason(over: tuple[str, ...], epi_tile: tuple[int, int], threads: int) -> str | None:
-    """Why ``threads`` epilogue threads cannot reduce ``epi_tile`` subtiles ``over`` these axes."""
-    lanes, length = reduction_lanes(over, epi_tile)
-    if lanes > threads or threads % lanes or length % (threads // lanes):
-        return (f"a reduction over {'/'.join(over).upper()} in {epi_tile[0]}x{epi_tile[1]} epilogue subtiles "
-                f"needs the {threads} epilogue threads to split each subtile's {lanes} lanes of "
-                f"{length} values evenly; pin a config with other subtiles, or let the heuristic choose.")
-    return None
+    return {("m",): epi_n, ("n",): epi_m}.get(tuple(over), 1)
 
 
 def reduction_smem_floats(over: tuple[str, ...], epi_tile: tuple[int, int], threads: int) -> int:
-    """fp32 values of shared memory a reducing output's buffers take (``kernels/reduction.py``)."""
-    epi_m, epi_n = epi_tile
-    lanes, _ = reduction_lanes(over, epi_tile)
-    return epi_m * (epi_n + 1) + threads + lanes
+    """fp32 values of shared memory a reducing output's buffer takes (``kernels/reduction.py``):
+    one partial per position and warp."""
+    return reduction_positions(over, epi_tile) * (threads // WARP)

@@ -11,39 +11,65 @@ straight into the result ((1 | M, N | 1, L), fp32, which starts at the reduction
 a global atomic, the tiles in whatever order they finish: a sum's rounding depends on it, a max
 or min does not.
 
-Within a tile, per subtile: every thread writes its values to a staging subtile in shared
-memory (fp32, rows padded by one value so that a warp reading a row's lanes hits 32 banks);
-then thread t takes lane ``t % lanes`` (a column for a reduction over M, a row over N) and
-reduces every ``groups``-th position along it, masking what lies past the M and N edges; the
-``groups`` partials of a lane meet through a second buffer, in order; each thread keeps its
-lane's running value in a register (over N one per row of subtiles: the subtiles are walked
-down M first) and writes it to global memory after the last subtile that adds to it. Over
-both axes, the lanes' values meet once more through a third buffer. Max and min propagate
-NaN (a NaN anywhere gives NaN).
+Within a tile, registers first. Call the coordinate a reduction keeps (the column over M, the
+row over N, none over both) its position. Each thread folds every value it holds into one
+running register per position it holds (masking what lies past the M and N edges): a
+subtile's values cost one add each, with no shared memory and no barrier. When the last
+subtile that adds to a set of positions is done (over M the last of a column of subtiles, over
+N each subtile of the last column, over both the last), the threads that hold the same
+positions meet: first the lanes of a warp, by butterfly shuffles, then the warps, through a
+small shared buffer of one partial per (position, warp holding it) which one thread per
+position reads in a fixed order after the epilogue's barrier. Which lanes and warps hold the
+same positions is read off the accumulator's thread/value layout at trace time
+(:func:`lane_map`), so each architecture's layout (Hopper's WGMMA fragments, Blackwell's
+tensor-memory loads) gets its own pattern. Max and min propagate NaN (a NaN anywhere gives NaN).
 
 A subtile may span ``blocks`` column blocks of the tile (Blackwell's 2-CTA 128-row MMA: see
 ``sm100.py``): its columns are ``blocks`` runs of ``epi_n / blocks``, ``tile_n / blocks``
-apart, and the subtiles along N step a run's width; the staging subtile holds the runs side by
-side.
+apart, and the subtiles along N step a run's width.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
 
 import cutlass
 import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
-from jax_efc.kernels.problem import REDUCTION_IDENTITY, reduction_lanes
+from jax_efc.kernels.problem import REDUCTION_IDENTITY, WARP, reduction_positions
 
-__all__ = ["TileReduction"]
+__all__ = ["TileReduction", "LaneMap", "lane_map"]
 
-_UNROLL = 4  # loads in flight per lane loop
 # the bits of the NaN a max (positive: above every other value's as a signed integer) and a min
 # (negative: above every other negative value's as an unsigned one) fold in by atomics, and the
 # integer atomics that fold values of each sign in
 _NAN_BITS = {"max": 0x7FC00000, "min": -0x00400000}
 _SIGNED_OPS = {"max": ("umin", "max"), "min": ("umax", "min")}  # (sign bit set, clear)
+_LANE_BITS = WARP.bit_length() - 1  # bits of a thread index that pick its lane
+
+Points = Callable[[int], Sequence[Sequence[tuple[int, int]]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LaneMap:
+    """Where a reduction's values meet, for one thread/value layout (trace-time integers).
+
+    ``slot[s][v]``: the running register value ``v`` of subtile ``s`` folds into (one per
+    position the thread holds); ``offset[s][v]``: its (m, n) past the subtile's first value of
+    the same thread. ``closing[s]``: the (register, value) pairs subtile ``s``
+    closes, each register with a value of the subtile that lies at its position. ``shuffle``:
+    the lane offsets whose partners hold the same positions. ``holders``: the bits of a
+    thread's index that pick, among the warps that hold a position, which one it is."""
+
+    slot: tuple[tuple[int, ...], ...]
+    offset: tuple[tuple[tuple[int, int], ...], ...]
+    slots: int
+    closing: tuple[tuple[tuple[int, int], ...], ...]
+    shuffle: tuple[int, ...]
+    holders: tuple[int, ...]
 
 
 class TileReduction:
@@ -58,52 +84,56 @@ class TileReduction:
         self.run = self.epi_n // blocks  # columns of one block; the step between subtiles along N
         self.sub_m = tile_mn[0] // self.epi_m
         self.tile_mn = tile_mn
-        self.lanes, self.length = reduction_lanes(self.over, epi_tile)
-        self.groups = threads // self.lanes
+        self.positions = reduction_positions(self.over, epi_tile)
         self.threads = threads
+        self.warps = threads // WARP
         self.n_sub = self.sub_m * (tile_mn[1] // self.epi_n)
-        self.slots = self.sub_m if self.over == ("n",) else 1  # running values a thread keeps
-
-    def spread(self, c):
-        """The column, from the subtile's first, of its column ``c`` (Python or device integers)."""
-        if self.blocks == 1:
-            return c
-        return c + c // self.run * (self.tile_mn[1] // self.blocks - self.run)
 
     def gather(self, n):
-        """The subtile column of the column ``n`` past the subtile's first (``spread``'s inverse)."""
+        """The subtile column of the column ``n`` past the subtile's first (Python or device
+        integers): past a block's run, the next block's columns."""
         if self.blocks == 1:
             return n
         return n - n // (self.tile_mn[1] // self.blocks) * (self.tile_mn[1] // self.blocks - self.run)
 
-    def position(self, lane, group, i) -> tuple:
-        """(row, column) in the staging subtile of the ``i``-th value the thread of ``lane`` and
-        ``group`` reduces (Python or device integers)."""
-        along = group + i * self.groups
-        return (along, lane) if "m" in self.over else (lane, along)
-
-    def slot(self, s: int) -> int:
-        """The running value subtile ``s`` folds into: over M one (the subtiles of a column of
-        them come one after another), over N one per row of subtiles, over both one."""
-        return s % self.sub_m if self.over == ("n",) else 0
+    def spread(self, c):
+        """The column, from the subtile's first, of its column ``c`` (``gather``'s inverse)."""
+        if self.blocks == 1:
+            return c
+        return c + c // self.run * (self.tile_mn[1] // self.blocks - self.run)
 
     def closes(self, s: int) -> bool:
-        """Whether subtile ``s`` is the last to fold into its running value, which then goes
-        to global memory."""
+        """Whether subtile ``s`` is the last to add to some positions, which then meet and go to
+        global memory."""
         if self.over == ("m",):
             return s % self.sub_m == self.sub_m - 1
         return s >= self.n_sub - (self.sub_m if self.over == ("n",) else 1)
 
-    def offset(self, s: int, lane):
-        """The column (over M) or row (over N) within the tile of ``lane``'s value of subtile ``s``."""
+    def position(self, s: int, point):
+        """The position in subtile ``s``'s set of the tile point (m, n) (Python or device
+        integers): its column from the subtile's first over M, its row over N, 0 over both."""
         if self.over == ("m",):
-            return s // self.sub_m * self.run + self.spread(lane)
-        return s % self.sub_m * self.epi_m + lane
+            return self.gather(point[1] - s // self.sub_m * self.run)
+        if self.over == ("n",):
+            return point[0] - s % self.sub_m * self.epi_m
+        return 0
 
-    def layouts(self) -> tuple:
-        """Layouts of the staging subtile, the group partials and the lane totals."""
-        stage = cute.make_layout((self.epi_m, self.epi_n), stride=(self.epi_n + 1, 1))
-        return stage, cute.make_layout(self.threads), cute.make_layout(self.lanes)
+    def _band(self, s: int):
+        """The subtiles whose values share subtile ``s``'s positions: its column of subtiles over
+        M, its row over N, all over both."""
+        if self.over == ("m",):
+            return s // self.sub_m
+        if self.over == ("n",):
+            return s % self.sub_m
+        return 0
+
+    def lane_map(self, points: Points) -> LaneMap:
+        """See :func:`lane_map`."""
+        return lane_map(self, points)
+
+    def layout(self) -> cute.Layout:
+        """The shared buffer where warps meet: one fp32 partial per (position, holding warp)."""
+        return cute.make_layout((self.positions, self.warps), stride=(1, self.positions))
 
     def identity(self):
         return cutlass.Float32(REDUCTION_IDENTITY[self.kind])
@@ -115,93 +145,102 @@ class TileReduction:
         wins = b > a if self.kind == "max" else b < a
         return cutlass.select_(wins | (b != b), b, a)
 
-    def start(self) -> cute.Tensor:
+    def start(self, lanes: LaneMap) -> cute.Tensor:
         """A thread's running values for a new tile."""
-        running = cute.make_rmem_tensor((self.slots,), cutlass.Float32)
-        for i in range(self.slots):
+        running = cute.make_rmem_tensor((lanes.slots,), cutlass.Float32)
+        for i in range(lanes.slots):
             running[i] = self.identity()
         return running
 
     @cute.jit
-    def stage(self, smem: tuple, values: cute.Tensor, tile_coords: cute.Tensor, indices: list, s: int):
-        """Write this thread's ``values`` of subtile ``s`` into the staging subtile: value ``v``
-        lies at ``tile_coords[indices[v]]`` within the tile (a per-thread base plus a constant,
-        so each store's address folds to one immediate offset)."""
-        stage = smem[0]
-        m0 = s % self.sub_m * self.epi_m
-        n0 = s // self.sub_m * self.run
-        for v in cutlass.range_constexpr(len(indices)):
-            at = tile_coords[indices[v]]
-            stage[(at[0] - m0, self.gather(at[1] - n0))] = values[v]
+    def fold(self, lanes: LaneMap, running: cute.Tensor, values: cute.Tensor, s: int, coords: list,
+             origin: tuple, extent: tuple):
+        """Fold this thread's ``values`` of subtile ``s`` (at global ``coords``) into its running
+        registers. In a subtile that crosses an edge along a reduced axis, the values past it
+        fold as the identity (past an edge along the kept axis a position is never written);
+        the test is made once a subtile, which keeps the per-value masks (and the registers
+        they hold) off the subtiles inside."""
+        last = (origin[0] + (s % self.sub_m + 1) * self.epi_m,
+                origin[1] + s // self.sub_m * self.run + self.spread(self.epi_n - 1) + 1)
+        inside = True
+        for axis in cutlass.range_constexpr(2):
+            if cutlass.const_expr("mn"[axis] in self.over):
+                inside = inside & (last[axis] <= extent[axis])
+        if inside:
+            for v in cutlass.range_constexpr(len(lanes.slot[s])):
+                j = lanes.slot[s][v]
+                running[j] = self.combine(running[j], values[v])
+        else:
+            # value v lies lanes.offset[s][v] past the thread's first: one room left per axis,
+            # then each value's test is against a constant
+            room = [extent[axis] - coords[0][axis] for axis in range(2)]
+            for v in cutlass.range_constexpr(len(lanes.slot[s])):
+                j = lanes.slot[s][v]
+                keep = True
+                for axis in cutlass.range_constexpr(2):
+                    if cutlass.const_expr("mn"[axis] in self.over):
+                        keep = keep & (lanes.offset[s][v][axis] < room[axis])
+                running[j] = self.combine(running[j], cutlass.select_(keep, values[v], self.identity()))
 
     @cute.jit
-    def reduce(self, smem: tuple, running: cute.Tensor, s: int, origin: tuple, extent: tuple, ctid,
-               barrier):
-        """Fold staged subtile ``s`` into the running values; the staging subtile was written
-        by every thread before ``barrier`` was passed. Returns when the buffers may be
-        written again."""
-        stage, partial, totals = smem
-        lane, group = ctid % self.lanes, ctid // self.lanes
-        m0 = origin[0] + s % self.sub_m * self.epi_m
-        n0 = origin[1] + s // self.sub_m * self.run
-        part = self.identity()
-        # a loop the compiler keeps (a few loads in flight), not unrolled: unrolled, all of a
-        # lane's loads are hoisted and spill next to the accumulators
-        for i in cutlass.range(self.length // self.groups, unroll=_UNROLL):
-            r, c = self.position(lane, group, i)
-            inside = (m0 + r < extent[0]) & (n0 + self.spread(c) < extent[1])
-            part = self.combine(part, cutlass.select_(inside, stage[(r, c)], self.identity()))
-        partial[ctid] = part
-        barrier.arrive_and_wait()
-        total = self.identity()
-        for g in cutlass.range_constexpr(self.groups):
-            total = self.combine(total, partial[g * self.lanes + lane])
-        if cutlass.const_expr(len(self.over) == 2):
-            if group == 0:
-                totals[lane] = total
-            barrier.arrive_and_wait()
-            total = self.identity()
-            for c in cutlass.range(self.lanes, unroll=_UNROLL):
-                total = self.combine(total, totals[c])
-            running[0] = self.combine(running[0], total)
-        else:
-            running[self.slot(s)] = self.combine(running[self.slot(s)], total)
+    def publish(self, lanes: LaneMap, buf: cute.Tensor, running: cute.Tensor, s: int, coords: list,
+                origin: tuple, ctid):
+        """If subtile ``s`` closes positions: combine each across the lanes that hold it, and
+        have one lane per warp write it to ``buf`` (read by :meth:`flush` after a barrier)."""
+        if cutlass.const_expr(self.closes(s)):
+            holder = 0
+            for i in cutlass.range_constexpr(len(lanes.holders)):
+                holder = holder + ((ctid >> lanes.holders[i]) & 1) * (1 << i)
+            for c in cutlass.range_constexpr(len(lanes.closing[s])):
+                j, v = lanes.closing[s][c]
+                total = running[j]
+                for i in cutlass.range_constexpr(len(lanes.shuffle)):
+                    total = self.combine(total, cute.arch.shuffle_sync_bfly(total, offset=lanes.shuffle[i]))
+                if (ctid & sum(lanes.shuffle)) == 0:
+                    at = self.position(s, (coords[v][0] - origin[0], coords[v][1] - origin[1]))
+                    buf[(at, holder)] = total
+                running[j] = self.identity()
 
-    def target(self, s: int, lane, group, m_idx, n_idx, extent: tuple) -> tuple:
+    def target(self, s: int, position, m_idx, n_idx, extent: tuple) -> tuple:
         """((row, column) in the partials, or in the result where the output is ``atomic``,
-        whether to write) for the running value the thread of ``lane`` and ``group`` closes after
-        subtile ``s`` of tile (m_idx, n_idx) (Python or device integers). One thread a lane
-        writes, only inside the M and N edges; a tile that lies wholly past an edge (a cluster's
-        padding: a grid of 2-CTA clusters covers an odd tile count with one tile more) writes
-        nothing, since its partial has no place (and would add its identity to a result)."""
+        whether to write) for ``position`` of subtile ``s`` in tile (m_idx, n_idx) (Python or
+        device integers). Only inside the M and N edges; a tile that lies wholly past an edge
+        (a cluster's padding: a grid of 2-CTA clusters covers an odd tile count with one tile
+        more) writes nothing, since its partial has no place (and would add its identity to a
+        result)."""
         inside = (m_idx * self.tile_mn[0] < extent[0]) & (n_idx * self.tile_mn[1] < extent[1])
-        first = group == 0
         row, col = (0, 0) if self.atomic else (m_idx, n_idx)  # the reduced axes' index
         if len(self.over) == 2:
-            return (row, col), inside & first & (lane == 0)
+            return (row, col), inside
         if self.over == ("m",):
-            n = n_idx * self.tile_mn[1] + self.offset(s, lane)
-            return (row, n), inside & first & (n < extent[1])
-        m = m_idx * self.tile_mn[0] + self.offset(s, lane)
-        return (m, col), inside & first & (m < extent[0])
+            n = n_idx * self.tile_mn[1] + s // self.sub_m * self.run + self.spread(position)
+            return (row, n), inside & (n < extent[1])
+        m = m_idx * self.tile_mn[0] + s % self.sub_m * self.epi_m + position
+        return (m, col), inside & (m < extent[0])
 
     @cute.jit
-    def flush(self, out: cute.Tensor, running: cute.Tensor, s: int, m_idx, n_idx, l_idx, extent: tuple, ctid):
-        """After subtile ``s``: if it closed its running value, write that to ``out`` ((tiles_m
-        | M, N | tiles_n, L), fp32) where :meth:`target` says, or fold it into ``out`` ((1 | M,
-        N | 1, L)) there where the output is ``atomic``, and start it again."""
+    def flush(self, lanes: LaneMap, buf: cute.Tensor, out: cute.Tensor, s: int, m_idx, n_idx, l_idx,
+              extent: tuple, ctid):
+        """After :meth:`publish` and a barrier: thread ``p`` combines position ``p``'s partials,
+        one per warp holding it, in order, and writes the total to ``out`` ((tiles_m | M, N |
+        tiles_n, L)) where :meth:`target` says, or folds it into ``out`` ((1 | M, N | 1, L))
+        there where the output is ``atomic``."""
         if cutlass.const_expr(self.closes(s)):
-            slot = self.slot(s)
-            (row, col), writes = self.target(s, ctid % self.lanes, ctid // self.lanes, m_idx, n_idx, extent)
-            if writes:
-                if cutlass.const_expr(self.atomic):
-                    self.fold(out, (row, col, l_idx), running[slot])
-                else:
-                    out[(row, col, l_idx)] = running[slot]
-            running[slot] = self.identity()
+            for base in cutlass.range_constexpr(0, self.positions, self.threads):
+                p = base + ctid
+                if p < self.positions:
+                    total = buf[(p, 0)]
+                    for h in cutlass.range_constexpr(1, 1 << len(lanes.holders)):
+                        total = self.combine(total, buf[(p, h)])
+                    (row, col), writes = self.target(s, p, m_idx, n_idx, extent)
+                    if writes:
+                        if cutlass.const_expr(self.atomic):
+                            self.fold_global(out, (row, col, l_idx), total)
+                        else:
+                            out[(row, col, l_idx)] = total
 
     @cute.jit
-    def fold(self, out: cute.Tensor, coord: tuple, value):
+    def fold_global(self, out: cute.Tensor, coord: tuple, value):
         """``out[coord] = combine(out[coord], value)`` by one global atomic: a sum by a float
         reduction; a max or min by an integer one on the value's bits, which order as the floats
         do as signed integers where the sign bit is clear and the other way round as unsigned
@@ -218,3 +257,77 @@ class TileReduction:
                 cute.arch.red(at, bits, op=negative, dtype=cutlass.Uint32, sem="relaxed", scope="gpu")
             else:
                 cute.arch.red(at, bits, op=positive, dtype=cutlass.Int32, sem="relaxed", scope="gpu")
+
+
+def lane_map(red: TileReduction, points: Points) -> LaneMap:
+    """Read ``red``'s meeting pattern off a thread/value layout: ``points(t)`` gives, for
+    epilogue thread ``t``, the (m, n) within the tile of each of its values of each subtile.
+
+    The layouts the kernels use place a thread's values at its own offset plus a per-value
+    constant, the offset adding up over the bits of the thread's index; so the bits whose
+    offset does not move a value's position join threads that hold the same positions: within
+    a warp they are shuffle partners, across warps holders of one partial each. Checked here for
+    every thread, so a layout of another form fails at compile time rather than reducing
+    wrongly."""
+    keep = {("m",): 1, ("n",): 0}.get(red.over)
+    base = points(0)
+    n_sub = len(base)
+    if n_sub != red.n_sub:
+        raise RuntimeError(f"the layout has {n_sub} subtiles where the reduction walks {red.n_sub}")
+    bits = red.threads.bit_length() - 1
+    if red.threads != 1 << bits:
+        raise RuntimeError(f"{red.threads} epilogue threads: a reduction needs a power of two")
+    step = []  # per bit of the thread index: the (dm, dn) it moves every value by
+    for b in range(bits):
+        moved = {(p[0] - q[0], p[1] - q[1]) for sub, sub0 in zip(points(1 << b), base) for p, q in zip(sub, sub0)}
+        if len(moved) != 1:
+            raise RuntimeError(f"thread bit {b} moves a thread's values by different offsets {sorted(moved)}")
+        step.append(moved.pop())
+
+    def kept(point):
+        return 0 if keep is None else point[keep]
+
+    def at(t, s, v):  # thread t's value v of subtile s, by the bits' offsets
+        dm = sum(step[b][0] for b in range(bits) if t >> b & 1)
+        dn = sum(step[b][1] for b in range(bits) if t >> b & 1)
+        return base[s][v][0] + dm, base[s][v][1] + dn
+
+    for t in range(3, red.threads):
+        if [list(map(tuple, sub)) for sub in points(t)] != [[at(t, s, v) for v in range(len(base[s]))]
+                                                           for s in range(n_sub)]:
+            raise RuntimeError(f"thread {t}'s values do not lie at the sum of its bits' offsets")
+    still = [b for b in range(bits) if kept(step[b]) == 0]  # bits that move no value's position
+    shuffle = tuple(1 << b for b in still if b < _LANE_BITS)
+    holders = tuple(b for b in still if b >= _LANE_BITS)
+    # one running register per position a thread holds in a band of subtiles
+    keys = {}
+    for s in range(n_sub):
+        band = keys.setdefault(red._band(s), {})
+        for v in range(len(base[s])):
+            band.setdefault(red.position(s, base[s][v]), len(band))
+    counts = {len(band) for band in keys.values()}
+    slots = max(counts) * (red.sub_m if red.over == ("n",) else 1)
+    slot = tuple(tuple(keys[red._band(s)][red.position(s, base[s][v])]
+                       + (red._band(s) * max(counts) if red.over == ("n",) else 0)
+                       for v in range(len(base[s]))) for s in range(n_sub))
+    closing = []
+    for s in range(n_sub):
+        first = {}
+        if red.closes(s):
+            for v in range(len(base[s])):
+                first.setdefault(slot[s][v], v)
+            if len(first) != len(keys[red._band(s)]):
+                raise RuntimeError(f"subtile {s} holds {len(first)} of its band's {len(keys[red._band(s)])} positions")
+            # every position of the subtile once per holding warp: (thread, register) -> position
+            seen = {}
+            for t in range(red.threads):
+                if any(t >> b & 1 for b in still):
+                    continue
+                for j, v in first.items():
+                    seen.setdefault(red.position(s, at(t, s, v)), []).append((t, j))
+            if sorted(seen) != list(range(red.positions)) or {len(w) for w in seen.values()} != {1}:
+                raise RuntimeError(f"subtile {s}: the threads that write partials do not hold each of the "
+                                   f"{red.positions} positions once")
+        closing.append(tuple(first.items()))
+    offset = tuple(tuple((p[0] - sub[0][0], p[1] - sub[0][1]) for p in sub) for sub in base)
+    return LaneMap(slot, offset, slots, tuple(closing), shuffle, holders)

@@ -390,7 +390,7 @@ class Sm100FusedGemm(FusedGemmBase):
         s2r = [cute.make_tiled_copy_D(self._s2r_atom(dt, store_atoms[0]), t2r) for dt in self.tile_op_dtypes]
         return self._consumer_epilogue_from(
             tensors, r2s, s2r, r2s[0].retile(regs).shape, ctid, 0, warp_idx,
-            coords=lambda: self._fragment_coords(t2r, r2s[0], regs, ctid), ring=())
+            coords=lambda thread: self._fragment_coords(t2r, r2s[0], regs, thread), ring=())
 
     def _fragment_coords(self, t2r: cute.TiledCopy, r2s: cute.TiledCopy, regs: cute.Tensor, ctid) -> tuple:
         """(tCcT, acc_index) of thread ``ctid`` (see :class:`ConsumerEpilogue`): the (m, n)

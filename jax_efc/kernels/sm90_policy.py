@@ -9,7 +9,7 @@ from jax_efc.config import GemmConfig
 from jax_efc.kernels.dtypes import FP8, INT8, bits
 from jax_efc.kernels.policy import ArchPolicy
 from jax_efc.kernels.problem import (SMEM_ALIGN, KernelProblem, epilogue_smem_bytes, epilogue_tile,
-                                     reduction_reason, tile_operand_indices)
+                                     tile_operand_indices)
 
 __all__ = ["POLICY", "Sm90Policy", "DEFAULT_SM_COUNT", "mma_warpgroups", "pipeline_stages"]
 
@@ -206,10 +206,6 @@ class Sm90Policy(ArchPolicy):
                     f"element, {held} registers a thread (at most {_ACC_PER_THREAD}); use cooperative "
                     "128x128 or 128x192 tiles, or precision=jax.lax.DotAlgorithmPreset."
                     "ANY_F8_ANY_F8_F32_FAST_ACCUM (no promotion).")
-        for out in problem.ir.outputs:
-            reason = out.reduce and reduction_reason(out.over, epilogue_tile(cfg), _WG * mma_warpgroups(cfg))
-            if reason:
-                return f"output {out.name!r}: {reason}"
         if pipeline_stages(problem) >= 2:
             return None
         epi_m, epi_n = epilogue_tile(cfg)
@@ -240,12 +236,7 @@ class Sm90Policy(ArchPolicy):
         and 128x192 tiles qualify when some subtile leaves them 5), else 64-wide ones where the
         ring keeps enough stages (128x128 ping-pong, 128x256).
         """
-        cfg = self.grouped_fit(problem, self.gated_fit(problem, self._tile_choice(problem, m, n, k, l, sm_count)))
-        threads = _WG * mma_warpgroups(cfg)
-        if any(o.reduce and reduction_reason(o.over, epilogue_tile(cfg), threads) for o in problem.ir.outputs):
-            # a subtile with more rows than the threads that reduce it: 64-row subtiles
-            cfg = dataclasses.replace(cfg, epi_m=64)
-        return cfg
+        return self.grouped_fit(problem, self.gated_fit(problem, self._tile_choice(problem, m, n, k, l, sm_count)))
 
     def candidate_configs(self, problem: KernelProblem, m: int, n: int, k: int, l: int,
                           sm_count: int = DEFAULT_SM_COUNT) -> list[GemmConfig]:
