@@ -27,12 +27,13 @@ def test_variants_do_not_spill_and_fit_the_register_budget(compiled, tmp_path_fa
     check_spills(assemble_all(compiled, tmp_path_factory.mktemp("sass")))
 
 
-def test_partials_are_staged_in_smem_and_stored_once_per_tile(compiled):
-    """Each subtile's values go through shared memory as fp32 and are read back per lane; the
-    partials leave by plain fp32 global stores (no atomics: the result is the same on every
-    run); max and min keep NaN (a self-comparison)."""
+def test_partials_meet_by_shuffles_and_are_stored_once_per_tile(compiled):
+    """Lanes that share a position meet by butterfly shuffles, warps through fp32 shared
+    memory; the partials leave by plain fp32 global stores (no atomics: the result is the same
+    on every run); max and min keep NaN (a self-comparison)."""
     for name in REDUCTION_VARIANTS:
         ptx = compiled[name]["ptx"]
+        assert re.search(r"\bshfl\.sync\.bfly\.b32\b", ptx), name
         assert re.search(r"\bst\.shared(?:\.\w+)*\.f32\b", ptx) or re.search(r"\bst\.shared(?:\.\w+)*\.b32\b", ptx), name
         assert re.search(r"\bld\.shared(?:\.\w+)*\.(?:f|b)32\b", ptx), name
         assert re.search(r"\bst\.global(?:\.\w+)*\.(?:f|b)32\b", ptx), name
