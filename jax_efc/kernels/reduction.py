@@ -172,7 +172,8 @@ class TileReduction:
                 running[j] = self.combine(running[j], values[v])
         else:
             # value v lies lanes.offset[s][v] past the thread's first: one room left per axis,
-            # then each value's test is against a constant
+            # then each value's test is against a constant, and guards its fold (a predicated
+            # add, where a select held every value's mask at once and spilled on Blackwell)
             room = [extent[axis] - coords[0][axis] for axis in range(2)]
             for v in cutlass.range_constexpr(len(lanes.slot[s])):
                 j = lanes.slot[s][v]
@@ -180,7 +181,8 @@ class TileReduction:
                 for axis in cutlass.range_constexpr(2):
                     if cutlass.const_expr("mn"[axis] in self.over):
                         keep = keep & (lanes.offset[s][v][axis] < room[axis])
-                running[j] = self.combine(running[j], cutlass.select_(keep, values[v], self.identity()))
+                if keep:
+                    running[j] = self.combine(running[j], values[v])
 
     @cute.jit
     def publish(self, lanes: LaneMap, buf: cute.Tensor, running: cute.Tensor, s: int, coords: list,
