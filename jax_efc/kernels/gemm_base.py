@@ -341,8 +341,7 @@ class FusedGemmBase:
             red_smem=tuple(t.red_smem),
             red_out=tuple(t.mP),
             red_frag=tuple(cute.make_rmem_tensor(frag_shape, cutlass.Float32) for _ in self.reductions),
-            red_lanes=tuple(r.lane_map(lambda t: self._subtile_points(coords(t)[0], fields["acc_index"]))
-                            for r in self.reductions),
+            red_lanes=self._lane_maps(coords, fields["acc_index"]),
         )
 
     def _tile_coords(self, epi: ConsumerEpilogue, s: int, m_idx, n_idx) -> list[tuple]:
@@ -352,6 +351,18 @@ class FusedGemmBase:
             gate, _, shift = self._gated_subtiles(s)
             return [(m0 + epi.tCcT[i][0], n0 + epi.tCcT[i][1] - shift) for i in epi.acc_index[gate]]
         return [(m0 + epi.tCcT[i][0], n0 + epi.tCcT[i][1]) for i in epi.acc_index[s]]
+
+    def _lane_maps(self, coords: Callable[[Any], tuple], acc_index: list) -> tuple:
+        """Each reduction's lane map, read off the points of the threads it asks for (each
+        thread's partition made once, shared by the reductions)."""
+        seen: dict[int, list] = {}
+
+        def points(t: int) -> list:
+            if t not in seen:
+                seen[t] = self._subtile_points(coords(t)[0], acc_index)
+            return seen[t]
+
+        return tuple(r.lane_map(points) for r in self.reductions)
 
     def _subtile_points(self, tCcT, acc_index: list) -> list[list[tuple]]:
         """Per output subtile, the (m, n) within the outputs' tile of each fragment value of the

@@ -594,9 +594,13 @@ class Sm90FusedGemm(FusedGemmBase):
         # TILE operands come back from smem by ldmatrix when 16-bit (four 8x8 blocks per
         # instruction instead of one value per load)
         s2r = [cute.make_tiled_copy_S(self._s2r_atom(dt), c_layout_atom) for dt in self.tile_op_dtypes]
+        acc_index = []  # made at the first call, as the kernel always has
+
         def coords(thread):
+            if not acc_index:
+                acc_index.append(self._subtile_acc_indices(tiled_mma, r2s[0]))
             return (tiled_mma.get_slice(thread).partition_C(cute.make_identity_tensor(self.tile_mnk[:2])),
-                    self._subtile_acc_indices(tiled_mma, r2s[0]))
+                    acc_index[0])
 
         return self._consumer_epilogue_from(tensors, r2s, s2r, frag_shape, ctid, group, warp_idx, coords=coords,
                                             ring=(sA, sB))
