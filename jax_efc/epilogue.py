@@ -53,6 +53,8 @@ __all__ = [
     "masked_stores",
     "Split",
     "split_at_reductions",
+    "rows_in_tile",
+    "ROW_TILE_N",
 ]
 
 
@@ -379,13 +381,43 @@ class Split:
         return [outs[d] if d is not None else next(later) for d in self.direct]
 
 
-def split_at_reductions(ir: EpilogueIR) -> Split:
+# the widest output tile of any kernel (Hopper's and Blackwell's): a program whose reductions
+# are all over N, of rows at most this wide, finishes them inside one tile
+ROW_TILE_N = 256
+
+
+def rows_in_tile(ir: EpilogueIR, n: int) -> bool:
+    """Whether one kernel tile can run all of ``ir``, rows of ``n`` columns: it consumes a
+    reduction, every one over N alone (a row softmax, a row norm), and a tile as wide as
+    the row holds all of it (``ROW_TILE_N``)."""
+    reduces = [i for i in ir.instrs if i.op == "reduce"]
+    consumed = {a for i in ir.instrs for a in i.args if a >= len(ir.inputs)
+                and ir.instrs[a - len(ir.inputs)].op == "reduce"}
+    return (n <= ROW_TILE_N and not ir.gated and bool(consumed)
+            and all(i.attr[1] == ("n",) for i in reduces))
+
+
+def _spans_n(ir: EpilogueIR) -> list[bool]:
+    """For each value, whether it varies along N: it reads the accumulator, a tile or a row
+    operand other than through a reduction over N."""
+    spans = [i < ir.n_acc or x.role in (Role.TILE, Role.ROW) for i, x in enumerate(ir.inputs)]
+    for ins in ir.instrs:
+        spans.append(ins.op != "reduce" and any(spans[a] for a in ins.args))
+    return spans
+
+
+def split_at_reductions(ir: EpilogueIR, rows_in_tile: bool = False) -> Split:
     """Split a traced program where it consumes a reduction. The GEMM computes every value that
     depends on no reduction, and the reductions of those over M and N (its outputs);
     reductions of reductions, reductions over L and what uses a reduction are evaluated in XLA
     from the GEMM's outputs: the reductions and every value of a tile's size they need (in
     its own dtype: the epilogue's, so nothing is rounded in between). Values that do not span
-    the tile (of row, column and scalar operands) are recomputed there."""
+    the tile (of row, column and scalar operands) are recomputed there.
+
+    ``rows_in_tile`` (where :func:`rows_in_tile` holds): the GEMM also computes what uses the
+    reductions, each tile finishing its rows' reductions before it stores (the kernels'
+    ``row_stats``); XLA computes only outputs one value per row (``log(sum(exp(x)))``) from the
+    reductions, which the GEMM outputs."""
     n_in = len(ir.inputs)
     if not any(i.op == "reduce" for i in ir.instrs):
         return Split(ir, tuple(range(len(ir.outputs))), ())
@@ -395,11 +427,12 @@ def split_at_reductions(ir: EpilogueIR) -> Split:
     for j, ins in enumerate(ir.instrs):
         heavy.append(any(heavy[a] for a in ins.args))
         kind, axes = ins.attr if ins.op == "reduce" else (None, ())
-        if ins.op == "reduce" and not after[ins.args[0]] and "l" not in axes:
+        if ins.op == "reduce" and (rows_in_tile or (not after[ins.args[0]] and "l" not in axes)):
             first[n_in + j] = (kind, axes, ins.args[0])
+    spans = _spans_n(ir) if rows_in_tile else [False] * len(after)
 
     def in_gemm(v: int) -> bool:
-        return not after[v] or v in first
+        return not after[v] or v in first or spans[v]
 
     def output(name: str, v: int, dtype: str) -> Output:
         if v in first:

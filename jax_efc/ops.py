@@ -16,7 +16,8 @@ import numpy as np
 from . import activations, arguments
 from .config import GemmConfig
 from .epilogue import (EpilogueIR, Role, accumulators, canonical_shape, evaluate, exact, identity_ir,
-                       output_shape, restructure, split_at_reductions, with_acc_output, with_masked_stores)
+                       output_shape, restructure, rows_in_tile, split_at_reductions, with_acc_output,
+                       with_masked_stores)
 from .gated import check_block, interleave_gated, split_gated
 from .tracing import trace_epilogue
 from .primitive import fused_gemm, gemm_cotangents, match_varying, problem_shape
@@ -135,7 +136,7 @@ def gemm(
         ir = _in_place(ir, inplace, [x.shape for x in arrays], acc_shape)
     if transposed_outputs is not None:
         ir = _transposed(ir, transposed_outputs)
-    split = split_at_reductions(ir)
+    split = split_at_reductions(ir, rows_in_tile(ir, n))
     for o, direct in zip(ir.outputs, split.direct):
         stored = direct is not None and not split.gemm.outputs[direct].reduce
         for what, asked, done in (("inplace", o.inplace is not None, "written in place"),
@@ -468,8 +469,8 @@ def _epilogue_vjp(ir: EpilogueIR, acc: Any, ops: tuple, cts: list,
         # the small operands stay outside the barrier: shared, they let XLA fuse both VJPs
         acc2, tiles2, cts2 = jax.lax.optimization_barrier((acc, [ops[i] for i in tiles], cts))
         ops2 = tuple(dict(zip(tiles, tiles2)).get(i, x) for i, x in enumerate(ops))
-        # (an output reduced over rows has no rows to split)
-        r = None if any(o.reduce for o in ir.outputs) else _rows_per_partial(tile[-2])
+        # (a program that reduces has rows that do not split)
+        r = None if ir.reduces else _rows_per_partial(tile[-2])
         if r is None:
             d_sums = pullback(summed, accumulators(ir, acc2), ops2, cts2)
         else:

@@ -7,7 +7,8 @@ and a partition function:
 - batch L / M sharded (data parallel): each device runs its rows, no communication;
 - N sharded (column-parallel): each device runs its columns with its slice of the weight and
   of every row vector and tile operand (a gated GEMM's weight only where each slice holds
-  whole gate and up block pairs; else it is gathered along N);
+  whole gate and up block pairs, and not where the program consumes a reduction over N, which
+  must see whole rows; else it is gathered along N);
 - K sharded on both ``a`` and ``b`` (row-parallel): each device computes a partial product,
   the partials are summed with ``psum`` and only then is the epilogue applied, in XLA,
   because a nonlinear epilogue cannot run on partial sums. The partial products' GEMM leaves
@@ -142,6 +143,9 @@ def _shardings(params, mesh, arg_shapes):
         n = b.shape[-2] if params["transpose_b"] else b.shape[-1]
         if (n // math.prod(mesh.shape[x] for x in _axes(plan.n))) % (2 * ir.gated):
             plan = dataclasses.replace(plan, n=None)
+    if plan.n is not None and any(i.op == "reduce" for i in ir.instrs):
+        # a reduction over N the program consumes (a row softmax) sees whole rows: N is gathered
+        plan = dataclasses.replace(plan, n=None)
     args = (
         NamedSharding(mesh, plan.a(len(a.shape), params["transpose_a"])),
         NamedSharding(mesh, plan.b(len(b.shape), params["transpose_b"])),

@@ -190,6 +190,14 @@ REDUCTION_VARIANTS = {
                                                           (128, 192, 2, 1, {"pingpong": True, "swizzle": 8,
                                                                             "raster": "n", "epi_m": 64}),
                                                           "bias_gelu_colsum"),
+    # reductions the epilogue consumes, finished inside a tile that spans the rows (two passes)
+    "bf16_softmax_norm_128x256_stream_k": ("bfloat16", False, False, None, (128, 256, 1, 1), "softmax_norm",
+                                           (8192, 200, 4096)),
+    "bf16_softmax_norm_transposed_128x128": ("bfloat16", False, False, None, (128, 128, 1, 1), "softmax_norm/0",
+                                             (4096, 96, 1024)),
+    "bf16_pingpong_softmax_norm_128x128_epi64_stream_k": ("bfloat16", False, True, None,
+                                                          (128, 128, 1, 1, {"pingpong": True, "epi_m": 64}),
+                                                          "softmax_norm", (2296, 128, 4104)),
 }
 
 
@@ -220,7 +228,7 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
     import jax
     import jax.numpy as jnp
 
-    from jax_efc.epilogue import split_at_reductions, with_masked_stores
+    from jax_efc.epilogue import rows_in_tile, split_at_reductions, with_masked_stores
     from jax_efc.tracing import trace_epilogue
 
     name, _, transposed = name.partition("/")
@@ -260,6 +268,11 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
     elif name == "row_stats":  # a row max and a row sum of squares (a softmax's, a norm's)
         fn = lambda acc: (acc, jnp.max(acc, axis=-1), jnp.sum(acc * acc, axis=-1))  # noqa: E731
         shapes, dtypes, outs = [], [], (out_dtype, jnp.float32, jnp.float32)
+    elif name == "softmax_norm":  # a row softmax and a row-normalised output: two passes over the tile
+        def fn(acc, bias, *, scale):
+            y = acc * scale + bias
+            return jax.nn.softmax(y, axis=-1), y / jnp.linalg.norm(y, axis=-1, keepdims=True), jnp.sum(y, axis=-1)
+        shapes, dtypes, outs = [(1, n)], [dtype], (out_dtype, out_dtype, jnp.float32)
     elif name == "amax":  # an output and its amax, the next FP8 scale's input
         fn = lambda acc, bias: (acc + bias, jnp.max(jnp.abs(acc + bias)))  # noqa: E731
         shapes, dtypes, outs = [(1, n)], [dtype], (out_dtype, jnp.float32)
@@ -296,7 +309,8 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
         shapes = [acc_shape, (batch, 1, n) if batch else (1, n), (m, 1), (batch, 1, 1) if batch else ()]
         dtypes = [dtype, jnp.float32, dtype, jnp.float32]
         outs = {"D": out_dtype, "Y": jnp.float32, "Z": jnp.float16}
-    static = {"multi": {"alpha": 2.0}, "scaled_amax": {"scale": 0.25}, "fp8_grad_pass": {"inv_scale": 0.5}}.get(name, {})
+    static = {"multi": {"alpha": 2.0}, "scaled_amax": {"scale": 0.25}, "fp8_grad_pass": {"inv_scale": 0.5},
+              "softmax_norm": {"scale": 0.125}}.get(name, {})
     ir, *_ = trace_epilogue(fn, acc_shape, shapes, dtypes, static, {}, outs, out_dtype, gated=gated)
     if name.startswith("masked"):  # the first output over operand 0
         ir = with_masked_stores(ir.with_outputs([dataclasses.replace(o, inplace=0 if k == 0 else None)
@@ -304,7 +318,7 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
         assert ir.outputs[0].mask is not None
     if transposed:
         ir = ir.with_outputs([dataclasses.replace(o, transposed=o.name in transposed.split(",")) for o in ir.outputs])
-    split = split_at_reductions(ir)
+    split = split_at_reductions(ir, rows_in_tile(ir, n))
     assert None not in split.direct  # every reduction is one the GEMM computes
     gemm = split.gemm.with_outputs([dataclasses.replace(o, atomic=atomic and bool(o.reduce))
                                     for o in split.gemm.outputs])
@@ -437,7 +451,7 @@ def check_variant(result: dict, variant: tuple, stream_k: bool | None = None) ->
     # each tile's slice of a ROW/COL vector is prefetched into L1 ahead of its epilogue
     assert ("prefetch.global.L1" in ptx) == (epilogue in ("bias_gelu", "bias_silu", "multi", "int_multi",
                                                          "bias_gelu_colsum", "amax", "all_reductions",
-                                                         "swiglu"))
+                                                         "swiglu", "softmax_norm"))
     if epilogue in ("alpha_beta", "f32_tile", "multi", "geglu_tile"):
         # TILE operands are TMA-loaded into smem and read from there (16-bit ones by
         # ldmatrix), not gathered from global memory ("multi" still gathers its row/column

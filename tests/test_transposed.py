@@ -171,8 +171,13 @@ def test_reductions_and_what_follows_them_are_not_transposed():
     a, b = jnp.ones((64, 32)), jnp.ones((32, 48))
     with pytest.raises(ValueError, match="transposed_outputs: output '1' is a reduction, or computed after one"):
         efc.gemm(a, b, lambda acc: (acc, jnp.sum(acc, axis=0)), transposed_outputs=1)
+    wide = jnp.ones((32, 300))  # rows wider than a tile: the softmax's exponentials and sum run in XLA
     with pytest.raises(ValueError, match="transposed_outputs: output '0' is a reduction, or computed after one"):
-        efc.gemm(a, b, lambda acc: jax.nn.softmax(acc, axis=-1), transposed_outputs=True)
+        efc.gemm(a, wide, lambda acc: jax.nn.softmax(acc, axis=-1), transposed_outputs=True)
+    # rows a tile spans: the GEMM computes the whole softmax, and stores it transposed
+    p = efc.gemm(a, b * jnp.arange(48.0), lambda acc: jax.nn.softmax(acc, axis=-1), transposed_outputs=True)
+    np.testing.assert_allclose(np.asarray(p), np.asarray(jax.nn.softmax(a @ (b * jnp.arange(48.0)), axis=-1)).T,
+                               rtol=1e-6)
     # the tile beside a reduction may be transposed
     y, s = efc.gemm(a, b, lambda acc: (acc, jnp.sum(acc, axis=0)), transposed_outputs=0)
     assert y.shape == (48, 64) and s.shape == (48,)

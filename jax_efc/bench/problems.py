@@ -57,6 +57,9 @@ EIGHT_BIT_EPILOGUES = tuple(f"{layout}{mode}:{e}" for mode in ("", "fast") for l
 # in one run, what the reduction costs the kernel (run only when asked); "-atomic": the sums
 # folded across tiles by atomics (gemm(deterministic=False))
 REDUCTION_EPILOGUES = ("bias+gelu_tanh+colsum", "bias+gelu_tanh+colsum-atomic")
+# a row softmax of a narrow layer (a router's or a classifier's logits, N <= 256), which the
+# kernel finishes in tiles that span the rows, against plain JAX's softmax; run only when asked
+ROW_EPILOGUES = ("bias+softmax",)
 # fp8_dense's training step (output, gradients of x, kernel and bias; delayed scaling from a
 # one-entry history): "fp8train:" against Flax's FP8 Dense on XLA with the same meta,
 # "fp8train-fast:" the same with fast accumulation (as XLA's FP8 dot), and "fp8train-bf16:"
@@ -71,7 +74,7 @@ FP8_TRAIN_STEPS = ("fp8train:bias+gelu_tanh", "fp8train-fast:bias+gelu_tanh", "f
 GROUPED_EPILOGUES = ("grouped:bias+silu", "grouped-skewed:bias+silu", "grouped-wgrad:gemm",
                      "grouped-wgrad-skewed:gemm")
 NAMED_EPILOGUES = (EPILOGUES + TRAIN_EPILOGUES + MLP_STEPS + SCAN_EPILOGUES + EIGHT_BIT_EPILOGUES
-                   + REDUCTION_EPILOGUES + FP8_TRAIN_STEPS + GATED_EPILOGUES
+                   + REDUCTION_EPILOGUES + ROW_EPILOGUES + FP8_TRAIN_STEPS + GATED_EPILOGUES
                    + GROUPED_EPILOGUES)  # every name --epilogues takes
 ALPHA_BETA_SCALARS = {"alpha": 2.0, "beta": 1.0, "x_factor": 3.0}
 
@@ -106,6 +109,10 @@ class Problem:
 
 def _identity(acc: Any) -> Any:
     return acc
+
+
+def _bias_softmax(acc: Any, bias: Any) -> Any:
+    return jax.nn.softmax(acc + bias, axis=-1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -486,6 +493,8 @@ def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
 
         return epilogue_problem(epilogue, with_colsum, shape, dtype, [("row", dtype)],
                                 out_dtypes=(dtype, jnp.float32), config=config, ours=atomic)
+    if epilogue in ROW_EPILOGUES:
+        return epilogue_problem(epilogue, _bias_softmax, shape, dtype, [("row", dtype)], config=config)
     if epilogue.startswith("bias+"):
         act = epilogue[len("bias+"):]
         fn = _bias_activation(act)

@@ -30,6 +30,17 @@ def unverified_allowed() -> bool:
     return os.environ.get("JAX_EFC_UNVERIFIED_KERNELS", "0") not in ("", "0")
 
 
+def _ancestors(ir: EpilogueIR, value: int) -> list[int]:
+    """``value`` and every value it is computed from."""
+    seen, stack = set(), [value]
+    while stack:
+        v = stack.pop()
+        if v not in seen:
+            seen.add(v)
+            stack.extend(ir.instrs[v - len(ir.inputs)].args if v >= len(ir.inputs) else ())
+    return sorted(seen)
+
+
 class ArchPolicy:
     """One architecture's limits and heuristic. Subclasses set the class attributes and
     implement :meth:`config_reason`, :meth:`resources_reason` and :meth:`choose_config`."""
@@ -64,6 +75,12 @@ class ArchPolicy:
     grouped_kernel: bool = False
     verified_grouped: bool = False
     verified_grouped_k: bool = False  # of those, groups of the contraction (KernelProblem.ragged_k)
+    # whether the kernel finishes reductions over N inside a tile that spans the rows and
+    # evaluates what consumes them (KernelProblem.row_stats: a row softmax, a row norm), the
+    # tile widths it may take for them, and whether that has run on a GPU of this architecture
+    row_stats_kernel: bool = False
+    row_tile_ns: tuple[int, ...] = ()
+    verified_row_stats: bool = False
     # GEMMs the heuristic hands to XLA's GEMM (xla_faster_reason): at most this many rows per B
     # (None: none are), or more rows in 128x128 tiles that fill less than this share of the SMs
     xla_rows: int | None = None
@@ -102,6 +119,8 @@ class ArchPolicy:
             return f"the {self.arch} kernel's gated epilogue (gate and up columns paired)"
         if not self.verified_grouped and problem.groups:
             return f"the {self.arch} grouped (ragged) GEMM kernel"
+        if not self.verified_row_stats and problem.row_stats:
+            return f"the {self.arch} kernel's row reductions consumed inside the tile (a row softmax or norm)"
         if not self.verified_grouped_k and problem.ragged_k:
             return f"the {self.arch} grouped GEMM over groups of the contraction (a grouped weight gradient)"
         return None
@@ -162,7 +181,8 @@ class ArchPolicy:
         if len(problem.operand_batched) != len(problem.ir.operands):
             return "operand_batched must have one flag per epilogue operand."
         reason = (self.config_reason(problem.config) or self._ir_reason(problem.ir)
-                  or self.gated_reason(problem) or self.grouped_reason(problem) or self.resources_reason(problem))
+                  or self.gated_reason(problem) or self.grouped_reason(problem) or self.row_stats_reason(problem)
+                  or self.resources_reason(problem))
         if reason or mnkl is None:
             return reason
         return self._shape_reason(problem, mnkl)
@@ -189,6 +209,39 @@ class ArchPolicy:
             # (the up projection's bare accumulator would be stored from its fp32 copy)
             return "the gated epilogue reads integer accumulators as fp32 only; XLA computes 8-bit integer ones."
         return None
+
+    def row_stats_reason(self, problem: KernelProblem) -> str | None:
+        """Why the kernel cannot finish ``problem``'s consumed reductions inside its tiles
+        (``None``: it can, or there are none): each is over N alone, and what they reduce reads
+        no tile operand (those arrive a subtile at a time, as the outputs are stored)."""
+        if not problem.row_stats:
+            return None
+        if not self.row_stats_kernel:
+            return f"the {self.arch} kernel does not finish reductions inside its tiles; XLA computes what uses them."
+        ir = problem.program
+        if problem.groups or ir.gated:
+            return "grouped and gated GEMMs do not consume reductions inside the kernel; XLA computes what uses them."
+        for ins in ir.instrs:
+            if ins.op == "reduce" and ins.attr[1] != ("n",):
+                return (f"the epilogue consumes a {ins.attr[0]} over {ins.attr[1]}; the kernel finishes only "
+                        "reductions over N (a row's), inside a tile as wide as the row.")
+        tiles = {i + ir.n_acc for i, x in enumerate(ir.operands) if x.role is Role.TILE}
+        if any(set(_ancestors(ir, i.args[0])) & tiles for i in ir.instrs if i.op == "reduce"):
+            return ("the epilogue reduces a value that reads a tile operand; the kernel reads those only as it "
+                    "stores, after its reductions, so XLA computes what uses them.")
+        return None
+
+    def row_fit(self, problem: KernelProblem, config: GemmConfig, n: int) -> GemmConfig:
+        """``config`` with a tile as wide as the rows of ``n`` columns where ``problem`` consumes
+        reductions over N inside it: the narrowest of ``row_tile_ns`` that holds them."""
+        if not problem.row_stats or cta_tile(config)[1] >= n or not self.row_tile_ns:
+            return config
+        tile_n = min((t for t in self.row_tile_ns if t >= n), default=max(self.row_tile_ns))
+        return self.row_tile(config, tile_n)
+
+    def row_tile(self, config: GemmConfig, tile_n: int) -> GemmConfig:
+        """``config`` with ``tile_n`` columns, for :meth:`row_fit`."""
+        return dataclasses.replace(config, tile_n=tile_n, cluster_n=1)
 
     def grouped_reason(self, problem: KernelProblem) -> str | None:
         """Why the kernel cannot run ``problem`` as a grouped GEMM (``None``: it can, or it is not
@@ -319,6 +372,10 @@ class ArchPolicy:
                 return (f"tile operand {inp.name} ({inp.dtype}) has N={n}, not a multiple of {a} "
                         f"elements (16 bytes), which its TMA load requires; pad N to a multiple "
                         f"of {a}.")
+        if problem.row_stats and cta_tile(problem.config)[1] < n:
+            return (f"the epilogue consumes a reduction over N, which a tile finishes only when it spans the "
+                    f"row: tile_n={cta_tile(problem.config)[1]} is narrower than N={n}; use a tile_n of at least "
+                    f"{n}, or leave the config to the heuristic.")
         for out in problem.ir.outputs:
             a = align_elems(out.dtype)
             if out.transposed and m % a:

@@ -101,6 +101,12 @@ class KernelProblem:
         return masked_stores(self.ir, [stored[i] for i, _ in self.aliased])
 
     @property
+    def row_stats(self) -> bool:
+        """Whether the program consumes reductions (each over N) inside the tile: the kernel
+        finishes them over the tile's rows before it evaluates what uses them."""
+        return any(i.op == "reduce" for i in self.ir.instrs)
+
+    @property
     def tile_k(self) -> int:
         return tile_k(self.ab_dtype)
 
@@ -148,15 +154,18 @@ def round_up(x: int, multiple: int) -> int:
 def epilogue_smem_bytes(problem: KernelProblem, threads: int) -> int:
     """Shared memory the epilogue's buffers take when ``threads`` threads run each tile's
     epilogue: ``EPI_STAGES`` subtiles per stored output and per TILE operand, and each reducing
-    output's fp32 staging subtile and lane buffers, every buffer a whole number of 1 KiB blocks."""
+    output's and each reduction the program consumes (over N) its buffer where warps meet, every
+    buffer a whole number of 1 KiB blocks."""
     epi_m, epi_n = epilogue_tile(problem.config)
     dtypes = [o.dtype for o in problem.ir.outputs if not o.reduce] + \
         [problem.ir.operands[i].dtype for i in tile_operand_indices(problem.ir)]
     total = sum(round_up(epi_m * epi_n * bits(d) // 8 * EPI_STAGES, SMEM_ALIGN) for d in dtypes)
     if problem.groups:  # the grouped walk's table: two int32 per group and two more entries
         total += round_up(8 * (problem.groups + 2), SMEM_ALIGN)
-    return total + sum(round_up(4 * reduction_smem_floats(o.over, (epi_m, epi_n), threads), SMEM_ALIGN)
-                       for o in problem.ir.outputs if o.reduce)
+    total += sum(round_up(4 * reduction_smem_floats(o.over, (epi_m, epi_n), threads), SMEM_ALIGN)
+                 for o in problem.ir.outputs if o.reduce)
+    return total + sum(round_up(4 * reduction_smem_floats(("n",), (epi_m, epi_n), threads), SMEM_ALIGN)
+                       for i in problem.ir.instrs if i.op == "reduce")
 
 
 def tile_operand_indices(ir: EpilogueIR) -> tuple[int, ...]:

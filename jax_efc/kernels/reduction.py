@@ -207,6 +207,20 @@ class TileReduction:
                     buf[(at, holder)] = total
                 running[j] = self.identity()
 
+    @cute.jit
+    def collect(self, lanes: LaneMap, buf: cute.Tensor, totals: cute.Tensor, s: int, coords: list, origin: tuple):
+        """After :meth:`publish` and a barrier: this thread's totals of the positions subtile
+        ``s`` closes, each combined over the warps that hold it in :meth:`flush`'s order, into
+        its registers ``totals`` (a reduction the program consumes)."""
+        if cutlass.const_expr(self.closes(s)):
+            for c in cutlass.range_constexpr(len(lanes.closing[s])):
+                j, v = lanes.closing[s][c]
+                at = self.position(s, (coords[v][0] - origin[0], coords[v][1] - origin[1]))
+                total = buf[(at, 0)]
+                for h in cutlass.range_constexpr(1, 1 << len(lanes.holders)):
+                    total = self.combine(total, buf[(at, h)])
+                totals[j] = total
+
     def target(self, s: int, position, m_idx, n_idx, extent: tuple) -> tuple:
         """((row, column) in the partials, or in the result where the output is ``atomic``,
         whether to write) for ``position`` of subtile ``s`` in tile (m_idx, n_idx) (Python or

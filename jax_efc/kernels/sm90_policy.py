@@ -145,6 +145,8 @@ class Sm90Policy(ArchPolicy):
     grouped_kernel = True
     verified_grouped = True
     verified_grouped_k = True
+    row_stats_kernel = True
+    row_tile_ns = _TILE_N
 
     def accumulator_reason(self, problem: KernelProblem) -> str | None:
         if problem.acc_dtype == "float16" and problem.ab_dtype != "float16":
@@ -236,7 +238,14 @@ class Sm90Policy(ArchPolicy):
         and 128x192 tiles qualify when some subtile leaves them 5), else 64-wide ones where the
         ring keeps enough stages (128x128 ping-pong, 128x256).
         """
-        return self.grouped_fit(problem, self.gated_fit(problem, self._tile_choice(problem, m, n, k, l, sm_count)))
+        config = self.grouped_fit(problem, self.gated_fit(problem, self._tile_choice(problem, m, n, k, l, sm_count)))
+        return self.row_fit(problem, config, n)
+
+    def row_tile(self, config: GemmConfig, tile_n: int) -> GemmConfig:
+        # cooperative tiles of 128 rows hold rows of any width up to 256 (128 accumulators a thread
+        # at 256, where a ping-pong warpgroup would hold 256)
+        return dataclasses.replace(config, tile_m=128, tile_n=tile_n, pingpong=False, cluster_n=1,
+                                   cluster_m=min(config.cluster_m, 2), epi_m=0, raster="m")
 
     def candidate_configs(self, problem: KernelProblem, m: int, n: int, k: int, l: int,
                           sm_count: int = DEFAULT_SM_COUNT) -> list[GemmConfig]:

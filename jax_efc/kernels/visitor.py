@@ -52,8 +52,12 @@ class EpilogueVisitor:
         self.live = tuple(ir.uses(i + ir.n_acc) for i in range(len(ir.operands)))
         # a paced evaluation hands each group's last arithmetic result on to the next group;
         # None where the program does no arithmetic, so pacing has nothing to spread
-        arithmetic = [k for k, ins in enumerate(ir.instrs) if ins.op not in ("const", "convert")]
+        arithmetic = [k for k, ins in enumerate(ir.instrs) if ins.op not in ("const", "convert", "reduce")]
         self.pace_link = len(ir.inputs) + arithmetic[-1] if arithmetic else None
+        self.row_passes = _row_passes(ir)
+        # the values (and operands) each pass over the tile computes to fold its reductions
+        self.pass_needs = tuple(_needed(ir, [ir.instrs[v - len(ir.inputs)].args[0] for v, _ in p])
+                                for p in self.row_passes)
 
     def _gather(self, tensor: cute.Tensor, role: Role, batch, coords: Sequence[tuple],
                 extent_mn, like: cute.TensorSSA) -> cute.TensorSSA:
@@ -84,10 +88,37 @@ class EpilogueVisitor:
             ptr = tensor.iterator + cute.crd2idx(coord, tensor.layout)
             cute.arch.prefetch(ptr.to_llvm_ptr(), cache_level="L1")
 
+    def _inputs(self, acc, up, coords, operands, extent_mn, batch, preloaded: dict, needed=None) -> list:
+        """The program's inputs for one subtile: the accumulators, then each operand a value in
+        ``needed`` (default: an output) reads, gathered or ``preloaded``; None for the rest."""
+        ir = self.ir
+        values: list = [acc] if up is None else [acc, up]
+        for i, (inp, tensor) in enumerate(zip(ir.operands, operands)):
+            if not (self.live[i] if needed is None else i + ir.n_acc in needed):
+                values.append(None)
+                continue
+            b = batch if self.operand_batched[i] else 0
+            if i in preloaded:
+                values.append(preloaded[i])
+            elif inp.role is Role.SCALAR:
+                values.append(full(acc, tensor[(0, 0, b)].to(cutlass.Float32), cutlass.Float32))
+            else:
+                values.append(self._gather(tensor, inp.role, b, coords, extent_mn, acc))
+        return values
+
+    def row_values(self, p: int, acc: cute.TensorSSA, coords: Sequence[tuple], operands: Sequence[cute.Tensor],
+                   extent_mn, batch, given: dict) -> list[cute.TensorSSA]:
+        """The fp32 values pass ``p`` over the tile folds into its reductions
+        (``row_passes[p]``), for one subtile; ``given``: the earlier passes' reductions, value id ->
+        fragment of the totals at the subtile's rows."""
+        needs = self.pass_needs[p]
+        values = self._run(self._inputs(acc, None, coords, operands, extent_mn, batch, {}, needs), given, needs)
+        return [f32(values[self.ir.instrs[v - len(self.ir.inputs)].args[0]]) for v, _ in self.row_passes[p]]
+
     def __call__(self, acc: cute.TensorSSA, coords: Sequence[tuple],
                  operands: Sequence[cute.Tensor], extent_mn, batch,
                  preloaded: dict, paced: bool = False, raw: cute.TensorSSA | None = None,
-                 up: cute.TensorSSA | None = None) -> list[cute.TensorSSA]:
+                 up: cute.TensorSSA | None = None, given: dict | None = None) -> list[cute.TensorSSA]:
         """The outputs for one subtile: each stored output converted to its storage dtype,
         then the fp32 value each reducing output reduces, then each masked output's mask.
 
@@ -105,22 +136,14 @@ class EpilogueVisitor:
         group's last arithmetic result, so that the fp32 work issues as that many dependent
         chains instead of as densely as the compiler can schedule it. Slower on its own; for
         epilogues that run under another warpgroup's WGMMAs, which dense fp32 issue slows.
+
+        ``given``: every reduction the program consumes (``row_passes``), as :meth:`row_values`
+        takes them.
         """
-        ir = self.ir
-        values: list = [acc] if up is None else [acc, up]
-        for i, (inp, tensor) in enumerate(zip(ir.operands, operands)):
-            if not self.live[i]:
-                values.append(None)
-                continue
-            b = batch if self.operand_batched[i] else 0
-            if i in preloaded:
-                values.append(preloaded[i])
-            elif inp.role is Role.SCALAR:
-                values.append(full(acc, tensor[(0, 0, b)].to(cutlass.Float32), cutlass.Float32))
-            else:
-                values.append(self._gather(tensor, inp.role, b, coords, extent_mn, acc))
+        values = self._inputs(acc, up, coords, operands, extent_mn, batch, preloaded)
+        given = given or {}
         if not paced:
-            return self._outputs(self._run(values), raw)
+            return self._outputs(self._run(values, given), raw)
         size = cute.size(acc.shape)
         assert size % PACE_CHAINS == 0, f"{size} values do not split into {PACE_CHAINS} chains"
         zero = opaque_zero()
@@ -130,7 +153,7 @@ class EpilogueVisitor:
             group = [None if v is None else take(v, start, PACE_CHAINS) for v in values]
             if link is not None:
                 group[0] = tie(group[0], link, zero)
-            results = self._run(group)
+            results = self._run(group, {k: take(v, start, PACE_CHAINS) for k, v in given.items()})
             raw_part = None if raw is None else take(raw, start, PACE_CHAINS)
             for out, part in zip(outs, self._outputs(results, raw_part)):
                 for k in range(PACE_CHAINS):
@@ -138,10 +161,17 @@ class EpilogueVisitor:
             link = convert(results[self.pace_link], cutlass.Float32)
         return [out.load() for out in outs]
 
-    def _run(self, values: list) -> list:
-        """``values`` (the program's inputs) extended by every instruction's result."""
+    def _run(self, values: list, given: dict, needed: frozenset | None = None) -> list:
+        """``values`` (the program's inputs) extended by every instruction's result: a
+        reduction's from ``given``; None for one not ``needed`` (default: all are)."""
         for ins in self.ir.instrs:
-            values.append(self._instr(ins, [values[a] for a in ins.args], values[0]))
+            v = len(values)
+            if v in given:
+                values.append(given[v])
+            elif needed is not None and v not in needed:
+                values.append(None)
+            else:
+                values.append(self._instr(ins, [values[a] for a in ins.args], values[0]))
         return values
 
     def _outputs(self, values: list, raw: cute.TensorSSA | None = None) -> list[cute.TensorSSA]:
@@ -166,3 +196,30 @@ class EpilogueVisitor:
             return round_to(integer_pow(f32(args[0]), ins.attr), dtype)
         result = FLOAT_OPS[ins.op](*[f32(a) for a in args])
         return result if dtype is cutlass.Boolean else round_to(result, dtype)
+
+
+def _row_passes(ir: EpilogueIR) -> tuple[tuple[tuple[int, str], ...], ...]:
+    """The reductions the program consumes (over N: ``KernelProblem.row_stats``) as (value id,
+    kind), by the pass over the tile that finishes them: pass p those whose value needs p
+    earlier reductions (a softmax's max in the first, its sum of exponentials in the second)."""
+    n_in, depth = len(ir.inputs), [0] * len(ir.inputs)
+    passes: dict[int, list] = {}
+    for j, ins in enumerate(ir.instrs):
+        d = max((depth[a] for a in ins.args), default=0)
+        if ins.op == "reduce":
+            passes.setdefault(d, []).append((n_in + j, ins.attr[0]))
+            d += 1
+        depth.append(d)
+    return tuple(tuple(passes[p]) for p in sorted(passes))
+
+
+def _needed(ir: EpilogueIR, values: Sequence[int]) -> frozenset:
+    """``values`` and what they are computed from, up to (and with) the reductions they read."""
+    n_in, seen, stack = len(ir.inputs), set(), list(values)
+    while stack:
+        v = stack.pop()
+        if v not in seen:
+            seen.add(v)
+            if v >= n_in and ir.instrs[v - n_in].op != "reduce":
+                stack.extend(ir.instrs[v - n_in].args)
+    return frozenset(seen)
