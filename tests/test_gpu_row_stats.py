@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import jax_efc as efc
+from test_row_stats import oracle as _oracle, softmax_norm as _epilogue
 
 pytestmark = pytest.mark.gpu
 
@@ -20,19 +21,6 @@ pytestmark = pytest.mark.gpu
 def kernel_only(monkeypatch):
     monkeypatch.setenv("JAX_EFC_STRICT", "1")
     monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
-
-
-def _epilogue(acc, bias):
-    y = acc * 0.5 + bias
-    return {"p": jax.nn.softmax(y, axis=-1), "u": y / jnp.linalg.norm(y, axis=-1, keepdims=True),
-            "lse": jnp.log(jnp.sum(jnp.exp(y - 4.0), axis=-1)), "y": y}
-
-
-def _oracle(a, b, bias):
-    y = np.matmul(np.asarray(a, np.float64), np.asarray(b, np.float64)) * 0.5 + np.asarray(bias, np.float64)
-    e = np.exp(y - y.max(-1, keepdims=True))
-    return {"p": e / e.sum(-1, keepdims=True), "u": y / np.sqrt((y * y).sum(-1, keepdims=True)),
-            "lse": np.log(np.exp(y - 4.0).sum(-1)), "y": y}
 
 
 OUT_DTYPES = {"p": jnp.bfloat16, "u": jnp.float32, "lse": jnp.float32, "y": jnp.bfloat16}
