@@ -8,9 +8,9 @@
 #             ragged_dot, Pallas's Mosaic GPU ragged dot and a dense GEMM of the same FLOPs; an
 #             MoE layer's training step against ragged_dot's
 #   fused     the gated GEMMs' speed, alone and in an MLP's training step; the epilogue
-#             reductions' cost (deterministic and by atomics)
+#             reductions' cost (deterministic and by atomics); a row softmax in the kernel
 #   tests     the rest of the GPU tests but `stores`' (the compute-sanitizer runs, marked slow, apart)
-#   stores    the epilogue reductions', transposed and masked outputs' GPU tests
+#   stores    the epilogue reductions' (in-tile row ones too), transposed and masked outputs' GPU tests
 #   examples  each example at a GPU size, `jax-efc run`, info and selftest
 #   bench     the benchmark's shapes with both XLA baselines, the 8-bit epilogues, TF32,
 #             autotuning's gain over the heuristic, and one config timed twice (the spread)
@@ -47,14 +47,16 @@ if want fused; then
     --epilogues train:gated_mlp+silu,train:interleaved_mlp+silu --shapes 8192,14336,4096
   step bench-reduce python3 benchmarks/run.py --json "$logs/bench-reduce.json" \
     --epilogues bias+gelu_tanh,bias+gelu_tanh+colsum,bias+gelu_tanh+colsum-atomic --shapes $shapes
+  step bench-row python3 benchmarks/run.py --json "$logs/bench-row.json" --epilogues gemm,bias+softmax \
+    --shapes 16384,128,4096 16384,64,4096
 fi
 if want tests; then
   step gpu-tests python3 -m pytest -q -m "gpu and not slow" tests \
-    --deselect tests/test_gpu_grouped.py --deselect tests/test_fuzz_grouped.py --deselect tests/test_gpu_reductions.py --deselect tests/test_transposed.py --deselect tests/test_masked_stores.py
+    --deselect tests/test_gpu_grouped.py --deselect tests/test_fuzz_grouped.py --deselect tests/test_gpu_reductions.py --deselect tests/test_gpu_row_stats.py --deselect tests/test_transposed.py --deselect tests/test_masked_stores.py
 fi
 if want stores; then
-  step stores python3 -m pytest -q -m gpu tests/test_gpu_reductions.py tests/test_transposed.py \
-    tests/test_masked_stores.py
+  step stores python3 -m pytest -q -m gpu tests/test_gpu_reductions.py tests/test_gpu_row_stats.py \
+    tests/test_transposed.py tests/test_masked_stores.py
 fi
 if want examples; then
   step jax-efc-run python3 -m jax_efc run --mnkl 8192,8192,8192,1 --ab_dtype Float16 --c_dtype Float16 \

@@ -381,9 +381,11 @@ class Split:
         return [outs[d] if d is not None else next(later) for d in self.direct]
 
 
-# the widest output tile of any kernel (Hopper's and Blackwell's): a program whose reductions
-# are all over N, of rows at most this wide, finishes them inside one tile
-ROW_TILE_N = 256
+# the widest rows whose consumed reductions the GEMM finishes inside one tile. Tiles reach 256
+# columns, but a row softmax of 16384 x 256 x 4096 took 0.094-0.101 ms there on an H200, against
+# XLA's 0.059-0.061 (its kernel 88 us in 128x256 tiles, where bias+gelu_tanh's took 49), and at
+# 128 columns 0.059 against 0.049-0.064 (benchmarks/FINDINGS.md, "Eighth sitting")
+ROW_TILE_N = 128
 
 
 def rows_in_tile(ir: EpilogueIR, n: int) -> bool:

@@ -39,7 +39,7 @@ def _check(got, want, rows=slice(None)):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "heuristic" if c is None else
                          f"{c.tile_m}x{c.tile_n}_{c.cluster_m}x{c.cluster_n}{'_pp' if c.pingpong else ''}")
-@pytest.mark.parametrize("shape", [(1000, 200, 1024), (2296, 128, 4104), (4096, 64, 512)])
+@pytest.mark.parametrize("shape", [(1000, 120, 1024), (2296, 128, 4104), (4096, 64, 512)])
 def test_row_softmax_and_norm_against_the_oracle(rng, config, shape):
     m, n, k = shape
     if config is not None and config.tile_n < n:

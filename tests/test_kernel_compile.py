@@ -191,8 +191,8 @@ REDUCTION_VARIANTS = {
                                                                             "raster": "n", "epi_m": 64}),
                                                           "bias_gelu_colsum"),
     # reductions the epilogue consumes, finished inside a tile that spans the rows (two passes)
-    "bf16_softmax_norm_128x256_stream_k": ("bfloat16", False, False, None, (128, 256, 1, 1), "softmax_norm",
-                                           (8192, 200, 4096)),
+    "bf16_softmax_norm_128x128_stream_k": ("bfloat16", False, False, None, (128, 128, 1, 1), "softmax_norm",
+                                           (8192, 120, 4096)),
     "bf16_softmax_norm_transposed_128x128": ("bfloat16", False, False, None, (128, 128, 1, 1), "softmax_norm/0",
                                              (4096, 96, 1024)),
     "bf16_pingpong_softmax_norm_128x128_epi64_stream_k": ("bfloat16", False, True, None,

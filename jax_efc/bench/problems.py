@@ -57,8 +57,9 @@ EIGHT_BIT_EPILOGUES = tuple(f"{layout}{mode}:{e}" for mode in ("", "fast") for l
 # in one run, what the reduction costs the kernel (run only when asked); "-atomic": the sums
 # folded across tiles by atomics (gemm(deterministic=False))
 REDUCTION_EPILOGUES = ("bias+gelu_tanh+colsum", "bias+gelu_tanh+colsum-atomic")
-# a row softmax of a narrow layer (a router's or a classifier's logits, N <= 256), which the
-# kernel finishes in tiles that span the rows, against plain JAX's softmax; run only when asked
+# a row softmax of a narrow layer (a router's or a classifier's logits), which the kernel finishes
+# in tiles that span the rows (N <= epilogue.ROW_TILE_N), against plain JAX's softmax; run only
+# when asked
 ROW_EPILOGUES = ("bias+softmax",)
 # fp8_dense's training step (output, gradients of x, kernel and bias; delayed scaling from a
 # one-entry history): "fp8train:" against Flax's FP8 Dense on XLA with the same meta,

@@ -122,8 +122,9 @@ class Sm90Policy(ArchPolicy):
     acc_dtypes = ("float32", "float16", "int32")
     xla_rows = _XLA_ALWAYS_ROWS
     xla_fill = _XLA_FILL
-    # ran against the float64 oracle on an H100 (tests/test_gpu_reductions.py: every reduction
-    # kind over partial tiles, clusters, both schedules, stream-K, a batch, NaN, poisoned partials)
+    # ran against the float64 oracle (tests/test_gpu_reductions.py: every reduction kind over
+    # partial tiles, clusters, both schedules, stream-K, a batch, NaN, poisoned partials), the
+    # register fold on an H200
     verified_reductions = True
     # ran over donated operands on an H100 (tests/test_inplace.py), both schedules
     verified_inplace = True
@@ -145,8 +146,12 @@ class Sm90Policy(ArchPolicy):
     grouped_kernel = True
     verified_grouped = True
     verified_grouped_k = True
+    # ran against the float64 oracle on an H200 (tests/test_gpu_row_stats.py: a row softmax, norm
+    # and log-sum-exp at once over partial tiles, both schedules, clusters, stream-K, a batch, NaN
+    # and infinite inputs, a transposed output)
     row_stats_kernel = True
     row_tile_ns = _TILE_N
+    verified_row_stats = True
 
     def accumulator_reason(self, problem: KernelProblem) -> str | None:
         if problem.acc_dtype == "float16" and problem.ab_dtype != "float16":
