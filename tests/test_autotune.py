@@ -41,18 +41,23 @@ def test_a_lead_must_hold_in_a_second_sitting():
     assert asked == [2, 2]  # nothing to confirm: no second sitting
 
 
-def test_candidates_start_with_the_heuristic_and_all_run():
+@pytest.mark.parametrize("sm_count", [132, 114, 78, 144])  # H100/H200 SXM, H100 PCIe, smaller and larger parts
+@pytest.mark.parametrize("m, n, k", [(8192, 8192, 8192), (1000, 4096, 4096), (16384, 14336, 4096)])
+def test_candidates_start_with_the_heuristic_and_all_run(m, n, k, sm_count):
+    """On a GPU of any SM count, what autotuning times starts with the heuristic's own config,
+    and every candidate is one the kernel runs."""
     from jax_efc.kernels import policy
     from jax_efc.plan import plan_kernel
     from jax_efc.tracing import trace_epilogue
 
-    ir, *_ = trace_epilogue(lambda acc: acc, (8192, 8192), [], [], {}, {}, None, jnp.bfloat16)
-    spec = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16)
-    plan = plan_kernel(ir, spec, spec, [], transpose_a=False, transpose_b=False, acc_dtype=jnp.float32,
+    ir, *_ = trace_epilogue(lambda acc: acc, (m, n), [], [], {}, {}, None, jnp.bfloat16)
+    a, b = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+    plan = plan_kernel(ir, a, b, [], transpose_a=False, transpose_b=False, acc_dtype=jnp.float32,
                        config=None, arch="sm_90a")
     pol = policy("sm_90a")
-    configs = pol.candidate_configs(plan.problem, *plan.mnkl, sm_count=132)
-    assert configs[0] == plan.config and len(set(configs)) == len(configs) > 1
+    configs = pol.candidate_configs(plan.problem, *plan.mnkl, sm_count=sm_count)
+    assert configs[0] == pol.choose_config(plan.problem, *plan.mnkl, sm_count=sm_count)
+    assert len(set(configs)) == len(configs) > 1
     assert all(pol.unsupported_reason(dataclasses.replace(plan.problem, config=c), plan.mnkl) is None for c in configs)
 
 
