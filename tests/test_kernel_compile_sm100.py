@@ -92,6 +92,11 @@ SM100_VARIANTS = {
     "bf16_2cta_256x128_all_reductions_batched": ("bfloat16", False, False, 2,
                                                  (256, 128, 2, 1, {"use_2cta": True}), "all_reductions"),
     "fp8e4m3_64x128_scaled_amax": ("float8_e4m3fn", False, True, None, (64, 128, 1, 1), "scaled_amax"),
+    # a row softmax, norm and sum finished in tiles that span the rows (two walks before the stores)
+    "bf16_128x128_softmax_norm_stream_k": ("bfloat16", False, True, None, (128, 128, 1, 1), "softmax_norm",
+                                           (2296, 128, 4104)),
+    "bf16_2cta_256x128_c2x1_softmax_norm": ("bfloat16", False, False, None, (256, 128, 2, 1, {"use_2cta": True}),
+                                            "softmax_norm", (1000, 120, 1024)),
 }
 
 # the tcgen05 MMA kind of each input type
@@ -584,6 +589,21 @@ def test_reductions_meet_on_the_tensor_memory_layout(walk_maps, name, over, rng)
     tile = tuple(info["cta_tile"])
     red = TileReduction("max", over, tuple(info["epi_tile"]), tile, 128, info["epi_blocks"])
     check_tile_reduction(red, lambda t: [[tuple(p) for p in sub] for sub in info["threads"][t]["tile"]], tile, rng)
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("name", list(_WALKS))
+def test_row_totals_reach_every_thread_on_the_tensor_memory_layout(walk_maps, name, rng):
+    """A reduction the epilogue consumes over N (a row softmax's), on Blackwell's layout: every
+    thread reads back the totals of the rows it holds (``test_row_stats.check_row_totals``)."""
+    from test_row_stats import check_row_totals
+
+    from jax_efc.kernels.reduction import TileReduction
+
+    info = walk_maps[name]
+    tile = tuple(info["cta_tile"])
+    red = TileReduction("sum", ("n",), tuple(info["epi_tile"]), tile, 128, info["epi_blocks"])
+    check_row_totals(red, lambda t: [[tuple(p) for p in sub] for sub in info["threads"][t]["tile"]], rng)
 
 
 if __name__ == "__main__":

@@ -136,6 +136,9 @@ def test_refusals_name_the_cause(monkeypatch):
     monkeypatch.setattr(type(hopper), "verified_row_stats", False)
     assert "row reductions consumed inside the tile" in hopper.unverified_reason(plan.problem)
     plan = _plan(monkeypatch, softmax_norm, 4096, 128, 1024, arch="sm_100a")
+    assert plan.backend == "kernel" and plan.config.tile_n >= 128, plan.reason
+    monkeypatch.setattr(type(policy("sm_100a")), "row_stats_kernel", False)
+    plan = _plan(monkeypatch, softmax_norm, 2048, 128, 1024, arch="sm_100a")  # (a plan of its own)
     assert plan.backend == "reference" and "does not finish reductions inside its tiles" in plan.reason
 
 
@@ -160,17 +163,13 @@ WALKS = [  # (epilogue subtile, tile, epilogue threads): Hopper's cooperative an
 ]
 
 
-@pytest.mark.parametrize("kind", ["sum", "max"])
-@pytest.mark.parametrize("epi, tile, threads", WALKS)
-def test_every_thread_reads_its_rows_totals(rng, kind, epi, tile, threads):
-    """On WGMMA's fragments, each thread's totals (``TileReduction.collect``), spread over its
-    values of every subtile as ``_row_given`` spreads them, are the totals of the values' rows,
-    masked at the N edge (rows past M are never stored)."""
-    pytest.importorskip("cutlass")
-    from jax_efc.kernels.reduction import TileReduction, lane_map
+def check_row_totals(red, points, rng) -> None:
+    """Each thread's totals of a reduction over N (``TileReduction.collect``), spread over its
+    values of every subtile as ``RowStats.given`` spreads them, are the totals of the values' rows,
+    masked at the N edge (rows past M are never stored), on the layout ``points`` gives."""
+    from jax_efc.kernels.reduction import lane_map
 
-    red = TileReduction(kind, ("n",), epi, tile, threads)
-    points = wgmma_points(tile, epi, threads)
+    kind, tile, threads = red.kind, red.tile_mn, red.threads
     data = rng.integers(-50, 50, tile).astype(np.float64)
     if kind == "max":
         data[tile[0] // 3, 2] = np.nan
@@ -189,3 +188,13 @@ def test_every_thread_reads_its_rows_totals(rng, kind, epi, tile, threads):
         for s in range(red.n_sub):
             for v, (m, _) in enumerate(pts[s]):
                 np.testing.assert_array_equal(totals[lanes.slot[s][v]], want[m], err_msg=str((t, s, v)))
+
+
+@pytest.mark.parametrize("kind", ["sum", "max"])
+@pytest.mark.parametrize("epi, tile, threads", WALKS)
+def test_every_thread_reads_its_rows_totals(rng, kind, epi, tile, threads):
+    """On WGMMA's fragments (Blackwell's tensor-memory rows: ``test_kernel_compile_sm100.py``)."""
+    pytest.importorskip("cutlass")
+    from jax_efc.kernels.reduction import TileReduction
+
+    check_row_totals(TileReduction(kind, ("n",), epi, tile, threads), wgmma_points(tile, epi, threads), rng)

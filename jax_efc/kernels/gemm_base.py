@@ -37,6 +37,7 @@ from jax_efc.kernels.fragment_math import store_if
 from jax_efc.kernels.problem import (EPI_STAGES, SMEM_ALIGN, TIMELINE_EVENTS, TIMELINE_UNITS,
                                      KernelProblem, cta_tile, epilogue_tile, tile_operand_indices)
 from jax_efc.kernels.reduction import TileReduction
+from jax_efc.kernels.row_stats import RowStats
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, Unit
 from jax_efc.kernels.visitor import EpilogueVisitor
 
@@ -100,11 +101,10 @@ class FusedGemmBase:
         self.grouped_k = bool(problem.groups) and problem.ragged_k
         self.reductions = tuple(TileReduction(o.reduce, o.over, self.epi_tile, self.out_tile, epi_threads,
                                               epi_blocks, atomic=o.atomic) for o in self.visitor.reduced)
-        # the reductions the program consumes (over N: KernelProblem.row_stats), pass by pass
-        # (_row_totals); their buffers, fragments and lane maps follow the outputs' in the red_* lists
-        self.row_ids = tuple(v for p in self.visitor.row_passes for v, _ in p)
-        self.row_stats = tuple(TileReduction(kind, ("n",), self.epi_tile, self.out_tile, epi_threads, epi_blocks)
-                               for p in self.visitor.row_passes for _, kind in p)
+        # the reductions the program consumes (KernelProblem.row_stats); their buffers, fragments
+        # and lane maps follow the outputs' in the red_* lists
+        self.row_stats = RowStats(self.visitor, self.epi_tile, self.out_tile, epi_threads, epi_blocks,
+                                  first=len(self.reductions))
         # subtiles of the outputs' tile, numbered down M first (of the accumulator tile:
         # n_acc_sub); values in one subtile of one tensor
         self.n_sub = (tile_m // self.epi_tile[0]) * (self.out_tile[1] // self.epi_tile[1])
@@ -128,10 +128,19 @@ class FusedGemmBase:
         self.ring_slots, self.ring_out_slots, self.ring_stage_bytes = self._place_ring_subtiles()
 
     # ---------------------------------------------------------------- architecture hooks
-    def _subtile_accumulators(self, epi: ConsumerEpilogue, acc, s: int, m_idx, n_idx) -> list[tuple]:
+    def _subtile_accumulators(self, epi: ConsumerEpilogue, acc, s: int, m_idx, n_idx,
+                              last_read: bool = True) -> list[tuple]:
         """Put subtile ``s``'s fp32 accumulators of tile (m_idx, n_idx) into ``epi.frag`` and
-        return each value's global (m, n): registers on Hopper, tensor memory on Blackwell."""
+        return each value's global (m, n): registers on Hopper, tensor memory on Blackwell.
+        ``last_read``: the tile's accumulators are read no more after its last subtile (a walk
+        of ``RowStats.totals`` is followed by the epilogue's own)."""
         raise NotImplementedError
+
+    def _walk_offset(self):
+        """What a walk of ``RowStats.totals`` adds to the coordinates it reads and masks at:
+        nothing, or a zero the compiler cannot see through, where the walks must not share
+        their addresses with the epilogue (``sm100.py``)."""
+        return None
 
     def _epi_smem_layout(self, dtype, stages: int, m_major: bool = False) -> cute.ComposedLayout:
         """The smem layout of ``stages`` epilogue subtiles of ``dtype`` (row-major, or M-major for
@@ -291,7 +300,8 @@ class FusedGemmBase:
               for dt, layout in zip(self.out_dtypes, d_smem)]
         sC = [smem.allocate_tensor(dt, layout.outer, SMEM_ALIGN, layout.inner)
               for dt, layout in zip(self.tile_op_dtypes, c_smem)]
-        red_smem = [smem.allocate_tensor(cutlass.Float32, r.layout(), 16) for r in self.reductions + self.row_stats]
+        red_smem = [smem.allocate_tensor(cutlass.Float32, r.layout(), 16)
+                    for r in self.reductions + self.row_stats.reductions]
         c_bar = self._full_barriers(smem, EPI_STAGES, warp_idx) if self.tile_ops else None
         return EpilogueTensors(operands, mD, sD, tma_d, mC, sC, tma_c, c_bar, red_smem, mP)
 
@@ -346,7 +356,7 @@ class FusedGemmBase:
             red_smem=tuple(t.red_smem),
             red_out=tuple(t.mP),
             red_frag=tuple(cute.make_rmem_tensor(frag_shape, cutlass.Float32)
-                           for _ in self.reductions + self.row_stats),
+                           for _ in self.reductions + self.row_stats.reductions),
             red_lanes=self._lane_maps(coords, fields["acc_index"]),
         )
 
@@ -368,7 +378,7 @@ class FusedGemmBase:
                 seen[t] = self._subtile_points(coords(t)[0], acc_index)
             return seen[t]
 
-        return tuple(r.lane_map(points) for r in self.reductions + self.row_stats)
+        return tuple(r.lane_map(points) for r in self.reductions + self.row_stats.reductions)
 
     def _subtile_points(self, tCcT, acc_index: list) -> list[list[tuple]]:
         """Per output subtile, the (m, n) within the outputs' tile of each fragment value of the
@@ -512,7 +522,7 @@ class FusedGemmBase:
         whole = True
         if cutlass.const_expr(self.grouped_rows):
             whole = m_idx + self.out_tile[0] <= m_end
-        totals = self._row_totals(epi, acc, m_idx, n_idx, l_idx, origin)
+        totals = self.row_stats.totals(self, epi, acc, m_idx, n_idx, l_idx, origin)
         running = [r.start(lanes) for r, lanes in zip(self.reductions, epi.red_lanes)]
         for s in cutlass.range_constexpr(n_sub):
             coords = self._subtile_accumulators(epi, acc, s, m_idx, n_idx)
@@ -539,7 +549,7 @@ class FusedGemmBase:
             outs = self.visitor(frag.load(), coords, epi.operands, epi.mn_extent, l_idx, preloaded,
                                 paced=paced, raw=None if epi.frag_raw is None else epi.frag_raw.load(),
                                 up=epi.frag_up.load() if self.gated else None,
-                                given=self._row_given(epi, totals, s))
+                                given=self.row_stats.given(epi, totals, s))
             # (Stores from registers straight to global memory, 32 bits a pair of values with
             # no smem buffers and no barriers, were slower for alpha-beta on H200, and the smem
             # they free bought nothing: benchmarks/FINDINGS.md)
@@ -608,52 +618,6 @@ class FusedGemmBase:
             for k in cutlass.range_constexpr(len(self.ring_stage_bytes)):
                 mainloop.consumer_release(ring_states[k])
         return subtile_count
-
-    def _row_totals(self, epi: ConsumerEpilogue, acc, m_idx, n_idx, l_idx, origin: tuple) -> list:
-        """The tile's consumed reductions (``row_stats``), before anything is stored: per
-        reduction, this thread's totals of the rows it holds, one register a position as its lane
-        map places them. Each pass over the tile's subtiles folds its values in registers (reading
-        the accumulators again, and the earlier passes' totals); then each band of rows meets as an
-        output's reduction does, lanes by shuffles and warps through shared memory, from which
-        every thread reads its rows' totals back. (Hopper's: its accumulators stay in registers
-        through every pass.)"""
-        totals: list = []
-        first = len(self.reductions)
-        for p, reductions in enumerate(self.visitor.row_passes):
-            at = range(first + len(totals), first + len(totals) + len(reductions))
-            reds = [self.row_stats[i - first] for i in at]
-            running = [r.start(epi.red_lanes[i]) for r, i in zip(reds, at)]
-            for s in range(self.n_sub):
-                coords = self._subtile_accumulators(epi, acc, s, m_idx, n_idx)
-                values = self.visitor.row_values(p, epi.frag.load(), coords, epi.operands, epi.mn_extent, l_idx,
-                                                 self._row_given(epi, totals, s))
-                for r, i, value, run in zip(reds, at, values, running):
-                    epi.red_frag[i].store(value)
-                    r.fold(epi.red_lanes[i], run, epi.red_frag[i], s, coords, origin, epi.mn_extent)
-            done = [r.start(epi.red_lanes[i]) for r, i in zip(reds, at)]
-            for s in [s for s in range(self.n_sub) if reds[0].closes(s)]:
-                coords = self._tile_coords(epi, s, m_idx, n_idx)
-                for r, i, run in zip(reds, at, running):
-                    r.publish(epi.red_lanes[i], epi.red_smem[i], run, s, coords, origin, epi.ctid)
-                epi.barrier.arrive_and_wait()
-                for r, i, total in zip(reds, at, done):
-                    r.collect(epi.red_lanes[i], epi.red_smem[i], total, s, coords, origin)
-                # read before the next band (or pass) writes the buffers
-                epi.barrier.arrive_and_wait()
-            totals += done
-        return totals
-
-    def _row_given(self, epi: ConsumerEpilogue, totals: list, s: int) -> dict:
-        """The consumed reductions in ``totals`` (:meth:`_row_totals`) as the visitor takes them:
-        value id -> subtile ``s``'s fragment, each value its row's total."""
-        given = {}
-        first = len(self.reductions)
-        for i, total in enumerate(totals):
-            frag, lanes = epi.red_frag[first + i], epi.red_lanes[first + i]
-            for v, j in enumerate(lanes.slot[s]):
-                frag[v] = total[j]
-            given[self.row_ids[i]] = frag.load()
-        return given
 
     @cute.jit
     def _store_masked(self, epi: ConsumerEpilogue, i: int, mask: cute.TensorSSA, coords: list, l_idx):

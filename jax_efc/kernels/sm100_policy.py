@@ -126,10 +126,10 @@ class Sm100Policy(ArchPolicy):
     acc_dtypes = ("float32", "float16", "int32")
     # compiled, never run: every kernel is checked on first use
     unverified_ab_dtypes = _AB_DTYPES
-    # (no row_stats_kernel: compiled, a row softmax of acc + bias spilled 224 bytes on 128x128
-    # tiles and a row norm of it 44, in 32- and 16-wide subtiles alike, where neither spilled
-    # without the row operand; and the accumulator hook hands tensor memory back after a pass's
-    # last subtile. XLA computes what uses the reductions.)
+    # consumed row reductions: compiled and spill-free (the walks' operand coordinates opaque,
+    # sm100.py), never run
+    row_stats_kernel = True
+    row_tile_ns = _TILE_N
     # GEMMs XLA's GEMM runs faster: Hopper's measured limits, not yet measured on Blackwell, where
     # the same causes hold (a B-bound GEMM streams B through the SMs its tiles occupy; too few
     # tiles leave SMs idle)

@@ -111,7 +111,8 @@ class Sm90FusedGemm(FusedGemmBase):
         self.threads = _WG * (1 + self.n_consumer_wg)
 
     # ---------------------------------------------------------------- architecture hooks
-    def _subtile_accumulators(self, epi: ConsumerEpilogue, acc, s: int, m_idx, n_idx) -> list[tuple]:
+    def _subtile_accumulators(self, epi: ConsumerEpilogue, acc, s: int, m_idx, n_idx,
+                              last_read: bool = True) -> list[tuple]:
         """The accumulators are registers: subtile ``s``'s are renamed into ``epi.frag``."""
         sub_index = epi.acc_index[self._gated_subtiles(s)[0] if self.gated else s]
         _gather_registers(epi.frag, acc, sub_index)
