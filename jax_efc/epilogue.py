@@ -390,13 +390,17 @@ ROW_TILE_N = 128
 
 def rows_in_tile(ir: EpilogueIR, n: int) -> bool:
     """Whether one kernel tile can run all of ``ir``, rows of ``n`` columns: it consumes a
-    reduction, every one over N alone (a row softmax, a row norm), and a tile as wide as
-    the row holds all of it (``ROW_TILE_N``)."""
+    reduction, every one over N alone (a row softmax, a row norm) and of values that read no
+    tile operand (those reach the kernel a subtile at a time, as it stores), and a tile as wide
+    as the row holds all of it (``ROW_TILE_N``)."""
+    n_in = len(ir.inputs)
     reduces = [i for i in ir.instrs if i.op == "reduce"]
-    consumed = {a for i in ir.instrs for a in i.args if a >= len(ir.inputs)
-                and ir.instrs[a - len(ir.inputs)].op == "reduce"}
+    consumed = {a for i in ir.instrs for a in i.args if a >= n_in and ir.instrs[a - n_in].op == "reduce"}
+    tiles = [i >= ir.n_acc and x.role is Role.TILE for i, x in enumerate(ir.inputs)]
+    for ins in ir.instrs:  # whether each value reads a tile operand
+        tiles.append(any(tiles[a] for a in ins.args))
     return (n <= ROW_TILE_N and not ir.gated and bool(consumed)
-            and all(i.attr[1] == ("n",) for i in reduces))
+            and all(i.attr[1] == ("n",) and not tiles[i.args[0]] for i in reduces))
 
 
 def _spans_n(ir: EpilogueIR) -> list[bool]:

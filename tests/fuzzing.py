@@ -113,6 +113,8 @@ def _tree(n_ops: int, static: list[str], dynamic: list[str]):
             st.tuples(st.sampled_from(sorted(UNARY)), children).map(lambda t: ("unary", *t)),
             st.tuples(st.sampled_from(BINARY), children, children).map(lambda t: ("binary", *t)),
             st.tuples(children, children, children, children).map(lambda t: ("where", *t)),
+            # a softmax's shift, x - max(x) over N: a reduction consumed inside the epilogue
+            children.map(lambda c: ("rowshift", c)),
         )
 
     return st.recursive(_leaves(n_ops, static, dynamic), extend, max_leaves=8)
@@ -194,6 +196,9 @@ def _jax_eval(tree, acc, ops, scalars):
         return tree[1]
     if kind == "unary":
         return UNARY[tree[1]][0](_jax_eval(tree[2], acc, ops, scalars))
+    if kind == "rowshift":
+        x = jnp.broadcast_to(_jax_eval(tree[1], acc, ops, scalars), acc.shape)
+        return x - lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
     if kind == "binary":
         x, y = (_jax_eval(t, acc, ops, scalars) for t in tree[2:])
         return {"add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply, "max": jnp.maximum,
@@ -289,6 +294,11 @@ def oracle(case: Case, a, b, ops, dyn, *, kernel: bool) -> dict[str, tuple[np.nd
             # multiplies 1 + tanh (or erf), which cancels for negative x
             scale = np.abs(y) + (np.abs(x) if tree[1].startswith("gelu") else 0)
             return y, slope(x) * e + scale * (op_eps if approx else 2.0 ** -23) + 2.0 ** -126
+        if kind == "rowshift":
+            # the max is one of the values, off by at most the largest of their errors
+            x, e = ev(tree[1])
+            z = x - x.max(-1, keepdims=True)
+            return z, e + e.max(-1, keepdims=True) + np.abs(z) * 2.0 ** -23
         if kind == "binary":
             (x, ex), (y, ey) = ev(tree[2]), ev(tree[3])
             op = tree[1]

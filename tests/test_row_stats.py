@@ -43,6 +43,10 @@ def test_where_the_reductions_run():
     assert not rows_in_tile(_trace(lambda acc, b: acc - jnp.mean(acc, axis=0), 64), 64)
     assert not rows_in_tile(_trace(lambda acc, b: acc / jnp.linalg.norm(acc), 64), 64)
     assert not rows_in_tile(_trace(lambda acc, b: (acc, jnp.max(acc, axis=-1)), 64), 64)
+    # a reduced value that reads a tile operand: the kernel could not finish it before storing
+    tiled = _trace(lambda acc, c: jax.nn.softmax(acc + c, axis=-1), 64, operands=((64, None),))
+    assert not rows_in_tile(tiled, 64)
+    assert rows_in_tile(_trace(lambda acc, c: jax.nn.softmax(acc, axis=-1) * c, 64, operands=((64, None),)), 64)
     split = split_at_reductions(ir, True)
     gemm = split.gemm
     # the tiles come straight from the GEMM; the log of a row sum (one value a row) after it
@@ -98,13 +102,13 @@ def test_columns_sharded_are_gathered_for_the_rows(rng):
         np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), rtol=1e-5, atol=1e-6, err_msg=key)
 
 
-def _plan(monkeypatch, fn, m, n, k, operands=((1, None),), arch="sm_90a", **config):
+def _plan(monkeypatch, fn, m, n, k, operands=((1, None),), arch="sm_90a", rows=None, **config):
     from jax_efc.config import GemmConfig
     from jax_efc.plan import plan_kernel
 
     monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
     ir = _trace(fn, n, m, operands)
-    gemm = split_at_reductions(ir, rows_in_tile(ir, n)).gemm
+    gemm = split_at_reductions(ir, rows_in_tile(ir, n) if rows is None else rows).gemm
     specs = [jax.ShapeDtypeStruct(tuple(n if d is None else d for d in s), jnp.float32) for s in operands]
     return plan_kernel(gemm, jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16),
                        specs, transpose_a=False, transpose_b=False, acc_dtype=jnp.float32,
@@ -124,7 +128,8 @@ def test_refusals_name_the_cause(monkeypatch):
     plan = _plan(monkeypatch, softmax_norm, 4096, 128, 1024, tile_m=128, tile_n=64)
     assert plan.backend == "reference" and "tile_n=64 is narrower than N=128" in plan.reason
     tiled = lambda acc, bias, c: jax.nn.softmax(acc + c, axis=-1) + bias  # noqa: E731
-    plan = _plan(monkeypatch, tiled, 4096, 128, 1024, operands=((1, None), (4096, None)))
+    # (the op splits such a program; the primitive, given it whole, refuses it)
+    plan = _plan(monkeypatch, tiled, 4096, 128, 1024, operands=((1, None), (4096, None)), rows=True)
     assert plan.backend == "reference" and "reduces a value that reads a tile operand" in plan.reason
     # a tile operand read after the reductions is fine
     plan = _plan(monkeypatch, lambda acc, bias, c: jax.nn.softmax(acc + bias, axis=-1) * c, 4096, 128, 1024,
