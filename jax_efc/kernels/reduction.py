@@ -23,6 +23,8 @@ position reads in a fixed order after the epilogue's barrier. Which lanes and wa
 same positions is read off the accumulator's thread/value layout at trace time
 (:func:`lane_map`), so each architecture's layout (Hopper's WGMMA fragments, Blackwell's
 tensor-memory loads) gets its own pattern. Max and min propagate NaN (a NaN anywhere gives NaN).
+A reduction the epilogue consumes (``row_stats.py``) meets the same way and is read back into
+every holding thread's registers (:meth:`TileReduction.collect`) instead of leaving the tile.
 
 A subtile may span ``blocks`` column blocks of the tile (Blackwell's 2-CTA 128-row MMA: see
 ``sm100.py``): its columns are ``blocks`` runs of ``epi_n / blocks``, ``tile_n / blocks``
