@@ -54,6 +54,7 @@ __all__ = [
     "Split",
     "split_at_reductions",
     "rows_in_tile",
+    "reads_tile",
     "ROW_TILE_N",
 ]
 
@@ -396,11 +397,17 @@ def rows_in_tile(ir: EpilogueIR, n: int) -> bool:
     n_in = len(ir.inputs)
     reduces = [i for i in ir.instrs if i.op == "reduce"]
     consumed = {a for i in ir.instrs for a in i.args if a >= n_in and ir.instrs[a - n_in].op == "reduce"}
-    tiles = [i >= ir.n_acc and x.role is Role.TILE for i, x in enumerate(ir.inputs)]
-    for ins in ir.instrs:  # whether each value reads a tile operand
-        tiles.append(any(tiles[a] for a in ins.args))
+    tiles = reads_tile(ir)
     return (n <= ROW_TILE_N and not ir.gated and bool(consumed)
             and all(i.attr[1] == ("n",) and not tiles[i.args[0]] for i in reduces))
+
+
+def reads_tile(ir: EpilogueIR) -> list[bool]:
+    """For each value, whether it reads a tile operand."""
+    tiles = [x.role is Role.TILE for x in ir.inputs]
+    for ins in ir.instrs:
+        tiles.append(any(tiles[a] for a in ins.args))
+    return tiles
 
 
 def _spans_n(ir: EpilogueIR) -> list[bool]:

@@ -12,7 +12,7 @@ import importlib
 import os
 
 from jax_efc.config import GemmConfig
-from jax_efc.epilogue import EpilogueIR, Role
+from jax_efc.epilogue import EpilogueIR, Role, reads_tile
 from jax_efc.kernels.dtypes import OPERAND_DTYPES, OUT_DTYPES, VALUE_DTYPES, align_elems, bits
 from jax_efc.kernels.problem import KernelProblem, cta_tile, epilogue_tile, tile_k
 
@@ -28,17 +28,6 @@ def unverified_allowed() -> bool:
     """``JAX_EFC_UNVERIFIED_KERNELS=1``: run kernels that have not run on a GPU of their
     architecture without checking them first."""
     return os.environ.get("JAX_EFC_UNVERIFIED_KERNELS", "0") not in ("", "0")
-
-
-def _ancestors(ir: EpilogueIR, value: int) -> list[int]:
-    """``value`` and every value it is computed from."""
-    seen, stack = set(), [value]
-    while stack:
-        v = stack.pop()
-        if v not in seen:
-            seen.add(v)
-            stack.extend(ir.instrs[v - len(ir.inputs)].args if v >= len(ir.inputs) else ())
-    return sorted(seen)
 
 
 class ArchPolicy:
@@ -225,8 +214,8 @@ class ArchPolicy:
             if ins.op == "reduce" and ins.attr[1] != ("n",):
                 return (f"the epilogue consumes a {ins.attr[0]} over {ins.attr[1]}; the kernel finishes only "
                         "reductions over N (a row's), inside a tile as wide as the row.")
-        tiles = {i + ir.n_acc for i, x in enumerate(ir.operands) if x.role is Role.TILE}
-        if any(set(_ancestors(ir, i.args[0])) & tiles for i in ir.instrs if i.op == "reduce"):
+        tiles = reads_tile(ir)
+        if any(tiles[i.args[0]] for i in ir.instrs if i.op == "reduce"):
             return ("the epilogue reduces a value that reads a tile operand; the kernel reads those only as it "
                     "stores, after its reductions, so XLA computes what uses them.")
         return None

@@ -29,9 +29,8 @@ SMEM_ALIGN = 1024
 # complete, starts its epilogue, ends it; for at most TIMELINE_UNITS units a group.
 TIMELINE_EVENTS = ("reached", "mainloop", "issued", "complete", "epilogue", "end")
 TIMELINE_UNITS = 256
-# what a reduction of each kind starts from
 WARP = 32  # threads of a warp
-
+# what a reduction of each kind starts from
 REDUCTION_IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
 
