@@ -202,9 +202,15 @@ class EpilogueIR:
                                                                             for o in self.outputs))
 
     @property
+    def reductions(self) -> tuple[Instr, ...]:
+        """The reduction instructions: the reductions the program consumes (an output that
+        reduces is ``Output.reduce``)."""
+        return tuple(i for i in self.instrs if i.op == "reduce")
+
+    @property
     def reduces(self) -> bool:
         """Whether the program reduces anywhere (an instruction or an output)."""
-        return any(o.reduce for o in self.outputs) or any(i.op == "reduce" for i in self.instrs)
+        return any(o.reduce for o in self.outputs) or bool(self.reductions)
 
 
 def _const(value: Any, dtype: str) -> Any:
@@ -264,12 +270,19 @@ def canonical_shape(role: Role, batch: int | None, m: int, n: int) -> tuple[int,
     return core if batch is None else (batch, *core)
 
 
+def _flows(ir: EpilogueIR, seeds: Sequence[bool], *, reductions: bool | None = None) -> list[bool]:
+    """For each value, whether it depends on an input marked in ``seeds``; a reduction's result
+    as its argument's (``reductions`` None), or ``reductions`` itself."""
+    flag = list(seeds)
+    for ins in ir.instrs:
+        flag.append(reductions if ins.op == "reduce" and reductions is not None
+                    else any(flag[a] for a in ins.args))
+    return flag
+
+
 def after_reduction(ir: EpilogueIR) -> list[bool]:
     """For each value, whether it is a reduction or depends on one."""
-    after = [False] * len(ir.inputs)
-    for ins in ir.instrs:
-        after.append(ins.op == "reduce" or any(after[a] for a in ins.args))
-    return after
+    return _flows(ir, [False] * len(ir.inputs), reductions=True)
 
 
 def _reduced(x: Any, kind: str, axes: Sequence[str], shape: tuple[int, ...], dtype: Any) -> Any:
@@ -395,28 +408,15 @@ def rows_in_tile(ir: EpilogueIR, n: int) -> bool:
     tile operand (those reach the kernel a subtile at a time, as it stores), and a tile as wide
     as the row holds all of it (``ROW_TILE_N``)."""
     n_in = len(ir.inputs)
-    reduces = [i for i in ir.instrs if i.op == "reduce"]
     consumed = {a for i in ir.instrs for a in i.args if a >= n_in and ir.instrs[a - n_in].op == "reduce"}
     tiles = reads_tile(ir)
     return (n <= ROW_TILE_N and not ir.gated and bool(consumed)
-            and all(i.attr[1] == ("n",) and not tiles[i.args[0]] for i in reduces))
+            and all(i.attr[1] == ("n",) and not tiles[i.args[0]] for i in ir.reductions))
 
 
 def reads_tile(ir: EpilogueIR) -> list[bool]:
     """For each value, whether it reads a tile operand."""
-    tiles = [x.role is Role.TILE for x in ir.inputs]
-    for ins in ir.instrs:
-        tiles.append(any(tiles[a] for a in ins.args))
-    return tiles
-
-
-def _spans_n(ir: EpilogueIR) -> list[bool]:
-    """For each value, whether it varies along N: it reads the accumulator, a tile or a row
-    operand other than through a reduction over N."""
-    spans = [i < ir.n_acc or x.role in (Role.TILE, Role.ROW) for i, x in enumerate(ir.inputs)]
-    for ins in ir.instrs:
-        spans.append(ins.op != "reduce" and any(spans[a] for a in ins.args))
-    return spans
+    return _flows(ir, [x.role is Role.TILE for x in ir.inputs])
 
 
 def split_at_reductions(ir: EpilogueIR, rows_in_tile: bool = False) -> Split:
@@ -432,17 +432,19 @@ def split_at_reductions(ir: EpilogueIR, rows_in_tile: bool = False) -> Split:
     ``row_stats``); XLA computes only outputs one value per row (``log(sum(exp(x)))``) from the
     reductions, which the GEMM outputs."""
     n_in = len(ir.inputs)
-    if not any(i.op == "reduce" for i in ir.instrs):
+    if not ir.reductions:
         return Split(ir, tuple(range(len(ir.outputs))), ())
     after = after_reduction(ir)
-    heavy = [i < ir.n_acc or x.role is Role.TILE for i, x in enumerate(ir.inputs)]
+    heavy = _flows(ir, [i < ir.n_acc or x.role is Role.TILE for i, x in enumerate(ir.inputs)])
     first: dict[int, tuple[str, tuple[str, ...], int]] = {}
     for j, ins in enumerate(ir.instrs):
-        heavy.append(any(heavy[a] for a in ins.args))
         kind, axes = ins.attr if ins.op == "reduce" else (None, ())
         if ins.op == "reduce" and (rows_in_tile or (not after[ins.args[0]] and "l" not in axes)):
             first[n_in + j] = (kind, axes, ins.args[0])
-    spans = _spans_n(ir) if rows_in_tile else [False] * len(after)
+    # (in the tile) the values that vary along N: the accumulator's, a tile's or a row's, not
+    # through a reduction (over N)
+    spans = (_flows(ir, [i < ir.n_acc or x.role in (Role.TILE, Role.ROW) for i, x in enumerate(ir.inputs)],
+                    reductions=False) if rows_in_tile else [False] * len(after))
 
     def in_gemm(v: int) -> bool:
         return not after[v] or v in first or spans[v]

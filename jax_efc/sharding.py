@@ -143,7 +143,7 @@ def _shardings(params, mesh, arg_shapes):
         n = b.shape[-2] if params["transpose_b"] else b.shape[-1]
         if (n // math.prod(mesh.shape[x] for x in _axes(plan.n))) % (2 * ir.gated):
             plan = dataclasses.replace(plan, n=None)
-    if plan.n is not None and any(i.op == "reduce" for i in ir.instrs):
+    if plan.n is not None and ir.reductions:
         # a reduction over N the program consumes (a row softmax) sees whole rows: N is gathered
         plan = dataclasses.replace(plan, n=None)
     args = (

@@ -105,6 +105,7 @@ class FusedGemmBase:
         # and lane maps follow the outputs' in the red_* lists
         self.row_stats = RowStats(self.visitor, self.epi_tile, self.out_tile, epi_threads, epi_blocks,
                                   first=len(self.reductions))
+        self.meeting = self.reductions + self.row_stats.reductions  # in red_* order
         # subtiles of the outputs' tile, numbered down M first (of the accumulator tile:
         # n_acc_sub); values in one subtile of one tensor
         self.n_sub = (tile_m // self.epi_tile[0]) * (self.out_tile[1] // self.epi_tile[1])
@@ -300,8 +301,7 @@ class FusedGemmBase:
               for dt, layout in zip(self.out_dtypes, d_smem)]
         sC = [smem.allocate_tensor(dt, layout.outer, SMEM_ALIGN, layout.inner)
               for dt, layout in zip(self.tile_op_dtypes, c_smem)]
-        red_smem = [smem.allocate_tensor(cutlass.Float32, r.layout(), 16)
-                    for r in self.reductions + self.row_stats.reductions]
+        red_smem = [smem.allocate_tensor(cutlass.Float32, r.layout(), 16) for r in self.meeting]
         c_bar = self._full_barriers(smem, EPI_STAGES, warp_idx) if self.tile_ops else None
         return EpilogueTensors(operands, mD, sD, tma_d, mC, sC, tma_c, c_bar, red_smem, mP)
 
@@ -355,8 +355,7 @@ class FusedGemmBase:
             ctid=ctid,
             red_smem=tuple(t.red_smem),
             red_out=tuple(t.mP),
-            red_frag=tuple(cute.make_rmem_tensor(frag_shape, cutlass.Float32)
-                           for _ in self.reductions + self.row_stats.reductions),
+            red_frag=tuple(cute.make_rmem_tensor(frag_shape, cutlass.Float32) for _ in self.meeting),
             red_lanes=self._lane_maps(coords, fields["acc_index"]),
         )
 
@@ -378,7 +377,7 @@ class FusedGemmBase:
                 seen[t] = self._subtile_points(coords(t)[0], acc_index)
             return seen[t]
 
-        return tuple(r.lane_map(points) for r in self.reductions + self.row_stats.reductions)
+        return tuple(r.lane_map(points) for r in self.meeting)
 
     def _subtile_points(self, tCcT, acc_index: list) -> list[list[tuple]]:
         """Per output subtile, the (m, n) within the outputs' tile of each fragment value of the

@@ -210,12 +210,12 @@ class ArchPolicy:
         ir = problem.program
         if problem.groups or ir.gated:
             return "grouped and gated GEMMs do not consume reductions inside the kernel; XLA computes what uses them."
-        for ins in ir.instrs:
-            if ins.op == "reduce" and ins.attr[1] != ("n",):
+        for ins in ir.reductions:
+            if ins.attr[1] != ("n",):
                 return (f"the epilogue consumes a {ins.attr[0]} over {ins.attr[1]}; the kernel finishes only "
                         "reductions over N (a row's), inside a tile as wide as the row.")
         tiles = reads_tile(ir)
-        if any(tiles[i.args[0]] for i in ir.instrs if i.op == "reduce"):
+        if any(tiles[i.args[0]] for i in ir.reductions):
             return ("the epilogue reduces a value that reads a tile operand; the kernel reads those only as it "
                     "stores, after its reductions, so XLA computes what uses them.")
         return None

@@ -103,7 +103,7 @@ class KernelProblem:
     def row_stats(self) -> bool:
         """Whether the program consumes reductions (each over N) inside the tile: the kernel
         finishes them over the tile's rows before it evaluates what uses them."""
-        return any(i.op == "reduce" for i in self.ir.instrs)
+        return bool(self.ir.reductions)
 
     @property
     def tile_k(self) -> int:
@@ -164,7 +164,7 @@ def epilogue_smem_bytes(problem: KernelProblem, threads: int) -> int:
     total += sum(round_up(4 * reduction_smem_floats(o.over, (epi_m, epi_n), threads), SMEM_ALIGN)
                  for o in problem.ir.outputs if o.reduce)
     return total + sum(round_up(4 * reduction_smem_floats(("n",), (epi_m, epi_n), threads), SMEM_ALIGN)
-                       for i in problem.ir.instrs if i.op == "reduce")
+                       for _ in problem.ir.reductions)
 
 
 def tile_operand_indices(ir: EpilogueIR) -> tuple[int, ...]:
