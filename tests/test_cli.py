@@ -224,7 +224,8 @@ def test_bench_also_no_triton_runs_a_second_process(capfd, tmp_path):
 
 def test_bench_training_step(capsys):
     # a dense layer's output and its three gradients, ours and plain JAX's, each checked
-    # against float32 math; the TFLOP/s count its three GEMMs and no bound is claimed for it
+    # against float32 math; the TFLOP/s count its three GEMMs, and the bound times those three
+    # GEMMs alone
     import numpy as np
 
     problem = bench.bench_problem("train:bias+gelu_tanh", (256, 384, 128, 1))
@@ -238,8 +239,12 @@ def test_bench_training_step(capsys):
     for o, r in zip(ours, ref):
         o, r = np.asarray(o, np.float32), np.asarray(r)
         assert np.linalg.norm(o - r) / np.linalg.norm(r) < 2e-2
+    x, kernel, _, dy = (np.asarray(v, np.float64) for v in inputs)
+    for got, want in zip(problem.gemms_alone(*inputs), (x @ kernel, dy @ kernel.T, x.T @ dy)):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-2 * np.abs(want).max())
     (r,) = bench.run([problem], rounds=2, calls=1, bound=True)
-    assert r.plain_s is None and r.err < 2e-2 and r.baseline_err < 2e-2
+    assert r.plain_s > 0 and r.bound == r.baseline_s / r.plain_s
+    assert r.err < 2e-2 and r.baseline_err < 2e-2
     assert r.tflops == pytest.approx(6 * 256 * 384 * 128 / r.ours_s / 1e12)
     p = argparse.ArgumentParser()
     bench.add_arguments(p)

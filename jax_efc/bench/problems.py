@@ -88,7 +88,9 @@ class Problem:
     (what its TFLOP/s count, of the shape's L each; a grouped GEMM's L groups share M: 1 / L).
     ``stds``: each input's standard deviation (default 1). ``derive``: maps the random inputs
     to the ones both functions take, where some are computed from others (a gated GEMM's
-    interleaved weight from the two halves plain JAX multiplies)."""
+    interleaved weight from the two halves plain JAX multiplies). ``gemms_alone``: the
+    problem's GEMMs without their epilogues (our plain GEMMs of the same operands), for
+    ``--bound``: the baseline's time over it bounds the ratio fusing the rest can reach."""
 
     epilogue: str
     shape: Shape
@@ -101,6 +103,7 @@ class Problem:
     gemms: float = 1
     stds: tuple[float, ...] = ()
     derive: Callable[..., tuple[Any, ...]] | None = None
+    gemms_alone: Callable[..., Any] | None = None
 
     def inputs(self, key: Any) -> tuple[Any, ...]:
         """A set of inputs drawn with ``key``."""
@@ -188,8 +191,11 @@ def epilogue_problem(
         acc = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
         return fn(acc, *ops, **scalars)
 
+    def gemm_alone(a, b, *ops):
+        return gemm(a, b, transpose_a=ta, transpose_b=tb)
+
     return Problem(name, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
-                   jax.jit(ours), jax.jit(baseline), jax.jit(reference))
+                   jax.jit(ours), jax.jit(baseline), jax.jit(reference), gemms_alone=jax.jit(gemm_alone))
 
 
 def _training_step(layer: Callable[..., Any]) -> Callable[..., Any]:
@@ -236,9 +242,13 @@ def train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
     def exact(x, kernel, bias):
         return fn(jnp.matmul(x, kernel, precision=jax.lax.Precision.HIGHEST), bias)
 
+    def gemms_alone(x, kernel, bias, dy):  # the forward's, x's gradient's and the kernel's
+        return gemm(x, kernel), gemm(dy, kernel, transpose_b=True), gemm(x, dy, transpose_a=True)
+
     return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
                    jax.jit(_training_step(ours)), jax.jit(_training_step(plain)),
-                   jax.jit(_in_float32(_training_step(exact))), gemms=3, stds=(1.0, k ** -0.5))
+                   jax.jit(_in_float32(_training_step(exact))), gemms=3, stds=(1.0, k ** -0.5),
+                   gemms_alone=jax.jit(gemms_alone))
 
 
 def fp8_train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,

@@ -20,9 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..ops import gemm
 from ..primitive import backends
-from .problems import EPILOGUES, Problem
+from .problems import Problem
 from .report import Result, label, shape_str
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense peak of the reference H200
@@ -232,8 +231,8 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
     ``config``) in the same interleaved rounds as their shared baseline, so the drift of the
     GPU's clock between rounds hits them all alike and their times compare directly. With an
     entered ``clocks`` sampler, each result also holds the clock and power of its rounds; with
-    ``bound``, the time of our plain GEMM (``jax_efc.gemm(a, b)``, no epilogue) in the same
-    rounds (only for the single GEMMs of ``EPILOGUES``, not for steps of several).
+    ``bound``, the time of the problem's GEMMs alone (``Problem.gemms_alone``: our plain GEMMs,
+    no epilogue) in the same rounds, where it has them.
 
     ``calls_per_jit`` > 1 times that many calls inside one jitted function, each on inputs of
     its own (nothing for XLA to share between them, nothing left in L2 by the previous one),
@@ -265,8 +264,8 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
         errs = [_rel_err(p.ours(*first_inputs), ref) for p in problems]
         base_err = _rel_err(first.baseline(*first_inputs), ref)
         del ref
-    bound = bound and first.epilogue in EPILOGUES
-    plain = [jax.jit(lambda a, b, *_: gemm(a, b))] if bound else []
+    bound = bound and first.gemms_alone is not None
+    plain = [first.gemms_alone] if bound else []
     fns = [p.ours for p in problems] + [first.baseline] + plain
     if calls_per_jit > 1:
         fns = [jax.jit(lambda sets, fn=fn: [fn(*inputs) for inputs in sets]) for fn in fns]
