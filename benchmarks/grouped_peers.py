@@ -6,7 +6,9 @@ For each shape (M rows sorted over G groups, each group's (K, N) matrix) and rou
 shares, or shares falling by 0.6 a group), times in one process, in interleaved rounds:
 ``efc.grouped_gemm`` without an epilogue; XLA's ``jax.lax.ragged_dot``; JAX's Pallas Mosaic GPU
 ragged-dot kernel (``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``; the fastest of a few
-of its configs, each timed once beforehand, as its own ``main`` sweeps them); and ``efc.gemm``
+of its configs, each timed once beforehand, as its own ``main`` sweeps them); tokamax's
+``ragged_dot`` on its Pallas Mosaic GPU kernel, where the ``tokamax`` package is installed
+(its own config choice); and ``efc.gemm``
 of one (M, K) x (K, N) product, the same FLOPs with one matrix. Every result is compared with
 ``ragged_dot`` at ``HIGHEST`` precision. bf16 inputs and outputs, fp32 accumulation.
 """
@@ -55,6 +57,20 @@ def pallas_ragged_dot(lhs, rhs, sizes):
     return best, why
 
 
+def tokamax_ragged_dot(lhs, rhs, sizes):
+    """tokamax's Mosaic GPU ragged_dot, jitted and run once on these operands, or why it did not run."""
+    try:
+        import tokamax
+    except ImportError as e:
+        return None, f"tokamax is not installed ({e})"
+    fn = jax.jit(lambda x, w, s: tokamax.ragged_dot(x, w, s, implementation="mosaic"))
+    try:
+        jax.block_until_ready(fn(lhs, rhs, sizes))
+    except Exception as e:  # no Mosaic GPU kernel for these operands or this GPU
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    return fn, ""
+
+
 def rel_err(out, want):
     out, want = out.astype(jnp.float32), want.astype(jnp.float32)
     return float(jnp.linalg.norm(out - want) / jnp.linalg.norm(want))
@@ -84,6 +100,9 @@ def main(argv: list[str] | None = None) -> None:
             pallas, why = pallas_ragged_dot(lhs, rhs, sizes)
             if pallas:
                 runs[f"Pallas MGPU {'x'.join(map(str, pallas[0]))}"] = (pallas[2], (lhs, rhs, sizes))
+            tokamax_fn, tokamax_why = tokamax_ragged_dot(lhs, rhs, sizes)
+            if tokamax_fn:
+                runs["tokamax: ragged_dot (mosaic)"] = (tokamax_fn, (lhs, rhs, sizes))
             runs["dense: efc.gemm, same FLOPs"] = (jax.jit(lambda x, w: efc.gemm(x, w)), (lhs, dense_b))
             fns = list(runs.values())
             times, _ = time_interleaved([lambda f=f, a=a: f(*a) for f, a in fns], [()], args.rounds, None, 0.2, 2)
@@ -94,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"{t / times[0]:9.2f}{err:>10}")
             if not pallas:
                 print(f"{text:<20}{routing:<10}Pallas MGPU: did not run ({why})")
+            if not tokamax_fn:
+                print(f"{text:<20}{routing:<10}tokamax: did not run ({tokamax_why})")
 
 
 if __name__ == "__main__":
