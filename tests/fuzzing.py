@@ -154,6 +154,10 @@ def cases(draw, *, kernel: bool = False, floats32: bool = False) -> Case:
     n_out = draw(st.integers(1, 3))
     tree = _tree(len(operands), sorted(static), dynamic)
     outputs = {f"o{i}": draw(tree) for i in range(n_out)}
+    if kernel and _shifted_constant(outputs["o0"], operands):
+        # one value a row after its shift (0.5 - max(0.5)) is XLA's to compute from the GEMM's
+        # reductions, which would leave the kernel no tile to store: make o0 span the row
+        outputs["o0"] = ("binary", "add", outputs["o0"], ("acc",))
     out_dtypes = {name: draw(st.sampled_from(floats)) for name in outputs}
     poison = not floats32 and draw(st.booleans())
     # the kernel stores at least one tile: its first output never reduces
@@ -162,6 +166,20 @@ def cases(draw, *, kernel: bool = False, floats32: bool = False) -> Case:
                   if (r := draw(st.sampled_from(_REDUCTIONS))) is not None}
     return Case(m, n, k, batch, ab, transpose_a, transpose_b, operands, static, dynamic, outputs,
                 out_dtypes, poison, draw(st.integers(0, 2**31 - 1)), draw(st.booleans()), b_shared, reductions)
+
+
+def _spans_n(tree, operands) -> bool:
+    """Whether ``tree``'s value varies along N: it reads the accumulator, a tile or a row operand."""
+    if tree[0] == "acc":
+        return True
+    if tree[0] == "op":
+        return operands[tree[1]][0] in ("tile", "row", "shared_tile", "batch_row")
+    return any(_spans_n(t, operands) for t in tree[1:] if isinstance(t, tuple))
+
+
+def _shifted_constant(tree, operands) -> bool:
+    """Whether ``tree`` holds a row shift yet does not vary along N."""
+    return "rowshift" in repr(tree) and not _spans_n(tree, operands)
 
 
 _REDUCTIONS = (None, None, None, ("sum", "m"), ("sum", "n"), ("sum", "mn"), ("max", "n"), ("min", "m"),
