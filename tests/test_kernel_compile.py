@@ -158,8 +158,9 @@ LOW_PRECISION_VARIANTS = {
     # float32 A and B as TF32 (K-major both; 32-deep k-tiles, m64nNk8 WGMMAs), fp32 epilogue
     # operands and outputs; B stored (K, N) is transposed once before the kernel
     "tf32_nk_bias_gelu_128x128": ("float32", False, True, None, (128, 128, 1, 1), "bias_gelu"),
-    "tf32_kn_pingpong_128x192_c2x1": ("float32", False, False, None,
-                                      (128, 192, 2, 1, {"pingpong": True, "swizzle": 8, "raster": "n"}), "identity"),
+    "tf32_kn_pingpong_128x192_epi64_c2x1": ("float32", False, False, None,
+                                            (128, 192, 2, 1, {"pingpong": True, "swizzle": 8, "raster": "n",
+                                                              "epi_m": 64}), "identity"),
     "tf32_nk_bias_gelu_128x128_c2x1_stream_k": ("float32", False, True, None, (128, 128, 2, 1, {"swizzle": 8}),
                                                 "bias_gelu", (8192, 8192, 8192)),
 }
@@ -839,10 +840,15 @@ def test_supported_and_heuristic():
     assert choose_config(problem, 16384, 4096, 14336, 1).tile_m == 192  # 192x128 fills better
     assert choose_config(problem, 8192, 4096, 8192, 1).pingpong  # K not long enough
 
-    # an fp32 output leaves 128x192 tiles 4 stages: 128x128 ping-pong
+    # an fp32 output leaves 128x192 tiles 4 stages in 128x32 subtiles, 5 in 64x32 ones; at
+    # 4096^3 128x128 tiles fill the SMs' rounds better
     f32, *_ = trace_epilogue(lambda acc: acc, (8192, 8192), [], [], {}, {}, jnp.float32, jnp.bfloat16)
-    cfg = choose_config(dataclasses.replace(problem, ir=f32), 8192, 8192, 8192, 1)
-    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_n, cfg.pingpong) == (128, 128, 2, True)
+    for ab in ("bfloat16", "float32"):  # TF32 reads B K-major
+        p_f32 = dataclasses.replace(problem, ir=f32, ab_dtype=ab, b_dtype=ab, b_major="k" if ab == "float32" else "n")
+        cfg = choose_config(p_f32, 8192, 8192, 8192, 1)
+        assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.epi_m, cfg.epi_n, cfg.pingpong) == (128, 192, 2, 64, 32, True)
+        cfg = choose_config(p_f32, 4096, 4096, 4096, 1)
+        assert (cfg.tile_m, cfg.tile_n, cfg.cluster_n, cfg.pingpong) == (128, 128, 2, True)
 
     # a cooperative epilogue with work gets 64-wide subtiles; four epilogue buffers (two
     # TILE operands, two outputs) would leave too few stages at 64, and fp32 outputs too few

@@ -77,7 +77,7 @@ def test_fp16_accumulation_uses_the_f16_accumulating_wgmma(compiled):
 
 
 def test_float32_kernels_use_the_tf32_wgmma(compiled):
-    for name, tile_n in (("tf32_nk_bias_gelu_128x128", 128), ("tf32_kn_pingpong_128x192_c2x1", 192),
+    for name, tile_n in (("tf32_nk_bias_gelu_128x128", 128), ("tf32_kn_pingpong_128x192_epi64_c2x1", 192),
                          ("tf32_nk_bias_gelu_128x128_c2x1_stream_k", 128)):
         ptx = compiled[name]["ptx"]
         assert set(re.findall(r"wgmma\.mma_async[\w.]*", ptx)) == {

@@ -292,11 +292,15 @@ class Sm90Policy(ArchPolicy):
         def pingpong(tm: int, tn: int = 128) -> GemmConfig:
             """Ping-pong tm x 128 tiles in 1x2 clusters walked along M, or 128x192 ones in 2x1
             clusters walked along N, with the largest epilogue subtile (the tile's height by 32,
-            64x32, 64x16) that leaves the ring its most stages."""
+            64x32, 64x16) that leaves the ring its most stages. A plain GEMM keeps the tile-high
+            subtile while the ring has _PINGPONG_STAGES: its fp32 output (TF32) left 128x192
+            tiles 4 stages in 128x32 subtiles, 5 in 64x32, and so fell back to 128x128 tiles,
+            which ran 8192^3 in 3.681 ms against 3.234 in 128x192 tiles of 64x32 subtiles (an
+            H100; XLA 3.147: benchmarks/FINDINGS.md, "Ninth sitting")."""
             along_n = tn > 128
             cfg = GemmConfig(tile_m=tm, tile_n=tn, cluster_m=2 if along_n else 1, cluster_n=1 if along_n else 2,
                              raster="n" if along_n else "m", swizzle=8, pingpong=True)
-            if not has_work:
+            if not has_work and stages_of(cfg) >= _PINGPONG_STAGES:
                 return cfg
             return max((cfg, dataclasses.replace(cfg, epi_m=64), dataclasses.replace(cfg, epi_m=64, epi_n=16)),
                        key=stages_of)
