@@ -8,12 +8,14 @@
 #             ragged_dot, Pallas's Mosaic GPU ragged dot and a dense GEMM of the same FLOPs; an
 #             MoE layer's training step against ragged_dot's
 #   fused     the gated GEMMs' speed, alone and in an MLP's training step; the epilogue
-#             reductions' cost (deterministic and by atomics); a row softmax in the kernel
+#             reductions' cost (deterministic and by atomics); a row softmax in the kernel; a
+#             dense layer's training step and its GEMMs' bound
 #   tests     the rest of the GPU tests but `stores`' (the compute-sanitizer runs, marked slow, apart)
 #   stores    the epilogue reductions' (in-tile row ones too), transposed and masked outputs' GPU tests
 #   examples  each example at a GPU size, `jax-efc run`, info and selftest
 #   bench     the benchmark's shapes with both XLA baselines, the 8-bit epilogues, TF32,
-#             autotuning's gain over the heuristic, and one config timed twice (the spread)
+#             autotuning's gain over the heuristic, one config timed twice (the spread), and
+#             autotuning on 114 of the SMs (benchmarks/fewer_sms.sh)
 #   model     a GPT-style model's first step (compile time), its training step in bf16 and FP8
 #   fp8       the bound that model's GEMM share sets on any FP8 step's speedup, the FP8 dense
 #             layer's training step against Flax's FP8 Dense, and both kernel by kernel
@@ -49,6 +51,9 @@ if want fused; then
     --epilogues bias+gelu_tanh,bias+gelu_tanh+colsum,bias+gelu_tanh+colsum-atomic --shapes $shapes
   step bench-row python3 benchmarks/run.py --json "$logs/bench-row.json" --epilogues gemm,bias+softmax \
     --shapes 16384,128,4096 16384,64,4096
+  # a dense layer's training step (fused bias gradient), and XLA's step over our three GEMMs alone
+  step bench-train python3 benchmarks/run.py --bound --json "$logs/bench-train.json" \
+    --epilogues train:bias+gelu_tanh --shapes 8192,14336,4096 8192,4096,14336 8192,4096,4096
 fi
 if want tests; then
   step gpu-tests python3 -m pytest -q -m "gpu and not slow" tests \
@@ -85,6 +90,9 @@ if want bench; then
   # 3.9% apart on an H100: benchmarks/FINDINGS.md, "Seventh sitting")
   step bench-same-config python3 benchmarks/run.py --json "$logs/bench-same-config.json" --configs auto auto \
     --epilogues gemm,bias+gelu_tanh --shapes $shapes
+  # autotuning on another SM count: an MPS client held to 87% of the SMs (114 of 132)
+  step autotune-fewer-sms benchmarks/fewer_sms.sh 87 env JAX_EFC_CACHE_DIR="$logs/cache-fewer-sms" \
+    python3 benchmarks/run.py --configs auto autotune --epilogues gemm,bias+gelu_tanh --shapes 4096,4096,4096
 fi
 if want model; then
   step first-step python3 benchmarks/first_step.py
