@@ -45,7 +45,7 @@ fi
 if want fused; then
   step bench-gated python3 benchmarks/run.py --json "$logs/bench-gated.json" --epilogues gated:swiglu,gated:geglu \
     --shapes 8192,14336,4096 4096,14336,4096
-  step bench-gated-mlp python3 benchmarks/run.py --json "$logs/bench-gated-mlp.json" \
+  step bench-gated-mlp python3 benchmarks/run.py --bound --json "$logs/bench-gated-mlp.json" \
     --epilogues train:gated_mlp+silu,train:interleaved_mlp+silu --shapes 8192,14336,4096
   step bench-reduce python3 benchmarks/run.py --json "$logs/bench-reduce.json" \
     --epilogues bias+gelu_tanh,bias+gelu_tanh+colsum,bias+gelu_tanh+colsum-atomic --shapes $shapes

@@ -294,8 +294,16 @@ def test_bench_mlp_training_step(name, gated):
     for o, r in zip(ours, ref):
         o, r = np.asarray(o, np.float32), np.asarray(r)
         assert np.linalg.norm(o - r) / np.linalg.norm(r) < 2e-2
+    # the bound times the step's GEMMs alone: as many, and of the step's shapes
+    alone = problem.gemms_alone(*inputs)
+    assert len(alone) == problem.gemms
+    assert sorted(o.shape for o in alone) == sorted([(m, n), (m, k), (m, n), (n, k), (m, k), (k, n)]
+                                                    + [(m, n), (m, k), (k, n)] * gated)
+    h = np.asarray(inputs[0], np.float64) @ np.asarray(inputs[1], np.float64)
+    np.testing.assert_allclose(np.asarray(alone[0], np.float64), h, atol=2e-2 * np.abs(h).max())
     (r,) = bench.run([problem], rounds=2, calls=1, bound=True)
-    assert r.plain_s is None and r.err < 2e-2 and r.baseline_err < 2e-2
+    assert r.plain_s > 0 and r.bound == r.baseline_s / r.plain_s
+    assert r.err < 2e-2 and r.baseline_err < 2e-2
     assert r.tflops == pytest.approx(2 * problem.gemms * m * n * k / r.ours_s / 1e12)
     with pytest.raises(ValueError, match="leave --configs at auto"):
         bench.bench_problem(name, (m, n, k, 1), config=bench.parse_config("128,128"))

@@ -350,9 +350,23 @@ def mlp_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
             return (x, up_k, up_b, down_k, down_b, gate_k, gate_b, interleave_gated(gate_k, up_k, DEFAULT_BLOCK),
                     interleave_gated(gate_b, up_b, DEFAULT_BLOCK), dy)
 
+    def gemms_alone(x, up_k, up_b, down_k, down_b, *rest):
+        """The step's GEMMs, each plain, with the forward's hidden product standing in for every
+        (M, N) matrix (the hidden activation and its gradients): the forward's (gated: and the
+        gate's), then the hidden gradient's, the down kernel's, x's and the up kernel's (gated:
+        x's through the gate, and the gate kernel's)."""
+        dy = rest[-1]
+        h = gemm(x, up_k)
+        outs = [h, gemm(h, down_k), gemm(dy, down_k, transpose_b=True), gemm(h, dy, transpose_a=True),
+                gemm(h, up_k, transpose_b=True), gemm(x, h, transpose_a=True)]
+        if gated:
+            gate_k = rest[0]
+            outs += [gemm(x, gate_k), gemm(h, gate_k, transpose_b=True), gemm(x, h, transpose_a=True)]
+        return outs
+
     return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
                    jax.jit(ours_step), jax.jit(plain_step), jax.jit(_in_float32(exact_step)),
-                   gemms=9 if gated else 6, stds=stds, derive=derive)
+                   gemms=9 if gated else 6, stds=stds, derive=derive, gemms_alone=jax.jit(gemms_alone))
 
 
 def gated_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
