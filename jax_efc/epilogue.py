@@ -54,6 +54,7 @@ __all__ = [
     "Split",
     "split_at_reductions",
     "rows_in_tile",
+    "in_tile_reason",
     "reads_tile",
     "ROW_TILE_N",
 ]
@@ -404,14 +405,28 @@ ROW_TILE_N = 128
 
 def rows_in_tile(ir: EpilogueIR, n: int) -> bool:
     """Whether one kernel tile can run all of ``ir``, rows of ``n`` columns: it consumes a
-    reduction, every one over N alone (a row softmax, a row norm) and of values that read no
-    tile operand (those reach the kernel a subtile at a time, as it stores), and a tile as wide
-    as the row holds all of it (``ROW_TILE_N``)."""
+    reduction, :func:`in_tile_reason` finds nothing against it, and a tile as wide as the row
+    holds all of it (``ROW_TILE_N``)."""
     n_in = len(ir.inputs)
     consumed = {a for i in ir.instrs for a in i.args if a >= n_in and ir.instrs[a - n_in].op == "reduce"}
+    return n <= ROW_TILE_N and bool(consumed) and in_tile_reason(ir) is None
+
+
+def in_tile_reason(ir: EpilogueIR) -> str | None:
+    """Why a tile that spans the rows cannot finish the reductions ``ir`` consumes (None: it
+    can): each must be over N alone (a row softmax, a row norm), of a value that reads no tile
+    operand (those reach the kernel a subtile at a time, as it stores), in a program not gated."""
+    if ir.gated:
+        return "gated GEMMs do not consume reductions inside the kernel; XLA computes what uses them."
+    for ins in ir.reductions:
+        if ins.attr[1] != ("n",):
+            return (f"the epilogue consumes a {ins.attr[0]} over {ins.attr[1]}; the kernel finishes only "
+                    "reductions over N (a row's), inside a tile as wide as the row.")
     tiles = reads_tile(ir)
-    return (n <= ROW_TILE_N and not ir.gated and bool(consumed)
-            and all(i.attr[1] == ("n",) and not tiles[i.args[0]] for i in ir.reductions))
+    if any(tiles[i.args[0]] for i in ir.reductions):
+        return ("the epilogue reduces a value that reads a tile operand; the kernel reads those only as it "
+                "stores, after its reductions, so XLA computes what uses them.")
+    return None
 
 
 def reads_tile(ir: EpilogueIR) -> list[bool]:

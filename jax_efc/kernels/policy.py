@@ -12,7 +12,7 @@ import importlib
 import os
 
 from jax_efc.config import GemmConfig
-from jax_efc.epilogue import EpilogueIR, Role, reads_tile
+from jax_efc.epilogue import EpilogueIR, Role, in_tile_reason
 from jax_efc.kernels.dtypes import OPERAND_DTYPES, OUT_DTYPES, VALUE_DTYPES, align_elems, bits
 from jax_efc.kernels.problem import KernelProblem, cta_tile, epilogue_tile, tile_k
 
@@ -207,18 +207,9 @@ class ArchPolicy:
             return None
         if not self.row_stats_kernel:
             return f"the {self.arch} kernel does not finish reductions inside its tiles; XLA computes what uses them."
-        ir = problem.program
-        if problem.groups or ir.gated:
-            return "grouped and gated GEMMs do not consume reductions inside the kernel; XLA computes what uses them."
-        for ins in ir.reductions:
-            if ins.attr[1] != ("n",):
-                return (f"the epilogue consumes a {ins.attr[0]} over {ins.attr[1]}; the kernel finishes only "
-                        "reductions over N (a row's), inside a tile as wide as the row.")
-        tiles = reads_tile(ir)
-        if any(tiles[i.args[0]] for i in ir.reductions):
-            return ("the epilogue reduces a value that reads a tile operand; the kernel reads those only as it "
-                    "stores, after its reductions, so XLA computes what uses them.")
-        return None
+        if problem.groups:
+            return "grouped GEMMs do not consume reductions inside the kernel; XLA computes what uses them."
+        return in_tile_reason(problem.program)
 
     def row_fit(self, problem: KernelProblem, config: GemmConfig, n: int) -> GemmConfig:
         """``config`` with a tile as wide as the rows of ``n`` columns where ``problem`` consumes
