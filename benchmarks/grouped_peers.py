@@ -1,6 +1,7 @@
 """The grouped GEMM against its peers and against a dense GEMM of the same FLOPs.
 
     python benchmarks/grouped_peers.py [--shapes M,N,K,G ...] [--routing balanced skewed]
+                                       [--configs auto CONFIG ...]
 
 For each shape (M rows sorted over G groups, each group's (K, N) matrix) and routing (equal
 shares, or shares falling by 0.6 a group), times in one process, in interleaved rounds:
@@ -9,7 +10,9 @@ ragged-dot kernel (``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``; the fast
 of its configs, each timed once beforehand, as its own ``main`` sweeps them); tokamax's
 ``ragged_dot`` on its Pallas Mosaic GPU kernel, where the ``tokamax`` package is installed
 (its own config choice); and ``efc.gemm``
-of one (M, K) x (K, N) product, the same FLOPs with one matrix. Every result is compared with
+of one (M, K) x (K, N) product, the same FLOPs with one matrix. ``--configs`` times our
+kernel in each config given (as ``bench --configs`` writes them; ``auto``: the heuristic's),
+the first one's time the ratios' reference. Every result is compared with
 ``ragged_dot`` at ``HIGHEST`` precision. bf16 inputs and outputs, fp32 accumulation.
 """
 
@@ -23,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 import jax_efc as efc
-from jax_efc.bench.problems import group_sizes
+from jax_efc.bench.command import parse_config
+from jax_efc.bench.problems import config_label, group_sizes
 from jax_efc.bench.timing import time_interleaved
 
 # the configs of the Pallas kernel tried (block_m, block_n, block_k, max_concurrent_steps,
@@ -81,10 +85,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shapes", nargs="+", default=["16384,3584,4096,8", "16384,3584,4096,64"])
     p.add_argument("--routing", nargs="+", choices=("balanced", "skewed"), default=["balanced"])
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--configs", nargs="+", type=parse_config, default=[None], metavar="CONFIG",
+                   help="our kernel's configs, timed in the same rounds ('auto': the heuristic's)")
     args = p.parse_args(argv)
 
     print(f"{jax.devices()[0].device_kind}; bf16; TFLOP/s count 2*M*N*K; err vs ragged_dot at HIGHEST")
-    print(f"{'shape':<20}{'routing':<10}{'who':<34}{'ms':>8}{'TFLOP/s':>9}{'t/ours':>9}{'err':>10}")
+    print(f"{'shape':<20}{'routing':<10}{'who':<44}{'ms':>8}{'TFLOP/s':>9}{'t/ours':>9}{'err':>10}")
     for text in args.shapes:
         m, n, k, g = (int(v) for v in text.split(","))
         keys = jax.random.split(jax.random.key(0), 3)
@@ -95,8 +101,10 @@ def main(argv: list[str] | None = None) -> None:
             sizes = jnp.asarray(group_sizes(m, g, routing == "skewed"))
             want = jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s, precision=jax.lax.Precision.HIGHEST,
                                                               preferred_element_type=jnp.float32))(lhs, rhs, sizes)
-            runs = {"ours: efc.grouped_gemm": (jax.jit(lambda x, w, s: efc.grouped_gemm(x, w, s)), (lhs, rhs, sizes)),
-                    "XLA: ragged_dot": (jax.jit(jax.lax.ragged_dot), (lhs, rhs, sizes))}
+            runs = {f"ours: efc.grouped_gemm {config_label(c)}":
+                    (jax.jit(lambda x, w, s, c=c: efc.grouped_gemm(x, w, s, config=c)), (lhs, rhs, sizes))
+                    for c in args.configs}
+            runs["XLA: ragged_dot"] = (jax.jit(jax.lax.ragged_dot), (lhs, rhs, sizes))
             pallas, why = pallas_ragged_dot(lhs, rhs, sizes)
             if pallas:
                 runs[f"Pallas MGPU {'x'.join(map(str, pallas[0]))}"] = (pallas[2], (lhs, rhs, sizes))
@@ -109,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             flops = 2 * m * n * k
             for (name, (fn, a)), t in zip(runs.items(), times):
                 err = "" if name.startswith("dense") else f"{rel_err(fn(*a), want):.1e}"
-                print(f"{text:<20}{routing:<10}{name:<34}{1e3 * t:8.3f}{flops / t / 1e12:9.1f}"
+                print(f"{text:<20}{routing:<10}{name:<44}{1e3 * t:8.3f}{flops / t / 1e12:9.1f}"
                       f"{t / times[0]:9.2f}{err:>10}")
             if not pallas:
                 print(f"{text:<20}{routing:<10}Pallas MGPU: did not run ({why})")

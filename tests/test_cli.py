@@ -146,14 +146,16 @@ def test_bench_bound_times_our_plain_gemm_in_the_same_rounds(capsys, tmp_path):
             "--bound", "--json", str(out_json)]
     assert main(argv) == 0
     head = capsys.readouterr().out.splitlines()[1].split()
-    assert head[-3:] == ["plain", "ms", "bound"]
+    assert head[-8:] == ["plain", "ms", "bound", "base", "plain", "ms", "base", "bound"]
     results = json.loads(out_json.read_text())["results"]
     assert len(results) == 8
     for r in results:
-        assert r["plain_s"] > 0
+        assert r["plain_s"] > 0 and r["baseline_plain_s"] > 0
         assert bench.Result.from_json(r).bound == r["baseline_s"] / r["plain_s"]
-    # one plain GEMM per epilogue and shape, shared by its configurations
-    assert all(a["plain_s"] == b["plain_s"] for a, b in zip(results[::2], results[1::2]))
+        assert bench.Result.from_json(r).baseline_bound == r["baseline_s"] / r["baseline_plain_s"]
+    # one plain GEMM per epilogue and shape (ours and XLA's), shared by its configurations
+    assert all(a["plain_s"] == b["plain_s"] and a["baseline_plain_s"] == b["baseline_plain_s"]
+               for a, b in zip(results[::2], results[1::2]))
 
 
 def test_bench_calls_per_jit(capsys, monkeypatch, tmp_path):
@@ -240,10 +242,12 @@ def test_bench_training_step(capsys):
         o, r = np.asarray(o, np.float32), np.asarray(r)
         assert np.linalg.norm(o - r) / np.linalg.norm(r) < 2e-2
     x, kernel, _, dy = (np.asarray(v, np.float64) for v in inputs)
-    for got, want in zip(problem.gemms_alone(*inputs), (x @ kernel, dy @ kernel.T, x.T @ dy)):
-        np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-2 * np.abs(want).max())
+    for alone in (problem.gemms_alone, problem.baseline_gemms_alone):
+        for got, want in zip(alone(*inputs), (x @ kernel, dy @ kernel.T, x.T @ dy)):
+            np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-2 * np.abs(want).max())
     (r,) = bench.run([problem], rounds=2, calls=1, bound=True)
     assert r.plain_s > 0 and r.bound == r.baseline_s / r.plain_s
+    assert r.baseline_plain_s > 0 and r.baseline_bound == r.baseline_s / r.baseline_plain_s
     assert r.err < 2e-2 and r.baseline_err < 2e-2
     assert r.tflops == pytest.approx(6 * 256 * 384 * 128 / r.ours_s / 1e12)
     p = argparse.ArgumentParser()
@@ -295,12 +299,15 @@ def test_bench_mlp_training_step(name, gated):
         o, r = np.asarray(o, np.float32), np.asarray(r)
         assert np.linalg.norm(o - r) / np.linalg.norm(r) < 2e-2
     # the bound times the step's GEMMs alone: as many, and of the step's shapes
-    alone = problem.gemms_alone(*inputs)
+    alone, xla_alone = problem.gemms_alone(*inputs), problem.baseline_gemms_alone(*inputs)
     assert len(alone) == problem.gemms
     assert sorted(o.shape for o in alone) == sorted([(m, n), (m, k), (m, n), (n, k), (m, k), (k, n)]
                                                     + [(m, n), (m, k), (k, n)] * gated)
     h = np.asarray(inputs[0], np.float64) @ np.asarray(inputs[1], np.float64)
     np.testing.assert_allclose(np.asarray(alone[0], np.float64), h, atol=2e-2 * np.abs(h).max())
+    for ours_gemm, xla_gemm in zip(alone, xla_alone):
+        want = np.asarray(xla_gemm, np.float64)
+        np.testing.assert_allclose(np.asarray(ours_gemm, np.float64), want, atol=2e-2 * np.abs(want).max())
     (r,) = bench.run([problem], rounds=2, calls=1, bound=True)
     assert r.plain_s > 0 and r.bound == r.baseline_s / r.plain_s
     assert r.err < 2e-2 and r.baseline_err < 2e-2

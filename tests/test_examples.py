@@ -43,8 +43,8 @@ def test_benchmark_script():
 
 BENCHMARKS = {
     # script: small arguments, a line its output must hold
-    "grouped_peers.py": (["--shapes", "256,64,32,4", "--routing", "balanced", "skewed", "--rounds", "1"],
-                         "XLA: ragged_dot"),
+    "grouped_peers.py": (["--shapes", "256,64,32,4", "--routing", "balanced", "skewed", "--rounds", "1",
+                          "--configs", "auto", "128,128,1,2"], "ours: efc.grouped_gemm 128,128,1,2"),
     "moe_step.py": (["--tokens", "64", "--width", "16", "--hidden", "32", "--dtype", "float32", "--rounds", "1"],
                     "relative difference of the losses"),
 }

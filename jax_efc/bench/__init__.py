@@ -12,7 +12,8 @@ reference in the same run. The baseline is the same epilogue in plain JAX under 
 Several ``--configs`` of one epilogue and shape are timed in the same interleaved rounds;
 ``--clocks`` adds the SM clock and board power each side held (nvidia-smi); ``--bound`` adds
 our plain GEMM's time in the same rounds (and, with ``--clocks``, its clock and power), and the
-baseline's time over it: the most fusing the epilogue can gain.
+baseline's time over it: the most fusing the epilogue can gain; and the same for the GEMMs as
+XLA's dots: the most it could gain with GEMMs at XLA's speed.
 
 ``--resume`` keeps the figures a stopped run left in ``--json``'s file and measures only the
 rest, so the same command, run again, finishes the set.

@@ -108,8 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep the results already in --json's file (left by a stopped run of the "
                         "same device and XLA flags) and measure only the problems it lacks")
     p.add_argument("--bound", action="store_true",
-                   help="also time our plain GEMM of each problem's A and B in the same rounds: the "
-                        "baseline's time over it bounds the ratio fusing the epilogue can reach")
+                   help="also time each problem's GEMMs alone in the same rounds, ours and XLA's: the "
+                        "baseline's time over them bounds the ratio fusing the epilogue can reach")
     p.add_argument("--calls-per-jit", type=_positive, default=1, metavar="R",
                    help="time R calls inside one jitted function, each on its own inputs, as a "
                         "model's step runs them: the GPU's time per call, without the host's cost "
@@ -139,9 +139,9 @@ def run_from_args(args: argparse.Namespace,
     rewritten after every measured problem with ``"complete": false`` until the end, so a
     run that is stopped keeps what it measured."""
     shapes = args.shapes or (QUICK_SHAPES if args.quick else STANDARD_SHAPES)
-    if len(args.configs) + 2 > MAX_TIMED:
-        raise SystemExit(f"--configs: at most {MAX_TIMED - 2} configs are timed in the same rounds "
-                         f"(with their baseline and --bound's GEMM); {len(args.configs)} given.")
+    if len(args.configs) + 3 > MAX_TIMED:
+        raise SystemExit(f"--configs: at most {MAX_TIMED - 3} configs are timed in the same rounds "
+                         f"(with their baseline and --bound's GEMMs, ours and XLA's); {len(args.configs)} given.")
     problems = [bench_problem(e, s, args.dtype, c) for s in shapes for e in args.epilogues
                 for c in args.configs]
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,

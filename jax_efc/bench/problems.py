@@ -90,7 +90,9 @@ class Problem:
     to the ones both functions take, where some are computed from others (a gated GEMM's
     interleaved weight from the two halves plain JAX multiplies). ``gemms_alone``: the
     problem's GEMMs without their epilogues (our plain GEMMs of the same operands), for
-    ``--bound``: the baseline's time over it bounds the ratio fusing the rest can reach."""
+    ``--bound``: the baseline's time over it bounds the ratio fusing the rest can reach;
+    ``baseline_gemms_alone``: the same GEMMs as XLA's dots, whose bound is the ratio fusing
+    the rest could reach with GEMMs at XLA's speed."""
 
     epilogue: str
     shape: Shape
@@ -104,11 +106,27 @@ class Problem:
     stds: tuple[float, ...] = ()
     derive: Callable[..., tuple[Any, ...]] | None = None
     gemms_alone: Callable[..., Any] | None = None
+    baseline_gemms_alone: Callable[..., Any] | None = None
 
     def inputs(self, key: Any) -> tuple[Any, ...]:
         """A set of inputs drawn with ``key``."""
         drawn = random_inputs(self.specs, key, self.stds)
         return self.derive(*drawn) if self.derive else drawn
+
+
+def _our_matmul(a: Any, b: Any, transpose_a: bool = False, transpose_b: bool = False) -> Any:
+    return gemm(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+
+
+def _xla_matmul(a: Any, b: Any, transpose_a: bool = False, transpose_b: bool = False) -> Any:
+    return (jnp.swapaxes(a, -1, -2) if transpose_a else a) @ (jnp.swapaxes(b, -1, -2) if transpose_b else b)
+
+
+def _gemms_alone(gemms: Callable[..., Any]) -> dict[str, Callable[..., Any]]:
+    """``Problem``'s ``gemms_alone`` and ``baseline_gemms_alone`` from ``gemms(matmul, *inputs)``,
+    which runs a problem's GEMMs through ``matmul(a, b, transpose_a, transpose_b)``."""
+    return {"gemms_alone": jax.jit(functools.partial(gemms, _our_matmul)),
+            "baseline_gemms_alone": jax.jit(functools.partial(gemms, _xla_matmul))}
 
 
 def _identity(acc: Any) -> Any:
@@ -191,11 +209,11 @@ def epilogue_problem(
         acc = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
         return fn(acc, *ops, **scalars)
 
-    def gemm_alone(a, b, *ops):
-        return gemm(a, b, transpose_a=ta, transpose_b=tb)
+    def gemm_alone(mm, a, b, *ops):
+        return mm(a, b, ta, tb)
 
     return Problem(name, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
-                   jax.jit(ours), jax.jit(baseline), jax.jit(reference), gemms_alone=jax.jit(gemm_alone))
+                   jax.jit(ours), jax.jit(baseline), jax.jit(reference), **_gemms_alone(gemm_alone))
 
 
 def _training_step(layer: Callable[..., Any]) -> Callable[..., Any]:
@@ -242,13 +260,13 @@ def train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
     def exact(x, kernel, bias):
         return fn(jnp.matmul(x, kernel, precision=jax.lax.Precision.HIGHEST), bias)
 
-    def gemms_alone(x, kernel, bias, dy):  # the forward's, x's gradient's and the kernel's
-        return gemm(x, kernel), gemm(dy, kernel, transpose_b=True), gemm(x, dy, transpose_a=True)
+    def gemms_alone(mm, x, kernel, bias, dy):  # the forward's, x's gradient's and the kernel's
+        return mm(x, kernel), mm(dy, kernel, transpose_b=True), mm(x, dy, transpose_a=True)
 
     return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
                    jax.jit(_training_step(ours)), jax.jit(_training_step(plain)),
                    jax.jit(_in_float32(_training_step(exact))), gemms=3, stds=(1.0, k ** -0.5),
-                   gemms_alone=jax.jit(gemms_alone))
+                   **_gemms_alone(gemms_alone))
 
 
 def fp8_train_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
@@ -350,23 +368,23 @@ def mlp_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
             return (x, up_k, up_b, down_k, down_b, gate_k, gate_b, interleave_gated(gate_k, up_k, DEFAULT_BLOCK),
                     interleave_gated(gate_b, up_b, DEFAULT_BLOCK), dy)
 
-    def gemms_alone(x, up_k, up_b, down_k, down_b, *rest):
+    def gemms_alone(mm, x, up_k, up_b, down_k, down_b, *rest):
         """The step's GEMMs, each plain, with the forward's hidden product standing in for every
         (M, N) matrix (the hidden activation and its gradients): the forward's (gated: and the
         gate's), then the hidden gradient's, the down kernel's, x's and the up kernel's (gated:
         x's through the gate, and the gate kernel's)."""
         dy = rest[-1]
-        h = gemm(x, up_k)
-        outs = [h, gemm(h, down_k), gemm(dy, down_k, transpose_b=True), gemm(h, dy, transpose_a=True),
-                gemm(h, up_k, transpose_b=True), gemm(x, h, transpose_a=True)]
+        h = mm(x, up_k)
+        outs = [h, mm(h, down_k), mm(dy, down_k, transpose_b=True), mm(h, dy, transpose_a=True),
+                mm(h, up_k, transpose_b=True), mm(x, h, transpose_a=True)]
         if gated:
             gate_k = rest[0]
-            outs += [gemm(x, gate_k), gemm(h, gate_k, transpose_b=True), gemm(x, h, transpose_a=True)]
+            outs += [mm(x, gate_k), mm(h, gate_k, transpose_b=True), mm(x, h, transpose_a=True)]
         return outs
 
     return Problem(epilogue, tuple(shape), np.dtype(dtype).name, config_label(config), specs,
                    jax.jit(ours_step), jax.jit(plain_step), jax.jit(_in_float32(exact_step)),
-                   gemms=9 if gated else 6, stds=stds, derive=derive, gemms_alone=jax.jit(gemms_alone))
+                   gemms=9 if gated else 6, stds=stds, derive=derive, **_gemms_alone(gemms_alone))
 
 
 def gated_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,

@@ -45,10 +45,17 @@ class Result:
     # clock depends on its work, so a fused epilogue can cost clock as well as cycles)
     plain_mhz: float | None = None
     plain_watts: float | None = None
+    # with ``bound``: the same GEMMs as XLA's dots; baseline_s / baseline_plain_s bounds the
+    # ratio a fusion could reach with GEMMs at XLA's speed
+    baseline_plain_s: float | None = None
 
     @property
     def bound(self) -> float | None:
         return None if self.plain_s is None else self.baseline_s / self.plain_s
+
+    @property
+    def baseline_bound(self) -> float | None:
+        return None if self.baseline_plain_s is None else self.baseline_s / self.baseline_plain_s
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Result:
@@ -83,8 +90,10 @@ def format_table(results: Sequence[Result], title: str = "") -> str:
              f"{100 * r.peak_fraction:.3g}", f"{r.gbytes:.2f}", _optional(r.err, ".1e"), _optional(r.baseline_err, ".1e"))
             for r in results]
     if any(r.plain_s is not None for r in results):
-        head += ("plain ms", "bound")
-        rows = [row + (_optional(None if r.plain_s is None else r.plain_s * 1e3, ".3f"), _optional(r.bound, ".2f"))
+        head += ("plain ms", "bound", "base plain ms", "base bound")
+        rows = [row + (_optional(None if r.plain_s is None else r.plain_s * 1e3, ".3f"), _optional(r.bound, ".2f"),
+                       _optional(None if r.baseline_plain_s is None else r.baseline_plain_s * 1e3, ".3f"),
+                       _optional(r.baseline_bound, ".2f"))
                 for row, r in zip(rows, results)]
     if any(r.ours_mhz is not None for r in results):
         head += ("ours MHz", "base MHz", "ours W", "base W")

@@ -231,8 +231,9 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
     ``config``) in the same interleaved rounds as their shared baseline, so the drift of the
     GPU's clock between rounds hits them all alike and their times compare directly. With an
     entered ``clocks`` sampler, each result also holds the clock and power of its rounds; with
-    ``bound``, the time of the problem's GEMMs alone (``Problem.gemms_alone``: our plain GEMMs,
-    no epilogue) in the same rounds, where it has them.
+    ``bound``, the time of the problem's GEMMs alone in the same rounds, ours
+    (``Problem.gemms_alone``: our plain GEMMs, no epilogue) and XLA's
+    (``Problem.baseline_gemms_alone``), where it has them.
 
     ``calls_per_jit`` > 1 times that many calls inside one jitted function, each on inputs of
     its own (nothing for XLA to share between them, nothing left in L2 by the previous one),
@@ -265,7 +266,7 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
         base_err = _rel_err(first.baseline(*first_inputs), ref)
         del ref
     bound = bound and first.gemms_alone is not None
-    plain = [first.gemms_alone] if bound else []
+    plain = [first.gemms_alone, first.baseline_gemms_alone] if bound else []
     fns = [p.ours for p in problems] + [first.baseline] + plain
     if calls_per_jit > 1:
         fns = [jax.jit(lambda sets, fn=fn: [fn(*inputs) for inputs in sets]) for fn in fns]
@@ -273,7 +274,8 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
     times, windows = time_interleaved(fns, input_sets, rounds, calls, min_round_s, warmup)
     times = [t / calls_per_jit for t in times]
     count = len(problems)
-    ours_s, base_s, plain_s = times[:count], times[count], times[count + 1] if bound else None
+    ours_s, base_s = times[:count], times[count]
+    plain_s, base_plain_s = times[count + 1:count + 3] if bound else (None, None)
     sampled = [clocks.median(w) if clocks else (None, None) for w in windows]
     power, (base_mhz, base_watts) = sampled[:count], sampled[count]
     plain_mhz, plain_watts = sampled[count + 1] if bound else (None, None)
@@ -285,7 +287,7 @@ def measure_together(problems: Sequence[Problem], *, rounds: int = ROUNDS, calls
         results.append(Result(p.epilogue, p.shape, p.dtype, p.config, backend, t, base_s, tflops,
                               base_s / t, tflops / peak_tflops(p.dtype), moved / 1e9, err, base_err,
                               mhz, base_mhz, watts, base_watts, plain_s, calls_per_jit, plain_mhz,
-                              plain_watts))
+                              plain_watts, base_plain_s))
     return results
 
 
