@@ -53,6 +53,7 @@ SIZES = {
 }
 CONFIGS = {
     "heuristic": None,
+    "cooperative_256x128_c1x2": dict(tile_m=256, tile_n=128, cluster_n=2),
     "pingpong_128x128_c1x2": dict(tile_m=128, tile_n=128, cluster_n=2, pingpong=True, epi_n=64),
     "cooperative_128x256": dict(tile_m=128, tile_n=256),
     "pingpong_192x128_epi64x16": dict(tile_m=192, tile_n=128, pingpong=True, epi_m=64, epi_n=16),
@@ -196,6 +197,7 @@ WGRAD_SIZES = {
 }
 WGRAD_CONFIGS = {
     "heuristic": None,
+    "cooperative_256x128_c1x2": dict(tile_m=256, tile_n=128, cluster_n=2),
     "pingpong_128x192_c1x2": dict(tile_m=128, tile_n=192, cluster_n=2, pingpong=True, epi_n=32),
     "cooperative_128x256_c1x2": dict(tile_m=128, tile_n=256, cluster_n=2, epi_n=32),
     "cooperative_128x128": dict(tile_m=128, tile_n=128),

@@ -24,6 +24,9 @@ GROUPED_VARIANTS = {
     # what the heuristic runs for large problems: ping-pong 128x128 tiles in 1x2 clusters
     "bf16_pingpong_group_bias_silu_c1x2": ("bfloat16", False, (128, 128, 1, 2, {"pingpong": True, "epi_n": 64}),
                                            "group_bias_silu", (4096, 1024, 512, 8)),
+    # what the heuristic runs where 256-row tiles pad balanced groups no more than 128-row ones:
+    # cooperative 256x128 in 1x2 clusters
+    "bf16_bias_silu_256x128_c1x2": ("bfloat16", False, (256, 128, 1, 2), "group_bias_silu", (4096, 1024, 512, 8)),
     # cooperative 128x256, the plain product (the lhs gradient: rhs read transposed)
     "bf16_identity_128x256_nk": ("bfloat16", True, (128, 256, 1, 1), "identity", (2048, 512, 1024, 64)),
     # every operand role: a TILE operand (TMA-loaded at the tile's rows), a column, a per-group row

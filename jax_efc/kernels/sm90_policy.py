@@ -289,6 +289,11 @@ class Sm90Policy(ArchPolicy):
         def stages_of(cfg: GemmConfig) -> int:
             return pipeline_stages(dataclasses.replace(problem, config=cfg))
 
+        if problem.groups and not problem.ragged_k:
+            tall = _grouped_tall_config(m, n, problem.groups, sms)
+            if tall and stages_of(tall) >= _WIDE_TILE_STAGES:
+                return tall
+
         def pingpong(tm: int, tn: int = 128) -> GemmConfig:
             """Ping-pong tm x 128 tiles in 1x2 clusters walked along M, or 128x192 ones in 2x1
             clusters walked along N, with the largest epilogue subtile (the tile's height by 32,
@@ -394,6 +399,26 @@ class Sm90Policy(ArchPolicy):
         # 64-wide epilogue subtiles when _WIDE_TILE_STAGES still fit; plain GEMMs, which gained
         # nothing from them, keep 32.
         return widened(cfg, _WIDE_TILE_STAGES) if tn == 256 else cfg
+
+
+def _grouped_tall_config(t: int, n: int, groups: int, sms: int) -> GemmConfig | None:
+    """Cooperative 256x128 tiles in 1x2 clusters (A multicast along N) for a grouped GEMM whose
+    groups, of T / G rows if balanced, they pad no more than 128-row tiles would, and whose
+    tiles fill the SMs; None otherwise. Each CTA then reads its B tile alone, where a group of
+    256 rows in 128-row tiles has two CTAs reading the same B tile, and a group's weights are
+    its own bytes, read once per tile row: with 64 groups of 256 rows each (16384 x 3584 x
+    4096, 1.9 GB of weights) they ran in 0.844 ms against 1.002 for ping-pong 128x128 tiles in
+    1x2 clusters, and 0.743 against 0.808 with 8 groups (H100; benchmarks/FINDINGS.md, "Tenth
+    sitting")."""
+    rows = max(t // max(groups, 1), 1)
+
+    def padded(tm: int) -> int:
+        return -(-rows // tm) * tm
+
+    tiles = groups * -(-rows // 256) * -(-n // 128)
+    if padded(256) > padded(128) or tiles < _ONE_WAVE * sms:
+        return None
+    return GemmConfig(tile_m=256, tile_n=128, cluster_n=2, raster="m")
 
 
 def _promoting_config(m: int, n: int, l: int, sms: int) -> GemmConfig:
