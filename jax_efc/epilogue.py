@@ -477,22 +477,24 @@ def split_at_reductions(ir: EpilogueIR, rows_in_tile: bool = False) -> Split:
         if in_gemm(o.value):
             outputs.append(dataclasses.replace(output(o.name, o.value, o.dtype), inplace=o.inplace, mask=o.mask,
                                                transposed=o.transposed))
+    def dtype_of(v: int) -> str:
+        return ir.inputs[v].dtype if v < n_in else ir.instrs[v - n_in].dtype
+
     given, stack, seen = set(), [o.value for o, d in zip(ir.outputs, direct) if d is None], set()
     while stack:
         v = stack.pop()
         if v in seen:
             continue
         seen.add(v)
-        if in_gemm(v):
-            if heavy[v] or v in first:
-                given.add(v)
-        elif v >= n_in:
+        # (a mask, which no kernel stores, is computed again in XLA from what it compares)
+        if in_gemm(v) and (v in first or (heavy[v] and dtype_of(v) != "bool")):
+            given.add(v)
+        elif v >= n_in and not (in_gemm(v) and not heavy[v]):
             stack.extend(ir.instrs[v - n_in].args)
     read = []
     for v in sorted(given):
         read.append((v, len(outputs)))
-        dtype = ir.inputs[v].dtype if v < n_in else ir.instrs[v - n_in].dtype
-        outputs.append(output(f"__value{v}__", v, dtype))
+        outputs.append(output(f"__value{v}__", v, dtype_of(v)))
     gemm = ir.with_outputs(outputs).pruned()
     return Split(gemm, tuple(direct), tuple(read))
 

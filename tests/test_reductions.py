@@ -123,6 +123,25 @@ def test_the_split_gives_the_gemm_what_the_rest_reads():
     assert not any(i.op == "reduce" for i in split.gemm.instrs)
 
 
+def test_a_mask_crossing_the_split_is_computed_again_after_it(rng):
+    """A comparison of the tile read after a reduction is not a value the GEMM stores (no kernel
+    stores bool): XLA compares again what the GEMM gives it, and the result is the epilogue's."""
+    def fn(acc, bias):
+        x = acc + bias
+        return x, jnp.where(x > 0, x - jnp.max(x, axis=1, keepdims=True), 0.0)
+
+    ir, *_ = trace_epilogue(fn, (64, 32), [(32,)], [jnp.float32], {}, {}, jnp.bfloat16, jnp.bfloat16)
+    split = split_at_reductions(ir)
+    assert "bool" not in [o.dtype for o in split.gemm.outputs]
+    assert [o.reduce for o in split.gemm.outputs].count("max") == 1
+    a, b, _, a64, b64 = _operands(rng, 50, 36, 16)
+    bias = rng.standard_normal(36).astype(np.float32)
+    got = efc.gemm(a, b, fn, bias, out_dtypes=jnp.float32)
+    x = a64 @ b64 + bias
+    for g, want in zip(got, (x, np.where(x > 0, x - x.max(1, keepdims=True), 0.0))):
+        np.testing.assert_allclose(np.asarray(g, np.float64), want, rtol=1e-5, atol=1e-5)
+
+
 def test_gradients_through_reductions(rng):
     a, b, bias, _, _ = _operands(rng, 48, 40, 24)
 
