@@ -154,9 +154,10 @@ def cases(draw, *, kernel: bool = False, floats32: bool = False) -> Case:
     n_out = draw(st.integers(1, 3))
     tree = _tree(len(operands), sorted(static), dynamic)
     outputs = {f"o{i}": draw(tree) for i in range(n_out)}
-    if kernel and _shifted_constant(outputs["o0"], operands):
-        # one value a row after its shift (0.5 - max(0.5)) is XLA's to compute from the GEMM's
-        # reductions, which would leave the kernel no tile to store: make o0 span the row
+    if kernel and _shifted_light(outputs["o0"], operands):
+        # a value after its row shift that reads neither the accumulator nor a tile (0.5 -
+        # max(0.5), row - max(row)) is XLA's to compute from the GEMM's reductions and the
+        # operands, which would leave the kernel no tile to store: make o0 read the accumulator
         outputs["o0"] = ("binary", "add", outputs["o0"], ("acc",))
     out_dtypes = {name: draw(st.sampled_from(floats)) for name in outputs}
     poison = not floats32 and draw(st.booleans())
@@ -168,18 +169,19 @@ def cases(draw, *, kernel: bool = False, floats32: bool = False) -> Case:
                 out_dtypes, poison, draw(st.integers(0, 2**31 - 1)), draw(st.booleans()), b_shared, reductions)
 
 
-def _spans_n(tree, operands) -> bool:
-    """Whether ``tree``'s value varies along N: it reads the accumulator, a tile or a row operand."""
+def _reads_tile(tree, operands) -> bool:
+    """Whether ``tree`` reads the accumulator or a tile operand: a value of the tile's size, which
+    the GEMM computes (values of row, column and scalar operands alone XLA computes again)."""
     if tree[0] == "acc":
         return True
     if tree[0] == "op":
-        return operands[tree[1]][0] in ("tile", "row", "shared_tile", "batch_row")
-    return any(_spans_n(t, operands) for t in tree[1:] if isinstance(t, tuple))
+        return operands[tree[1]][0] in ("tile", "shared_tile")
+    return any(_reads_tile(t, operands) for t in tree[1:] if isinstance(t, tuple))
 
 
-def _shifted_constant(tree, operands) -> bool:
-    """Whether ``tree`` holds a row shift yet does not vary along N."""
-    return "rowshift" in repr(tree) and not _spans_n(tree, operands)
+def _shifted_light(tree, operands) -> bool:
+    """Whether ``tree`` holds a row shift yet reads neither the accumulator nor a tile."""
+    return "rowshift" in repr(tree) and not _reads_tile(tree, operands)
 
 
 _REDUCTIONS = (None, None, None, ("sum", "m"), ("sum", "n"), ("sum", "mn"), ("max", "n"), ("min", "m"),
