@@ -26,7 +26,7 @@ GROUPED_VARIANTS = {
                                            "group_bias_silu", (4096, 1024, 512, 8)),
     # what the heuristic runs where 256-row tiles pad balanced groups no more than 128-row ones:
     # cooperative 256x128 in 1x2 clusters
-    "bf16_bias_silu_256x128_c1x2": ("bfloat16", False, (256, 128, 1, 2), "group_bias_silu", (4096, 1024, 512, 8)),
+    "bf16_bias_silu_256x128_c1x2": ("bfloat16", False, (256, 128, 1, 2), "group_bias_silu", (4096, 1024, 512, 16)),
     # cooperative 128x256, the plain product (the lhs gradient: rhs read transposed)
     "bf16_identity_128x256_nk": ("bfloat16", True, (128, 256, 1, 1), "identity", (2048, 512, 1024, 64)),
     # every operand role: a TILE operand (TMA-loaded at the tile's rows), a column, a per-group row
@@ -303,6 +303,25 @@ def test_heuristic_takes_clusters_along_n():
     for mnk in ((16384, 4096, 4096), (4096, 14336, 4096), (512, 512, 512)):
         cfg = POLICY.choose_config(_problem(), *mnk, 1)
         assert cfg.cluster_m == 1 and POLICY.unsupported_reason(_problem(cfg)) is None, cfg
+
+
+
+def test_heuristic_takes_256_row_tiles_where_they_pad_the_groups_no_more():
+    """Balanced groups of 256 or 2048 rows: cooperative 256x128 in 1x2 clusters; of 300 rows
+    (one 256-row tile and a nearly empty one, against three 128-row tiles) or too few tiles to
+    fill the SMs: the dense choice, clusters along N."""
+    from jax_efc.kernels.sm90_policy import POLICY
+
+    def chosen(t, n, k, g):
+        problem = dataclasses.replace(_problem(), groups=g)
+        return POLICY.choose_config(problem, t, n, k, 1)
+
+    for t, g in ((16384, 64), (16384, 8)):
+        cfg = chosen(t, 3584, 4096, g)
+        assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (256, 128, 1, 2, False), cfg
+    for t, n, g in ((19200, 3584, 64), (2048, 512, 8)):
+        cfg = chosen(t, n, 4096, g)
+        assert cfg.tile_m != 256 and cfg.cluster_m == 1, cfg
 
 
 if __name__ == "__main__":

@@ -238,6 +238,8 @@ class Sm90Policy(ArchPolicy):
         schedule runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per thread) when they
         (nearly) fill the SMs, else 128x128 (or 64x128 when even those leave most SMs idle), with a
         2x1 cluster multicasting B when M spans several tiles.
+        A grouped GEMM takes cooperative 256x128 tiles in 1x2 clusters where those pad balanced
+        groups no more than 128-row tiles and fill the SMs (:func:`_grouped_tall_config`).
         Large problems walk the tiles in bands of 8 clusters for L2 reuse. Epilogues that do work
         get 64x32 or 64x16 subtiles on ping-pong tiles where those buy the ring stages (192x128
         and 128x192 tiles qualify when some subtile leaves them 5), else 64-wide ones where the
