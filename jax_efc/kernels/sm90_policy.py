@@ -7,7 +7,7 @@ import dataclasses
 
 from jax_efc.config import GemmConfig
 from jax_efc.kernels.dtypes import FP8, INT8, bits
-from jax_efc.kernels.policy import ArchPolicy
+from jax_efc.kernels.policy import ArchPolicy, unverified_allowed
 from jax_efc.kernels.problem import (SMEM_ALIGN, KernelProblem, epilogue_smem_bytes, epilogue_tile,
                                      tile_operand_indices)
 
@@ -146,6 +146,12 @@ class Sm90Policy(ArchPolicy):
     grouped_kernel = True
     verified_grouped = True
     verified_grouped_k = True
+    # cooperative 256x128 tiles for grouped GEMMs (_grouped_tall_config) ran faster and as exactly
+    # as ragged_dot on balanced groups that fill whole tiles, but not yet against the float64
+    # oracle on skewed groups and partial tiles (tests/test_gpu_grouped.py,
+    # "cooperative_256x128_c1x2"): until they have, the heuristic takes them only under
+    # JAX_EFC_UNVERIFIED_KERNELS=1 (a config pinned to them runs them as any pinned config)
+    verified_grouped_tall = False
     # ran against the float64 oracle on an H200 (tests/test_gpu_row_stats.py: a row softmax, norm
     # and log-sum-exp at once over partial tiles, both schedules, clusters, stream-K, a batch, NaN
     # and infinite inputs, a transposed output)
@@ -239,7 +245,8 @@ class Sm90Policy(ArchPolicy):
         (nearly) fill the SMs, else 128x128 (or 64x128 when even those leave most SMs idle), with a
         2x1 cluster multicasting B when M spans several tiles.
         A grouped GEMM takes cooperative 256x128 tiles in 1x2 clusters where those pad balanced
-        groups no more than 128-row tiles and fill the SMs (:func:`_grouped_tall_config`).
+        groups no more than 128-row tiles and fill the SMs (:func:`_grouped_tall_config`; once
+        verified, ``verified_grouped_tall``).
         Large problems walk the tiles in bands of 8 clusters for L2 reuse. Epilogues that do work
         get 64x32 or 64x16 subtiles on ping-pong tiles where those buy the ring stages (192x128
         and 128x192 tiles qualify when some subtile leaves them 5), else 64-wide ones where the
@@ -291,7 +298,7 @@ class Sm90Policy(ArchPolicy):
         def stages_of(cfg: GemmConfig) -> int:
             return pipeline_stages(dataclasses.replace(problem, config=cfg))
 
-        if problem.groups and not problem.ragged_k:
+        if problem.groups and not problem.ragged_k and (self.verified_grouped_tall or unverified_allowed()):
             tall = _grouped_tall_config(m, n, problem.groups, sms)
             if tall and stages_of(tall) >= _WIDE_TILE_STAGES:
                 return tall
