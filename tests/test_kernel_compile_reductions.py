@@ -52,3 +52,31 @@ def test_output_shapes(compiled):
     m = compiled["bf16_all_reductions_batched_256x128"]["out_shapes"][0][1]
     assert compiled["bf16_all_reductions_batched_256x128"]["out_shapes"] == [
         [2, m, 512], [2, 1, 512], [2, m, 1], [2, 1, 1]]
+
+
+def test_the_heuristic_keeps_crowded_reduction_epilogues_off_192_accumulator_tiles():
+    """fused_mlp's gated backward (two TILE operands, two column sums) spilled 500 bytes on
+    ping-pong 192x128 tiles: the heuristic runs it on ping-pong 128x128 (compiled above). With
+    one column sum beside a TILE operand (no spill there) it keeps the taller tile."""
+    import jax.numpy as jnp
+
+    from jax_efc.config import GemmConfig
+    from jax_efc.kernels import KernelProblem
+    from jax_efc.kernels.sm90_policy import POLICY
+    from test_kernel_compile import _epilogue
+
+    def chosen(ir, ops):
+        problem = KernelProblem(ir=ir, ab_dtype="bfloat16", acc_dtype="float32", a_major="k", b_major="k",
+                                batched=False, a_batched=False, b_batched=False,
+                                operand_batched=(False,) * len(ops), arch="sm_90a", config=GemmConfig())
+        return POLICY.choose_config(problem, 8192, 14336, 4096, 1)
+
+    crowded = chosen(*_epilogue("mlp_gated_bwd", 8192, 14336, None, jnp.bfloat16))
+    assert (crowded.tile_m, crowded.tile_n, crowded.pingpong) == (128, 128, True), crowded
+    pinned = REDUCTION_VARIANTS["bf16_pingpong_mlp_gated_bwd_128x128_epi64x16_c1x2"][4]
+    assert (crowded.cluster_m, crowded.cluster_n, crowded.epi_m, crowded.epi_n) == (
+        pinned[2], pinned[3], pinned[4]["epi_m"], pinned[4]["epi_n"])
+    ir, ops = _epilogue("mlp_gated_bwd", 8192, 14336, None, jnp.bfloat16)
+    one_sum = ir.with_outputs([o for o in ir.outputs if o.reduce is None] + [next(o for o in ir.outputs if o.reduce)])
+    roomy = chosen(one_sum, ops)
+    assert roomy.tile_m * roomy.tile_n > 128 * 128, roomy

@@ -345,8 +345,16 @@ class Sm90Policy(ArchPolicy):
             # than _FILL_SLACK worse or its smem leaves fewer stages. Cooperative 256x128 and
             # 64x256 ping-pong tiles were slower (benchmarks/FINDINGS.md, "Tile shapes and
             # epilogue subtiles").
+            # Ping-pong tiles of more than 128x128 hold 192 accumulators a thread; beside them an
+            # epilogue that reads a tile operand and folds two or more column sums spilled (ptxas:
+            # 56 bytes with one tile operand at 192x128 in 64x16 subtiles, 500 with fused_mlp's
+            # gated derivative, two tile operands; none at 128x128; benchmarks/FINDINGS.md, "Tenth
+            # sitting"), so such epilogues keep 128x128.
+            crowded = (bool(tile_operand_indices(problem.ir))
+                       and sum(1 for o in problem.ir.outputs if o.reduce and "m" in o.over) >= 2)
             tall = pingpong(192)
-            fits_tall = stages_of(tall) >= _PINGPONG_STAGES and fill(192, 128) >= fill(128, 128) - _FILL_SLACK
+            fits_tall = (not crowded and stages_of(tall) >= _PINGPONG_STAGES
+                         and fill(192, 128) >= fill(128, 128) - _FILL_SLACK)
             tm = 192 if fits_tall else 128
             # A plain GEMM with a long K has little epilogue to hide: a 128x128 tile's takes
             # about 2k SM cycles against 115k of WGMMA at K = 14336. There cooperative 128x256
@@ -373,7 +381,7 @@ class Sm90Policy(ArchPolicy):
             # epilogues at 4096x28672x8192, 8192x13824x4096, 4096x22016x4096 and 1000x22016x4096.
             # The measurements: benchmarks/FINDINGS.md, "Tile shapes and epilogue subtiles".
             broad = pingpong(128, 192)
-            if ((not has_work or not fits_tall) and fill(128, 192) >= fill(tm, 128) - _FILL_SLACK
+            if ((not has_work or not fits_tall) and not crowded and fill(128, 192) >= fill(tm, 128) - _FILL_SLACK
                     and stages_of(broad) >= _PINGPONG_STAGES):
                 return broad
             cfg = tall if fits_tall else pingpong(128)
