@@ -197,6 +197,11 @@ REDUCTION_VARIANTS = {
                                                           (128, 128, 1, 2, {"pingpong": True, "swizzle": 8,
                                                                             "epi_m": 64, "epi_n": 16}),
                                                           "mlp_gated_bwd", (8192, 14336, 4096)),
+    # and its GELU backward (one TILE operand, one column sum), 464 bytes spilled on 192x128
+    # (K 2048: the dumped PTX is named by the first operands' shapes, which the gated one shares)
+    "bf16_pingpong_mlp_gelu_bwd_128x128_c1x2": ("bfloat16", False, True, None,
+                                                (128, 128, 1, 2, {"pingpong": True, "swizzle": 8}),
+                                                "mlp_gelu_bwd", (8192, 14336, 2048)),
     # reductions the epilogue consumes, finished inside a tile that spans the rows (two passes)
     "bf16_softmax_norm_128x128_stream_k": ("bfloat16", False, False, None, (128, 128, 1, 1), "softmax_norm",
                                            (8192, 120, 4096)),
@@ -307,6 +312,10 @@ def _epilogue(name: str, m: int, n: int, batch: int | None, dtype):
         from jax_efc import mlp
         fn = mlp._backward_epilogue(jax.nn.silu, True, True, (True, True))
         shapes, dtypes, outs = [acc_shape, (1, n), acc_shape], [dtype] * 3, (dtype, dtype, jnp.float32, jnp.float32)
+    elif name == "mlp_gelu_bwd":  # fused_mlp's GELU derivative and its bias gradient
+        from jax_efc import mlp
+        fn = mlp._backward_epilogue(jax.nn.gelu, True, False, (True,))
+        shapes, dtypes, outs = [acc_shape, (1, n)], [dtype] * 2, (dtype, jnp.float32)
     elif name == "swiglu":  # gated: the gate's and the up projection's biases
         fn = lambda g, u, bg, bu: jax.nn.silu(g + bg) * (u + bu)  # noqa: E731
         shapes, dtypes, outs = [(1, n), (1, n)], [dtype, dtype], out_dtype
@@ -462,13 +471,15 @@ def check_variant(result: dict, variant: tuple, stream_k: bool | None = None) ->
     # each tile's slice of a ROW/COL vector is prefetched into L1 ahead of its epilogue
     assert ("prefetch.global.L1" in ptx) == (epilogue in ("bias_gelu", "bias_silu", "multi", "int_multi",
                                                          "bias_gelu_colsum", "amax", "all_reductions",
-                                                         "swiglu", "softmax_norm", "mlp_gated_bwd"))
-    if epilogue in ("alpha_beta", "f32_tile", "multi", "geglu_tile", "mlp_gated_bwd"):
+                                                         "swiglu", "softmax_norm", "mlp_gated_bwd",
+                                                         "mlp_gelu_bwd"))
+    if epilogue in ("alpha_beta", "f32_tile", "multi", "geglu_tile", "mlp_gated_bwd", "mlp_gelu_bwd"):
         # TILE operands are TMA-loaded into smem and read from there (16-bit ones by
         # ldmatrix), not gathered from global memory ("multi" and "mlp_gated_bwd" still gather
         # their row/column vectors)
         assert ("ld.shared" if epilogue == "f32_tile" else "ldmatrix") in ptx
-        assert "ld.global" not in ptx.replace("ld.global.v4.b32", "") or epilogue in ("multi", "mlp_gated_bwd")
+        assert "ld.global" not in ptx.replace("ld.global.v4.b32", "") or epilogue in ("multi", "mlp_gated_bwd",
+                                                                                      "mlp_gelu_bwd")
     # stream-K pieces hand fp32 partials over through global memory, 16 bytes per access,
     # behind a release fence and an acquire load of the flag; whole-tile schedules have none
     assert result["stream_k"] == (len(variant) > 6 if stream_k is None else stream_k)

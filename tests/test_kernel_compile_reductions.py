@@ -55,9 +55,9 @@ def test_output_shapes(compiled):
 
 
 def test_the_heuristic_keeps_crowded_reduction_epilogues_off_192_accumulator_tiles():
-    """fused_mlp's gated backward (two TILE operands, two column sums) spilled 500 bytes on
-    ping-pong 192x128 tiles: the heuristic runs it on ping-pong 128x128 (compiled above). With
-    one column sum beside a TILE operand (no spill there) it keeps the taller tile."""
+    """fused_mlp's backward epilogues (TILE operands and column sums) spilled on ping-pong
+    192x128 tiles (the gated one 500 bytes, GELU's 464): the heuristic runs them on ping-pong
+    128x128 (compiled above). A column sum without a TILE operand keeps the taller tile."""
     import jax.numpy as jnp
 
     from jax_efc.config import GemmConfig
@@ -65,18 +65,22 @@ def test_the_heuristic_keeps_crowded_reduction_epilogues_off_192_accumulator_til
     from jax_efc.kernels.sm90_policy import POLICY
     from test_kernel_compile import _epilogue
 
+    m, n, k = 8192, 14336, 4096
+
     def chosen(ir, ops):
         problem = KernelProblem(ir=ir, ab_dtype="bfloat16", acc_dtype="float32", a_major="k", b_major="k",
                                 batched=False, a_batched=False, b_batched=False,
                                 operand_batched=(False,) * len(ops), arch="sm_90a", config=GemmConfig())
-        return POLICY.choose_config(problem, 8192, 14336, 4096, 1)
+        return POLICY.choose_config(problem, m, n, k, 1)
 
-    crowded = chosen(*_epilogue("mlp_gated_bwd", 8192, 14336, None, jnp.bfloat16))
-    assert (crowded.tile_m, crowded.tile_n, crowded.pingpong) == (128, 128, True), crowded
+    gated = chosen(*_epilogue("mlp_gated_bwd", m, n, None, jnp.bfloat16))
+    assert (gated.tile_m, gated.tile_n, gated.pingpong) == (128, 128, True), gated
     pinned = REDUCTION_VARIANTS["bf16_pingpong_mlp_gated_bwd_128x128_epi64x16_c1x2"][4]
-    assert (crowded.cluster_m, crowded.cluster_n, crowded.epi_m, crowded.epi_n) == (
+    assert (gated.cluster_m, gated.cluster_n, gated.epi_m, gated.epi_n) == (
         pinned[2], pinned[3], pinned[4]["epi_m"], pinned[4]["epi_n"])
-    ir, ops = _epilogue("mlp_gated_bwd", 8192, 14336, None, jnp.bfloat16)
-    one_sum = ir.with_outputs([o for o in ir.outputs if o.reduce is None] + [next(o for o in ir.outputs if o.reduce)])
-    roomy = chosen(one_sum, ops)
+    gelu = chosen(*_epilogue("mlp_gelu_bwd", m, n, None, jnp.bfloat16))
+    pinned = REDUCTION_VARIANTS["bf16_pingpong_mlp_gelu_bwd_128x128_c1x2"][4]
+    assert (gelu.tile_m, gelu.tile_n, gelu.pingpong, gelu.cluster_n, gelu.epi_m, gelu.epi_n) == (
+        128, 128, True, pinned[3], 0, 32), gelu
+    roomy = chosen(*_epilogue("bias_gelu_colsum", m, n, None, jnp.bfloat16))
     assert roomy.tile_m * roomy.tile_n > 128 * 128, roomy

@@ -346,12 +346,12 @@ class Sm90Policy(ArchPolicy):
             # 64x256 ping-pong tiles were slower (benchmarks/FINDINGS.md, "Tile shapes and
             # epilogue subtiles").
             # Ping-pong tiles of more than 128x128 hold 192 accumulators a thread; beside them an
-            # epilogue that reads a tile operand and folds two or more column sums spilled (ptxas:
-            # 56 bytes with one tile operand at 192x128 in 64x16 subtiles, 500 with fused_mlp's
-            # gated derivative, two tile operands; none at 128x128; benchmarks/FINDINGS.md, "Tenth
-            # sitting"), so such epilogues keep 128x128.
+            # epilogue that reads a TILE operand and folds column sums spilled (ptxas, 192x128:
+            # fused_mlp's GELU derivative and its bias gradient 464 bytes in 64x32 subtiles, its
+            # gated derivative and two bias gradients 500 in 64x16; none at 128x128;
+            # benchmarks/FINDINGS.md, "Tenth sitting"), so such epilogues keep 128x128.
             crowded = (bool(tile_operand_indices(problem.ir))
-                       and sum(1 for o in problem.ir.outputs if o.reduce and "m" in o.over) >= 2)
+                       and any(o.reduce and "m" in o.over for o in problem.ir.outputs))
             tall = pingpong(192)
             fits_tall = (not crowded and stages_of(tall) >= _PINGPONG_STAGES
                          and fill(192, 128) >= fill(128, 128) - _FILL_SLACK)
