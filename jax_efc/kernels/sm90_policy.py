@@ -247,6 +247,8 @@ class Sm90Policy(ArchPolicy):
         A grouped GEMM takes cooperative 256x128 tiles in 1x2 clusters where those pad balanced
         groups no more than 128-row tiles and fill the SMs (:func:`_grouped_tall_config`; once
         verified, ``verified_grouped_tall``).
+        An epilogue that reads a TILE operand and folds column sums keeps 128x128 ping-pong tiles
+        (beside 192 accumulators a thread it spilled).
         Large problems walk the tiles in bands of 8 clusters for L2 reuse. Epilogues that do work
         get 64x32 or 64x16 subtiles on ping-pong tiles where those buy the ring stages (192x128
         and 128x192 tiles qualify when some subtile leaves them 5), else 64-wide ones where the
