@@ -7,7 +7,7 @@
 #   grouped   the grouped GEMM: its numerics; its speed (and its weight gradient's) against
 #             ragged_dot, Pallas's Mosaic GPU ragged dot and a dense GEMM of the same FLOPs; an
 #             MoE layer's training step against ragged_dot's
-#   fused     the gated GEMMs' speed, alone and in an MLP's training step; the epilogue
+#   fused     the gated GEMMs' speed alone, and the MLPs' training steps (GELU, gated); the epilogue
 #             reductions' cost (deterministic and by atomics); a row softmax in the kernel; a
 #             dense layer's training step and its GEMMs' bound
 #   tests     the rest of the GPU tests but `stores`' (the compute-sanitizer runs, marked slow, apart)
@@ -46,7 +46,7 @@ if want fused; then
   step bench-gated python3 benchmarks/run.py --json "$logs/bench-gated.json" --epilogues gated:swiglu,gated:geglu \
     --shapes 8192,14336,4096 4096,14336,4096
   step bench-gated-mlp python3 benchmarks/run.py --bound --json "$logs/bench-gated-mlp.json" \
-    --epilogues train:gated_mlp+silu,train:interleaved_mlp+silu --shapes 8192,14336,4096
+    --epilogues train:mlp+gelu_tanh,train:gated_mlp+silu,train:interleaved_mlp+silu --shapes 8192,14336,4096
   step bench-reduce python3 benchmarks/run.py --json "$logs/bench-reduce.json" \
     --epilogues bias+gelu_tanh,bias+gelu_tanh+colsum,bias+gelu_tanh+colsum-atomic --shapes $shapes
   step bench-row python3 benchmarks/run.py --json "$logs/bench-row.json" --epilogues gemm,bias+softmax \
