@@ -477,6 +477,7 @@ def split_at_reductions(ir: EpilogueIR, rows_in_tile: bool = False) -> Split:
         if in_gemm(o.value):
             outputs.append(dataclasses.replace(output(o.name, o.value, o.dtype), inplace=o.inplace, mask=o.mask,
                                                transposed=o.transposed))
+
     def dtype_of(v: int) -> str:
         return ir.inputs[v].dtype if v < n_in else ir.instrs[v - n_in].dtype
 
