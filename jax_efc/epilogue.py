@@ -490,7 +490,7 @@ def split_at_reductions(ir: EpilogueIR, rows_in_tile: bool = False) -> Split:
         # (a mask, which no kernel stores, is computed again in XLA from what it compares)
         if in_gemm(v) and (v in first or (heavy[v] and dtype_of(v) != "bool")):
             given.add(v)
-        elif v >= n_in and not (in_gemm(v) and not heavy[v]):
+        elif v >= n_in and (heavy[v] or not in_gemm(v)):
             stack.extend(ir.instrs[v - n_in].args)
     read = []
     for v in sorted(given):

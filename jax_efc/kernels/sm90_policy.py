@@ -434,8 +434,7 @@ def _grouped_tall_config(t: int, n: int, groups: int, sms: int) -> GemmConfig | 
     def padded(tm: int) -> int:
         return -(-rows // tm) * tm
 
-    tiles = groups * -(-rows // 256) * -(-n // 128)
-    if padded(256) > padded(128) or tiles < _ONE_WAVE * sms:
+    if padded(256) > padded(128) or _tiles(rows, n, groups, 256, 128) < _ONE_WAVE * sms:
         return None
     return GemmConfig(tile_m=256, tile_n=128, cluster_n=2, raster="m")
 
