@@ -258,6 +258,23 @@ def test_bench_training_step(capsys):
 
 
 
+@pytest.mark.parametrize("name, stored_a, stored_b", [("gemm-at", (48, 32), (48, 64)),
+                                                      ("gemm-bt", (32, 48), (64, 48))])
+def test_bench_transposed_gemms(name, stored_a, stored_b):
+    # a training step's backward GEMMs one by one: A or B stored transposed, read in place by
+    # ours and by XLA's dot, each against the float64 product of what is stored
+    import numpy as np
+
+    problem = bench.bench_problem(name, (32, 64, 48, 1))
+    assert [s.shape for s in problem.specs] == [stored_a, stored_b]
+    a, b = bench.random_inputs(problem.specs, jax.random.key(2))
+    a64, b64 = (np.asarray(v, np.float64) for v in (a, b))
+    want = (a64.T @ b64) if name == "gemm-at" else (a64 @ b64.T)
+    for got in (problem.ours(a, b), problem.baseline(a, b), problem.gemms_alone(a, b),
+                problem.baseline_gemms_alone(a, b)):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=1e-2 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("name", ["grouped-wgrad:gemm", "grouped-wgrad-skewed:gemm"])
 def test_bench_grouped_weight_gradient(name):
     # the experts' weight gradient (G, K, N) of x (M, K) and the output gradient (M, N): each

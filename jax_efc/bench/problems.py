@@ -28,6 +28,10 @@ STANDARD_SHAPES: list[Shape] = (
 )
 QUICK_SHAPES: list[Shape] = [(8192, 8192, 8192, 1), (8192, 14336, 4096, 1), (1000, 4096, 4096, 1)]
 EPILOGUES = ("gemm", "bias+gelu_tanh", "bias+gelu", "bias+silu", "alpha-beta")
+# a plain GEMM reading A stored (K, M) ("gemm-at": a weight gradient's x^T @ dy) or B stored
+# (N, K) ("gemm-bt": a data gradient's dy @ W^T), against XLA's dot of the same transposes: a
+# training step's GEMMs one by one; measured only when asked for
+TRANSPOSED_GEMMS = ("gemm-at", "gemm-bt")
 # a dense layer's training step: its output and the gradients of x, kernel and bias for a given
 # output cotangent (three GEMMs); measured only when asked for
 TRAIN_EPILOGUES = tuple(f"train:{e}" for e in EPILOGUES if e.startswith("bias+"))
@@ -74,7 +78,7 @@ FP8_TRAIN_STEPS = ("fp8train:bias+gelu_tanh", "fp8train-fast:bias+gelu_tanh", "f
 # transposed times the output gradient's, against ragged_dot's own (its VJP)
 GROUPED_EPILOGUES = ("grouped:bias+silu", "grouped-skewed:bias+silu", "grouped-wgrad:gemm",
                      "grouped-wgrad-skewed:gemm")
-NAMED_EPILOGUES = (EPILOGUES + TRAIN_EPILOGUES + MLP_STEPS + SCAN_EPILOGUES + EIGHT_BIT_EPILOGUES
+NAMED_EPILOGUES = (EPILOGUES + TRANSPOSED_GEMMS + TRAIN_EPILOGUES + MLP_STEPS + SCAN_EPILOGUES + EIGHT_BIT_EPILOGUES
                    + REDUCTION_EPILOGUES + ROW_EPILOGUES + FP8_TRAIN_STEPS + GATED_EPILOGUES
                    + GROUPED_EPILOGUES)  # every name --epilogues takes
 ALPHA_BETA_SCALARS = {"alpha": 2.0, "beta": 1.0, "x_factor": 3.0}
@@ -503,9 +507,8 @@ def scan_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
 
 def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
                   config: GemmConfig | str | None = None) -> Problem:
-    """One of the benchmark epilogues (``EPILOGUES``, ``TRAIN_EPILOGUES``, ``MLP_STEPS``,
-    ``SCAN_EPILOGUES``) at one shape; ``config`` pins the kernel's configuration (None: the
-    heuristic's)."""
+    """One of the benchmark epilogues (``NAMED_EPILOGUES``) at one shape; ``config`` pins the
+    kernel's configuration (None: the heuristic's)."""
     if epilogue in MLP_STEPS:
         return mlp_problem(epilogue, shape, dtype, config)
     if epilogue in GATED_EPILOGUES:
@@ -521,6 +524,11 @@ def bench_problem(epilogue: str, shape: Shape, dtype: Any = jnp.bfloat16,
     if epilogue == "gemm":
         return epilogue_problem(epilogue, _identity, shape, dtype, config=config,
                                 ours=lambda a, b: gemm(a, b, config=config))
+    if epilogue in TRANSPOSED_GEMMS:
+        ta, tb = epilogue == "gemm-at", epilogue == "gemm-bt"
+        return epilogue_problem(epilogue, _identity, shape, dtype, config=config,
+                                majors=("m" if ta else "k", "k" if tb else "n", "n"),
+                                ours=lambda a, b: gemm(a, b, config=config, transpose_a=ta, transpose_b=tb))
     if epilogue in REDUCTION_EPILOGUES:
         layer = _bias_activation("gelu_tanh")
 
