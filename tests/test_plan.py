@@ -235,3 +235,29 @@ def test_the_launch_refuses_arrays_its_plan_was_not_made_for():
                                arch="sm_90a")
     with pytest.raises(ValueError, match="kernel cannot run this GEMM: .*K=1001"):
         jax.jit(lambda a, b: ffi.fused_gemm(a, b, plan=refused)).trace(spec, spec)
+
+
+@pytest.mark.parametrize("outputs, tile_m", [(5, 128), (7, 128), (12, 64)])
+def test_many_wide_outputs_get_subtiles_that_leave_the_ring_two_stages(monkeypatch, outputs, tile_m):
+    """Five or more fp32 outputs beside an fp32 TILE operand (what an epilogue split at a
+    reduction can ask the GEMM to store) left 128x32 subtiles too little shared memory for two
+    stages, and the call went to XLA; the heuristic now narrows the subtiles, then the tile."""
+    pytest.importorskip("cutlass")
+    from jax_efc.kernels.sm90_policy import pipeline_stages
+    from jax_efc.tracing import trace_epilogue
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("JAX_EFC_STRICT", "1")  # the kernel, though XLA would run 6 tiles faster
+
+    def epilogue(acc, c):
+        return tuple(acc * (i + 1) + c for i in range(outputs))
+
+    shape = (3, 138, 104)
+    ir, *_ = trace_epilogue(epilogue, shape, [shape], [jnp.float32], {}, {}, [jnp.float32] * outputs,
+                            jnp.float32)
+    params = dict(_params(), ir=ir)
+    p = plan.plan_call([_S((3, 138, 96), jnp.bfloat16), _S((3, 96, 104), jnp.bfloat16), _S(shape, jnp.float32)],
+                       params)
+    assert p.backend == "kernel", p.reason
+    assert (p.config.tile_m, p.config.epi_n) == (tile_m, 16), p.config
+    assert pipeline_stages(p.problem) >= 2

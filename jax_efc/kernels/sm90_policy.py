@@ -417,7 +417,16 @@ class Sm90Policy(ArchPolicy):
                          swizzle=8 if big else 1)
         # 64-wide epilogue subtiles when _WIDE_TILE_STAGES still fit; plain GEMMs, which gained
         # nothing from them, keep 32.
-        return widened(cfg, _WIDE_TILE_STAGES) if tn == 256 else cfg
+        if tn == 256:
+            return widened(cfg, _WIDE_TILE_STAGES)
+        # Many or wide outputs and TILE operands (an epilogue split at a reduction stores every
+        # value XLA finishes with) can leave a 128x32 subtile's buffers no room for 2 stages:
+        # 16-wide subtiles halve them, and a 64-row tile halves them again.
+        for narrower in (dataclasses.replace(cfg, epi_n=16),
+                         dataclasses.replace(cfg, tile_m=64, cluster_m=1, swizzle=1, epi_n=16)):
+            if stages_of(cfg) < _WIDE_TILE_STAGES and stages_of(narrower) > stages_of(cfg):
+                cfg = narrower
+        return cfg
 
 
 def _grouped_tall_config(t: int, n: int, groups: int, sms: int) -> GemmConfig | None:
