@@ -243,7 +243,8 @@ class Sm90Policy(ArchPolicy):
         stages even in its smallest subtiles (64x16), or the problem is smaller, the cooperative
         schedule runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per thread) when they
         (nearly) fill the SMs, else 128x128 (or 64x128 when even those leave most SMs idle), with a
-        2x1 cluster multicasting B when M spans several tiles.
+        2x1 cluster multicasting B when M spans several tiles; where its epilogue buffers leave
+        that tile fewer than 3 stages, 128x16 subtiles, then 64x128 tiles, buy them back.
         A grouped GEMM takes cooperative 256x128 tiles in 1x2 clusters where those pad balanced
         groups no more than 128-row tiles and fill the SMs (:func:`_grouped_tall_config`; once
         verified, ``verified_grouped_tall``).
