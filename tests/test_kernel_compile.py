@@ -860,6 +860,11 @@ def test_supported_and_heuristic():
     assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (128, 256, 2, 1, False)
     assert choose_config(problem, 16384, 4096, 14336, 1).tile_m == 192  # 192x128 fills better
     assert choose_config(problem, 8192, 4096, 8192, 1).pingpong  # K not long enough
+    # A stored (K, M), a weight gradient's: a long K from 8192
+    for mnk in ((4096, 14336, 8192), (14336, 4096, 8192), (4096, 4096, 8192)):
+        cfg = choose_config(transposed, *mnk, 1)
+        assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (128, 256, 2, 1, False), mnk
+    assert choose_config(transposed, 14336, 4096, 4096, 1).pingpong
 
     # an fp32 output leaves 128x192 tiles 4 stages in 128x32 subtiles, 5 in 64x32 ones; at
     # 4096^3 128x128 tiles fill the SMs' rounds better

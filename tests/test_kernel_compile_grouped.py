@@ -309,26 +309,20 @@ def test_heuristic_takes_clusters_along_n():
 def test_heuristic_takes_256_row_tiles_where_they_pad_the_groups_no_more(monkeypatch):
     """Balanced groups of 256 or 2048 rows: cooperative 256x128 in 1x2 clusters; of 300 rows
     (one 256-row tile and a nearly empty one, against three 128-row tiles) or too few tiles to
-    fill the SMs: the dense choice, clusters along N. Until the 256-row tiles are verified
-    on a GPU, only under JAX_EFC_UNVERIFIED_KERNELS=1."""
+    fill the SMs: the dense choice, clusters along N."""
     from jax_efc.kernels.sm90_policy import POLICY
 
     def chosen(t, n, k, g):
         problem = dataclasses.replace(_problem(), groups=g)
         return POLICY.choose_config(problem, t, n, k, 1)
 
-    tall = (256, 128, 1, 2, False)
-    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
+    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "0")  # verified on a GPU: the default
     for t, g in ((16384, 64), (16384, 8)):
         cfg = chosen(t, 3584, 4096, g)
-        assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == tall, cfg
+        assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (256, 128, 1, 2, False), cfg
     for t, n, g in ((19200, 3584, 64), (2048, 512, 8)):
         cfg = chosen(t, n, 4096, g)
         assert cfg.tile_m != 256 and cfg.cluster_m == 1, cfg
-    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "0")
-    cfg = chosen(16384, 3584, 4096, 64)
-    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (
-        tall if POLICY.verified_grouped_tall else (128, 128, 1, 2, True)), cfg
 
 
 if __name__ == "__main__":

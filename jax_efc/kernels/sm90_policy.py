@@ -71,8 +71,10 @@ _PINGPONG_STAGES = 5
 _XLA_ALWAYS_ROWS = 64  # at most this many rows per B: XLA's GEMM, however many tiles
 _XLA_FILL = 0.75  # more: XLA's GEMM when 128x128 tiles fill less of the SMs than this
 # K from which plain GEMMs and light epilogues take cooperative 128x256 tiles when those
-# fill the SMs as well as ping-pong ones (192 k-tiles)
+# fill the SMs as well as ping-pong ones (192 k-tiles); with A stored (K, M), as a weight
+# gradient reads it, from 8192 (see _tile_choice)
 _LONG_K = 12288
+_LONG_K_M_MAJOR_A = 8192
 
 
 def mma_warpgroups(config: GemmConfig) -> int:
@@ -146,12 +148,11 @@ class Sm90Policy(ArchPolicy):
     grouped_kernel = True
     verified_grouped = True
     verified_grouped_k = True
-    # cooperative 256x128 tiles for grouped GEMMs (_grouped_tall_config) ran faster and as exactly
-    # as ragged_dot on balanced groups that fill whole tiles, but not yet against the float64
-    # oracle on skewed groups and partial tiles (tests/test_gpu_grouped.py,
-    # "cooperative_256x128_c1x2"): until they have, the heuristic takes them only under
-    # JAX_EFC_UNVERIFIED_KERNELS=1 (a config pinned to them runs them as any pinned config)
-    verified_grouped_tall = False
+    # cooperative 256x128 tiles for grouped GEMMs (_grouped_tall_config) ran against the float64
+    # oracle on an H100 (tests/test_gpu_grouped.py, "cooperative_256x128_c1x2": balanced,
+    # skewed and empty groups, groups smaller than a tile, partial tiles at group edges, rows
+    # past the groups)
+    verified_grouped_tall = True
     # ran against the float64 oracle on an H200 (tests/test_gpu_row_stats.py: a row softmax, norm
     # and log-sum-exp at once over partial tiles, both schedules, clusters, stream-K, a batch, NaN
     # and infinite inputs, a transposed output)
@@ -239,15 +240,14 @@ class Sm90Policy(ArchPolicy):
         with work the first of 192x128, 128x192, 128x128. With a long K (>= 12288), plain GEMMs and
         epilogues with no TILE operand and at most 4 bytes of output an element (one fp32 or two
         16-bit outputs) run cooperative 128x256 tiles in 2x1 clusters instead where those fill the
-        SMs as well. When the epilogue's smem buffers would leave the ping-pong ring fewer than 5
+        SMs as well; with A stored (K, M) from K = 8192. When the epilogue's smem buffers would leave the ping-pong ring fewer than 5
         stages even in its smallest subtiles (64x16), or the problem is smaller, the cooperative
         schedule runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per thread) when they
         (nearly) fill the SMs, else 128x128 (or 64x128 when even those leave most SMs idle), with a
         2x1 cluster multicasting B when M spans several tiles; where its epilogue buffers leave
         that tile fewer than 3 stages, 128x16 subtiles, then 64x128 tiles, buy them back.
         A grouped GEMM takes cooperative 256x128 tiles in 1x2 clusters where those pad balanced
-        groups no more than 128-row tiles and fill the SMs (:func:`_grouped_tall_config`; once
-        verified, ``verified_grouped_tall``).
+        groups no more than 128-row tiles and fill the SMs (:func:`_grouped_tall_config`).
         An epilogue that reads a TILE operand and folds column sums keeps 128x128 ping-pong tiles
         (beside 192 accumulators a thread it spilled).
         Large problems walk the tiles in bands of 8 clusters for L2 reuse. Epilogues that do work
@@ -365,9 +365,15 @@ class Sm90Policy(ArchPolicy):
             # multiply-add, win where they fill the SMs' rounds as well; so do epilogues that read
             # only vectors and write at most 4 bytes an element, exposed. Alpha-beta's TILE
             # operands and two outputs keep ping-pong, which hides them.
+            # With A stored (K, M) (a weight gradient's x^T) ping-pong tiles lose more: at K =
+            # 8192 on an H100, 128x128 ran 4096x14336 in 1.656 ms against 1.396 in 128x256
+            # (XLA 1.363), 14336x4096 in 1.572 against 1.503 and 4096x4096 in 0.417 against
+            # 0.391; at K = 4096 (14336x4096) 0.761 against 0.782 (benchmarks/FINDINGS.md,
+            # "Eleventh sitting").
             out_bits = sum(bits(o.dtype) for o in problem.ir.outputs)
             light = out_bits <= 32 and not tile_operand_indices(problem.ir)
-            if (light and k >= _LONG_K and n >= 256
+            long_k_from = _LONG_K_M_MAJOR_A if problem.a_major == "m" else _LONG_K
+            if (light and k >= long_k_from and n >= 256
                     and fill(128, 256) >= fill(tm, 128) - _FILL_TIE):
                 long_k = GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, swizzle=8)
                 return widened(long_k, _WIDE_TILE_STAGES)
