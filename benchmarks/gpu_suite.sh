@@ -9,7 +9,7 @@
 #             MoE layer's training step against ragged_dot's
 #   fused     the gated GEMMs' speed alone, and the MLPs' training steps (GELU, gated); the epilogue
 #             reductions' cost (deterministic and by atomics); a row softmax in the kernel; a
-#             dense layer's training step and its GEMMs' bound
+#             dense layer's training step and its GEMMs' bound; the weight gradients' GEMMs alone
 #   tests     the rest of the GPU tests but `stores`' (the compute-sanitizer runs, marked slow, apart)
 #   stores    the epilogue reductions' (in-tile row ones too), transposed and masked outputs' GPU tests
 #   examples  each example at a GPU size, `jax-efc run`, info and selftest
@@ -39,7 +39,7 @@ if want grouped; then
   step bench-grouped python3 benchmarks/run.py --json "$logs/bench-grouped.json" \
     --epilogues grouped:bias+silu,grouped-skewed:bias+silu,grouped-wgrad:gemm,grouped-wgrad-skewed:gemm \
     --shapes 16384,14336,4096,8 16384,3584,4096,8 16384,3584,4096,64
-  step grouped-peers python3 benchmarks/grouped_peers.py --routing balanced skewed --configs auto 256,128,1,2,pingpong=0
+  step grouped-peers python3 benchmarks/grouped_peers.py --routing balanced skewed --configs auto 128,128,1,2,pingpong=1
   step moe-step python3 benchmarks/moe_step.py
 fi
 if want fused; then
@@ -52,6 +52,9 @@ if want fused; then
   step bench-row python3 benchmarks/run.py --json "$logs/bench-row.json" --epilogues gemm,bias+softmax \
     --shapes 16384,128,4096 16384,64,4096
   # a dense layer's training step (fused bias gradient), and XLA's step over our three GEMMs alone
+  # the weight gradients' GEMMs (A stored (K, M)) of the dense and MLP steps, against XLA's dot
+  step bench-wgrad python3 benchmarks/run.py --clocks --json "$logs/bench-wgrad.json" --epilogues gemm-at \
+    --shapes 4096,14336,8192 14336,4096,8192 4096,4096,8192 14336,4096,4096
   step bench-train python3 benchmarks/run.py --bound --json "$logs/bench-train.json" \
     --epilogues train:bias+gelu_tanh --shapes 8192,14336,4096 8192,4096,14336 8192,4096,4096
 fi
