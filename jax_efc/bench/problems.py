@@ -78,8 +78,8 @@ FP8_TRAIN_STEPS = ("fp8train:bias+gelu_tanh", "fp8train-fast:bias+gelu_tanh", "f
 # transposed times the output gradient's, against ragged_dot's own (its VJP)
 GROUPED_EPILOGUES = ("grouped:bias+silu", "grouped-skewed:bias+silu", "grouped-wgrad:gemm",
                      "grouped-wgrad-skewed:gemm")
-NAMED_EPILOGUES = (EPILOGUES + TRANSPOSED_GEMMS + TRAIN_EPILOGUES + MLP_STEPS + SCAN_EPILOGUES + EIGHT_BIT_EPILOGUES
-                   + REDUCTION_EPILOGUES + ROW_EPILOGUES + FP8_TRAIN_STEPS + GATED_EPILOGUES
+NAMED_EPILOGUES = (EPILOGUES + TRANSPOSED_GEMMS + TRAIN_EPILOGUES + MLP_STEPS + SCAN_EPILOGUES
+                   + EIGHT_BIT_EPILOGUES + REDUCTION_EPILOGUES + ROW_EPILOGUES + FP8_TRAIN_STEPS + GATED_EPILOGUES
                    + GROUPED_EPILOGUES)  # every name --epilogues takes
 ALPHA_BETA_SCALARS = {"alpha": 2.0, "beta": 1.0, "x_factor": 3.0}
 

@@ -71,8 +71,8 @@ _PINGPONG_STAGES = 5
 _XLA_ALWAYS_ROWS = 64  # at most this many rows per B: XLA's GEMM, however many tiles
 _XLA_FILL = 0.75  # more: XLA's GEMM when 128x128 tiles fill less of the SMs than this
 # K from which plain GEMMs and light epilogues take cooperative 128x256 tiles when those
-# fill the SMs as well as ping-pong ones (192 k-tiles); with A stored (K, M), as a weight
-# gradient reads it, from 8192 (see _tile_choice)
+# fill the SMs as well as ping-pong ones (192 k-tiles); a plain GEMM with A stored (K, M), as
+# a weight gradient reads it, from 8192 (see _tile_choice)
 _LONG_K = 12288
 _LONG_K_M_MAJOR_A = 8192
 
@@ -240,9 +240,9 @@ class Sm90Policy(ArchPolicy):
         with work the first of 192x128, 128x192, 128x128. With a long K (>= 12288), plain GEMMs and
         epilogues with no TILE operand and at most 4 bytes of output an element (one fp32 or two
         16-bit outputs) run cooperative 128x256 tiles in 2x1 clusters instead where those fill the
-        SMs as well; with A stored (K, M) from K = 8192. When the epilogue's smem buffers would leave the ping-pong ring fewer than 5
-        stages even in its smallest subtiles (64x16), or the problem is smaller, the cooperative
-        schedule runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per thread) when they
+        SMs as well (a plain GEMM with A stored (K, M) from K = 8192). When the epilogue's smem
+        buffers would leave the ping-pong ring fewer than 5 stages even in its smallest subtiles
+        (64x16), or the problem is smaller, the cooperative schedule runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per thread) when they
         (nearly) fill the SMs, else 128x128 (or 64x128 when even those leave most SMs idle), with a
         2x1 cluster multicasting B when M spans several tiles; where its epilogue buffers leave
         that tile fewer than 3 stages, 128x16 subtiles, then 64x128 tiles, buy them back.
@@ -365,14 +365,14 @@ class Sm90Policy(ArchPolicy):
             # multiply-add, win where they fill the SMs' rounds as well; so do epilogues that read
             # only vectors and write at most 4 bytes an element, exposed. Alpha-beta's TILE
             # operands and two outputs keep ping-pong, which hides them.
-            # With A stored (K, M) (a weight gradient's x^T) ping-pong tiles lose more: at K =
-            # 8192 on an H100, 128x128 ran 4096x14336 in 1.656 ms against 1.396 in 128x256
-            # (XLA 1.363), 14336x4096 in 1.572 against 1.503 and 4096x4096 in 0.417 against
-            # 0.391; at K = 4096 (14336x4096) 0.761 against 0.782 (benchmarks/FINDINGS.md,
-            # "Eleventh sitting").
+            # A plain GEMM with A stored (K, M) (a weight gradient's x^T) loses more in ping-pong
+            # tiles, so takes 128x256 from a shorter K: at K = 8192 on an H100, 128x128 ran
+            # 4096x14336 in 1.656 ms against 1.396 in 128x256 (XLA 1.363), 14336x4096 in 1.572
+            # against 1.503 and 4096x4096 in 0.417 against 0.391; at K = 4096 (14336x4096) 0.761
+            # against 0.782 (benchmarks/FINDINGS.md, "Eleventh sitting").
             out_bits = sum(bits(o.dtype) for o in problem.ir.outputs)
             light = out_bits <= 32 and not tile_operand_indices(problem.ir)
-            long_k_from = _LONG_K_M_MAJOR_A if problem.a_major == "m" else _LONG_K
+            long_k_from = _LONG_K_M_MAJOR_A if problem.a_major == "m" and not has_work else _LONG_K
             if (light and k >= long_k_from and n >= 256
                     and fill(128, 256) >= fill(tm, 128) - _FILL_TIE):
                 long_k = GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, swizzle=8)
