@@ -367,17 +367,18 @@ def test_alpha_beta_fp32_outputs_by_the_heuristic():
          out_dtypes={"D": jnp.float32, "Y": jnp.float32}, tol=1e-4)
 
 
-@pytest.mark.parametrize("outputs", [7, 12])
-def test_many_fp32_outputs_by_the_heuristic(outputs):
+@pytest.mark.parametrize("outputs, k", [(7, 96), (12, 96), (6, 48), (12, 48)])
+def test_many_fp32_outputs_by_the_heuristic(outputs, k):
     # outputs enough that the heuristic narrows the subtiles (128x16), or the tile too (64x128
-    # in 64x16), to keep two ring stages (test_plan checks the choice); partial tiles, a batch
+    # in 64x16), to keep two ring stages, from its 128x128 or (one k-tile) 128x256 tiles
+    # (test_plan checks the choice); partial tiles, a batch
     import jax.numpy as jnp
 
     def fn(acc, c):
         return tuple(acc * (i + 1) - c * i for i in range(outputs))
 
     L, m, n = 3, 138, 104
-    _run(fn, [((L, m, n), "float32")], m=m, n=n, k=96, batch=L, out_dtypes=[jnp.float32] * outputs, tol=1e-4)
+    _run(fn, [((L, m, n), "float32")], m=m, n=n, k=k, batch=L, out_dtypes=[jnp.float32] * outputs, tol=1e-4)
 
 
 def test_tile_operand_f32_shared_across_batch():

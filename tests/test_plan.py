@@ -237,11 +237,13 @@ def test_the_launch_refuses_arrays_its_plan_was_not_made_for():
         jax.jit(lambda a, b: ffi.fused_gemm(a, b, plan=refused)).trace(spec, spec)
 
 
-@pytest.mark.parametrize("outputs, tile_m", [(5, 128), (7, 128), (12, 64)])
-def test_many_wide_outputs_get_subtiles_that_leave_the_ring_two_stages(monkeypatch, outputs, tile_m):
+@pytest.mark.parametrize("outputs, k, tile", [(5, 96, (128, 128)), (7, 96, (128, 128)), (12, 96, (64, 128)),
+                                              (6, 48, (128, 128)), (12, 48, (64, 128))])
+def test_many_wide_outputs_get_subtiles_that_leave_the_ring_two_stages(monkeypatch, outputs, k, tile):
     """Five or more fp32 outputs beside an fp32 TILE operand (what an epilogue split at a
     reduction can ask the GEMM to store) left 128x32 subtiles too little shared memory for two
-    stages, and the call went to XLA; the heuristic now narrows the subtiles, then the tile."""
+    stages, and the call went to XLA; the heuristic now narrows the subtiles, then the tile,
+    whichever tile it took (K = 48, one k-tile, takes 128x256 first)."""
     pytest.importorskip("cutlass")
     from jax_efc.kernels.sm90_policy import pipeline_stages
     from jax_efc.tracing import trace_epilogue
@@ -256,8 +258,8 @@ def test_many_wide_outputs_get_subtiles_that_leave_the_ring_two_stages(monkeypat
     ir, *_ = trace_epilogue(epilogue, shape, [shape], [jnp.float32], {}, {}, [jnp.float32] * outputs,
                             jnp.float32)
     params = dict(_params(), ir=ir)
-    p = plan.plan_call([_S((3, 138, 96), jnp.bfloat16), _S((3, 96, 104), jnp.bfloat16), _S(shape, jnp.float32)],
+    p = plan.plan_call([_S((3, 138, k), jnp.bfloat16), _S((3, k, 104), jnp.bfloat16), _S(shape, jnp.float32)],
                        params)
     assert p.backend == "kernel", p.reason
-    assert (p.config.tile_m, p.config.epi_n) == (tile_m, 16), p.config
+    assert (p.config.tile_m, p.config.tile_n, p.config.epi_n) == (*tile, 16), p.config
     assert pipeline_stages(p.problem) >= 2

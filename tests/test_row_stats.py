@@ -35,6 +35,17 @@ def _trace(fn, n, m=64, operands=((1, None),)):
     return ir
 
 
+def crowded_rows(acc, bias, c):
+    """softmax_norm beside four more fp32 outputs that read a TILE operand: buffers enough that
+    the tile's row stats run in 16-wide subtiles."""
+    out = softmax_norm(acc, bias)
+    return {**out, **{f"z{i}": out["p"] * (i + 1) + c for i in range(4)}}
+
+
+def crowded_oracle(a, b, bias, c):
+    want = oracle(a, b, bias)
+    return {**want, **{f"z{i}": want["p"] * (i + 1) + np.asarray(c, np.float64) for i in range(4)}}
+
 def test_where_the_reductions_run():
     """Consumed reductions over N alone stay in the GEMM for rows up to ROW_TILE_N wide; over M,
     over the whole tile, on wider rows, or not consumed at all, the program splits as before."""
@@ -121,6 +132,15 @@ def test_the_heuristic_takes_a_tile_as_wide_as_the_row(monkeypatch, n):
     assert plan.backend == "kernel", plan.reason
     assert plan.config.tile_n >= n and plan.config.cluster_n == 1
 
+
+@pytest.mark.parametrize("m, n, k", [(1000, 120, 48), (64, 88, 48), (2296, 128, 4104)])
+def test_crowded_rows_take_narrow_subtiles_not_xla(monkeypatch, m, n, k):
+    """With one k-tile the heuristic took 128x256 tiles, whose 128x32 subtiles left these buffers
+    no room for 2 stages, and the call went to XLA; narrower subtiles and tiles that still span
+    the row run it (test_gpu_row_stats.py runs them)."""
+    plan = _plan(monkeypatch, crowded_rows, m, n, k, operands=((1, None), (m, None)))
+    assert plan.backend == "kernel", plan.reason
+    assert plan.config.tile_n >= n and plan.config.epi_n == 16, plan.config
 
 def test_refusals_name_the_cause(monkeypatch):
     from jax_efc.kernels import policy

@@ -244,8 +244,8 @@ class Sm90Policy(ArchPolicy):
         buffers would leave the ping-pong ring fewer than 5 stages even in its smallest subtiles
         (64x16), or the problem is smaller, the cooperative schedule runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per thread) when they
         (nearly) fill the SMs, else 128x128 (or 64x128 when even those leave most SMs idle), with a
-        2x1 cluster multicasting B when M spans several tiles; where its epilogue buffers leave
-        that tile fewer than 3 stages, 128x16 subtiles, then 64x128 tiles, buy them back.
+        2x1 cluster multicasting B when M spans several tiles. Wherever a cooperative tile's epilogue
+        buffers leave it fewer than 3 stages, narrower subtiles and tiles buy them back (:meth:`_roomy`).
         A grouped GEMM takes cooperative 256x128 tiles in 1x2 clusters where those pad balanced
         groups no more than 128-row tiles and fill the SMs (:func:`_grouped_tall_config`).
         An epilogue that reads a TILE operand and folds column sums keeps 128x128 ping-pong tiles
@@ -256,7 +256,7 @@ class Sm90Policy(ArchPolicy):
         ring keeps enough stages (128x128 ping-pong, 128x256).
         """
         config = self.grouped_fit(problem, self.gated_fit(problem, self._tile_choice(problem, m, n, k, l, sm_count)))
-        return self.row_fit(problem, config, n)
+        return self._roomy(problem, self.row_fit(problem, config, n), n)
 
     def row_tile(self, config: GemmConfig, tile_n: int) -> GemmConfig:
         # cooperative tiles of 128 rows hold rows of any width up to 256 (128 accumulators a thread
@@ -424,16 +424,40 @@ class Sm90Policy(ArchPolicy):
                          swizzle=8 if big else 1)
         # 64-wide epilogue subtiles when _WIDE_TILE_STAGES still fit; plain GEMMs, which gained
         # nothing from them, keep 32.
-        if tn == 256:
-            return widened(cfg, _WIDE_TILE_STAGES)
-        # Many or wide outputs and TILE operands (an epilogue split at a reduction stores every
-        # value XLA finishes with) can leave a 128x32 subtile's buffers no room for 2 stages:
-        # 16-wide subtiles halve them, and a 64-row tile halves them again.
-        for narrower in (dataclasses.replace(cfg, epi_n=16),
-                         dataclasses.replace(cfg, tile_m=64, cluster_m=1, swizzle=1, epi_n=16)):
-            if stages_of(cfg) < _WIDE_TILE_STAGES and stages_of(narrower) > stages_of(cfg):
-                cfg = narrower
-        return cfg
+        return widened(cfg, _WIDE_TILE_STAGES) if tn == 256 else cfg
+
+    def _roomy(self, problem: KernelProblem, config: GemmConfig, n: int) -> GemmConfig:
+        """``config``, or where its cooperative tile's epilogue buffers leave the ring fewer than
+        _WIDE_TILE_STAGES stages, the first of 16-wide subtiles, then those in a 128-column tile,
+        then in a 64-row one, that leaves that many (else the one that leaves the most). Many or
+        wide outputs and TILE operands (an epilogue split at a reduction stores every value XLA
+        finishes with) left 128x32 subtiles no room for 2 stages, and the call went to XLA.
+        Gated and grouped tiles keep their shape (their fits chose it), and a tile that holds
+        whole rows for in-tile reductions keeps its rows."""
+        def stages_of(cfg: GemmConfig) -> int:
+            return pipeline_stages(dataclasses.replace(problem, config=cfg))
+
+        if config.pingpong or stages_of(config) >= _WIDE_TILE_STAGES:
+            return config
+        narrower = [dataclasses.replace(config, epi_n=16)]
+        if not problem.ir.gated and not problem.groups:
+            if config.tile_n > 128 and not (problem.row_stats and n > 128):
+                narrower.append(dataclasses.replace(narrower[-1], tile_n=128))
+            if config.tile_m == 128 and not problem.row_stats:
+                narrower.append(dataclasses.replace(narrower[-1], tile_m=64, cluster_m=1, swizzle=1))
+        enough = [cfg for cfg in narrower if stages_of(cfg) >= _WIDE_TILE_STAGES]
+        return enough[0] if enough else max([config, *narrower], key=stages_of)
+        steps = [dict(epi_n=16)]
+        if not problem.ir.gated and not problem.groups:
+            if config.tile_n > 128 and not (problem.row_stats and n > 128):
+                steps.append(dict(tile_n=128))
+            if config.tile_m == 128 and not problem.row_stats:
+                steps.append(dict(tile_m=64, cluster_m=1, swizzle=1))
+        for step in steps:
+            narrower = dataclasses.replace(config, **step)
+            if stages_of(config) < _WIDE_TILE_STAGES and stages_of(narrower) > stages_of(config):
+                config = narrower
+        return config
 
 
 def _grouped_tall_config(t: int, n: int, groups: int, sms: int) -> GemmConfig | None:
