@@ -447,17 +447,6 @@ class Sm90Policy(ArchPolicy):
                 narrower.append(dataclasses.replace(narrower[-1], tile_m=64, cluster_m=1, swizzle=1))
         enough = [cfg for cfg in narrower if stages_of(cfg) >= _WIDE_TILE_STAGES]
         return enough[0] if enough else max([config, *narrower], key=stages_of)
-        steps = [dict(epi_n=16)]
-        if not problem.ir.gated and not problem.groups:
-            if config.tile_n > 128 and not (problem.row_stats and n > 128):
-                steps.append(dict(tile_n=128))
-            if config.tile_m == 128 and not problem.row_stats:
-                steps.append(dict(tile_m=64, cluster_m=1, swizzle=1))
-        for step in steps:
-            narrower = dataclasses.replace(config, **step)
-            if stages_of(config) < _WIDE_TILE_STAGES and stages_of(narrower) > stages_of(config):
-                config = narrower
-        return config
 
 
 def _grouped_tall_config(t: int, n: int, groups: int, sms: int) -> GemmConfig | None:
