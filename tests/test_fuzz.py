@@ -45,7 +45,8 @@ def test_kernel_cases_plan_the_kernel(case):
     import jax
     import jax_efc as efc
 
-    a, b, ops, dyn = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), v) for v in fuzzing.inputs_of(case))
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    a, b, ops, dyn = (jax.tree.map(spec, v) for v in fuzzing.inputs_of(case))
     out_dtypes = dict(case.out_dtypes) if case.as_dict else list(case.out_dtypes.values())
 
     def call(a, b, ops, dyn):

@@ -76,6 +76,7 @@ def test_crowded_rows_in_narrow_subtiles(rng, shape):
     del poison
     _check(f(a, b, bias, c), crowded_oracle(a, b, bias, c))
 
+
 def test_batched_rows_with_nan_and_inf(rng):
     """A NaN in a row makes that row's softmax NaN and leaves the others; an infinite bias makes
     every row's max infinite, and ``inf - inf`` NaN, as in XLA."""

@@ -46,6 +46,7 @@ def crowded_oracle(a, b, bias, c):
     want = oracle(a, b, bias)
     return {**want, **{f"z{i}": want["p"] * (i + 1) + np.asarray(c, np.float64) for i in range(4)}}
 
+
 def test_where_the_reductions_run():
     """Consumed reductions over N alone stay in the GEMM for rows up to ROW_TILE_N wide; over M,
     over the whole tile, on wider rows, or not consumed at all, the program splits as before."""
@@ -141,6 +142,7 @@ def test_crowded_rows_take_narrow_subtiles_not_xla(monkeypatch, m, n, k):
     plan = _plan(monkeypatch, crowded_rows, m, n, k, operands=((1, None), (m, None)))
     assert plan.backend == "kernel", plan.reason
     assert plan.config.tile_n >= n and plan.config.epi_n == 16, plan.config
+
 
 def test_refusals_name_the_cause(monkeypatch):
     from jax_efc.kernels import policy

@@ -242,10 +242,11 @@ class Sm90Policy(ArchPolicy):
         16-bit outputs) run cooperative 128x256 tiles in 2x1 clusters instead where those fill the
         SMs as well (a plain GEMM with A stored (K, M) from K = 8192). When the epilogue's smem
         buffers would leave the ping-pong ring fewer than 5 stages even in its smallest subtiles
-        (64x16), or the problem is smaller, the cooperative schedule runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per thread) when they
-        (nearly) fill the SMs, else 128x128 (or 64x128 when even those leave most SMs idle), with a
-        2x1 cluster multicasting B when M spans several tiles. Wherever a cooperative tile's epilogue
-        buffers leave it fewer than 3 stages, narrower subtiles and tiles buy them back (:meth:`_roomy`).
+        (64x16), or the problem is smaller, the cooperative schedule runs: 128x256 tiles (two
+        warpgroups, 128 fp32 accumulators per thread) when they (nearly) fill the SMs, else 128x128
+        (or 64x128 when even those leave most SMs idle), with a 2x1 cluster multicasting B when M
+        spans several tiles. Wherever a cooperative tile's epilogue buffers leave it fewer than 3
+        stages, narrower subtiles and tiles buy them back (:meth:`_roomy`).
         A grouped GEMM takes cooperative 256x128 tiles in 1x2 clusters where those pad balanced
         groups no more than 128-row tiles and fill the SMs (:func:`_grouped_tall_config`).
         An epilogue that reads a TILE operand and folds column sums keeps 128x128 ping-pong tiles
