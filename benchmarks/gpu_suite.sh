@@ -39,7 +39,7 @@ if want grouped; then
   step bench-grouped python3 benchmarks/run.py --json "$logs/bench-grouped.json" \
     --epilogues grouped:bias+silu,grouped-skewed:bias+silu,grouped-wgrad:gemm,grouped-wgrad-skewed:gemm \
     --shapes 16384,14336,4096,8 16384,3584,4096,8 16384,3584,4096,64
-  step grouped-peers python3 benchmarks/grouped_peers.py --routing balanced skewed --configs auto 128,128,1,2,pingpong=1
+  step grouped-peers python3 benchmarks/grouped_peers.py --routing balanced skewed --configs auto 128,128,1,2,pingpong=1 128,256,1,1
   step moe-step python3 benchmarks/moe_step.py
 fi
 if want fused; then
