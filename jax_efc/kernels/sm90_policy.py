@@ -4,6 +4,7 @@ cutlass import (see :mod:`jax_efc.kernels.policy`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from jax_efc.config import GemmConfig
 from jax_efc.kernels.dtypes import FP8, INT8, bits
@@ -96,6 +97,11 @@ def pipeline_stages(problem: KernelProblem) -> int:
     # TILE-operand barriers, well under 1 KiB) cost at most the padding to the next block each
     fit = (_SMEM_BYTES - epi_bytes - 2 * SMEM_ALIGN) // ab_bytes
     return min(cfg.stages or _MAX_STAGES, fit)
+
+
+def stages_in(problem: KernelProblem, config: GemmConfig) -> int:
+    """:func:`pipeline_stages` of ``problem`` run in ``config``: what the heuristic weighs."""
+    return pipeline_stages(dataclasses.replace(problem, config=config))
 
 
 # (tile_m, tile_n, pingpong, cluster_m, cluster_n) an autotuner tries besides the heuristic's
@@ -299,8 +305,7 @@ class Sm90Policy(ArchPolicy):
         def tiles(tm: int, tn: int) -> int:
             return _tiles(m, n, l, tm, tn)
 
-        def stages_of(cfg: GemmConfig) -> int:
-            return pipeline_stages(dataclasses.replace(problem, config=cfg))
+        stages_of = functools.partial(stages_in, problem)
 
         if problem.groups and not problem.ragged_k and (self.verified_grouped_tall or unverified_allowed()):
             tall = _grouped_tall_config(m, n, problem.groups, sms)
@@ -435,8 +440,7 @@ class Sm90Policy(ArchPolicy):
         finishes with) left 128x32 subtiles no room for 2 stages, and the call went to XLA.
         Gated and grouped tiles keep their shape (their fits chose it), and a tile that holds
         whole rows for in-tile reductions keeps its rows."""
-        def stages_of(cfg: GemmConfig) -> int:
-            return pipeline_stages(dataclasses.replace(problem, config=cfg))
+        stages_of = functools.partial(stages_in, problem)
 
         if config.pingpong or stages_of(config) >= _WIDE_TILE_STAGES:
             return config
