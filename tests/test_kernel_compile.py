@@ -864,7 +864,13 @@ def test_supported_and_heuristic():
     for mnk in ((4096, 14336, 8192), (14336, 4096, 8192), (4096, 4096, 8192)):
         cfg = choose_config(transposed, *mnk, 1)
         assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (128, 256, 2, 1, False), mnk
-    assert choose_config(transposed, 14336, 4096, 4096, 1).pingpong
+    # below it, ping-pong tiles 192 along the longer side, which read it faster than 128x128
+    # (K-major A keeps 128x128 at 4096x14336x4096, above; at 4096^3 192-wide tiles fill too little)
+    for mnk, tile in (((14336, 4096, 4096), (192, 128, 1, 2)), ((4096, 14336, 4096), (128, 192, 2, 1))):
+        cfg = choose_config(transposed, *mnk, 1)
+        assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.pingpong) == (*tile, True), mnk
+    cfg = choose_config(transposed, 4096, 4096, 4096, 1)
+    assert (cfg.tile_m, cfg.tile_n, cfg.pingpong) == (128, 128, True)
 
     # an fp32 output leaves 128x192 tiles 4 stages in 128x32 subtiles, 5 in 64x32 ones; at
     # 4096^3 128x128 tiles fill the SMs' rounds better

@@ -76,6 +76,9 @@ _XLA_FILL = 0.75  # more: XLA's GEMM when 128x128 tiles fill less of the SMs tha
 # a weight gradient reads it, from 8192 (see _tile_choice)
 _LONG_K = 12288
 _LONG_K_M_MAJOR_A = 8192
+# a plain GEMM with A stored (K, M) under that K takes a 192-wide ping-pong tile where it fills
+# the SMs' rounds at most this much worse than 128x128 (see _tile_choice)
+_FILL_SLACK_M_MAJOR_A = 0.03
 
 
 def mma_warpgroups(config: GemmConfig) -> int:
@@ -399,6 +402,18 @@ class Sm90Policy(ArchPolicy):
             if ((not has_work or not fits_tall) and not crowded and fill(128, 192) >= fill(tm, 128) - _FILL_SLACK
                     and stages_of(broad) >= _PINGPONG_STAGES):
                 return broad
+            if not has_work and not fits_tall and problem.a_major == "m":
+                # Below _LONG_K_M_MAJOR_A, 128x128 ping-pong tiles read an A stored (K, M) slowly
+                # too, so it takes 192 along the longer side where that fills nearly as well: on an
+                # H100 at K = 4096, 14336x4096 took 0.769 ms in 128x128 against 0.696 in 192x128
+                # (XLA 0.704), 4096x14336 0.780 against 0.714 in 128x192 (XLA 0.711), each filling
+                # the SMs' rounds 2% worse; 192 along the shorter side was 4-11% slower, 128x256
+                # and 256x128 3-7% (benchmarks/FINDINGS.md, "Thirteenth sitting").
+                tile = (192, 128) if m >= n else (128, 192)
+                wide = pingpong(*tile)
+                if (fill(*tile) >= fill(128, 128) - _FILL_SLACK_M_MAJOR_A
+                        and stages_of(wide) >= _PINGPONG_STAGES):
+                    return wide
             cfg = tall if fits_tall else pingpong(128)
             # The ring's depth is what the mainloop feeds on: a k-tile takes a 128x128 consumer
             # about 520 SM cycles of WGMMA, and its TMA load (L2 to smem, multicast) takes several
