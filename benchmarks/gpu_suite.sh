@@ -2,7 +2,7 @@
 # What must be seen on a GPU, in parts that each fit a ten-minute run on an H100 or H200 from a
 # cold kernel cache (run them in this order; `all` runs every part). Logs go to LOGDIR (default
 # ./gpu-logs); each part prints its summary last.
-#   usage: benchmarks/gpu_suite.sh [LOGDIR] [grouped|fused|tests|stores|examples|bench|model|fp8|all]
+#   usage: benchmarks/gpu_suite.sh [LOGDIR] [grouped|fused|ffn|tests|stores|examples|bench|model|fp8|all]
 #
 #   grouped   the grouped GEMM: its numerics; its speed (and its weight gradient's) against
 #             ragged_dot, Pallas's Mosaic GPU ragged dot and a dense GEMM of the same FLOPs; an
@@ -10,15 +10,17 @@
 #   fused     the gated GEMMs' speed alone, and the MLPs' training steps (GELU, gated); the epilogue
 #             reductions' cost (deterministic and by atomics); a row softmax in the kernel; a
 #             dense layer's training step and its GEMMs' bound; the weight gradients' GEMMs alone
+#   ffn       a dense layer's training step over the benchmark's twelve FFN shapes
 #   tests     the rest of the GPU tests but `stores`' (the compute-sanitizer runs, marked slow, apart)
 #   stores    the epilogue reductions' (in-tile row ones too), transposed and masked outputs' GPU tests
 #   examples  each example at a GPU size, `jax-efc run`, info and selftest
-#   bench     the benchmark's shapes with both XLA baselines, the 8-bit epilogues, TF32,
+#   bench     the benchmark's shapes with both XLA baselines, the 8-bit epilogues, TF32 (B in both layouts),
 #             autotuning's gain over the heuristic, one config timed twice (the spread), and
 #             autotuning on 114 of the SMs (benchmarks/fewer_sms.sh)
 #   model     a GPT-style model's first step (compile time), its training step in bf16 and FP8
 #   fp8       the bound that model's GEMM share sets on any FP8 step's speedup, the FP8 dense
-#             layer's training step against Flax's FP8 Dense, and both kernel by kernel
+#             layer's training step against Flax's FP8 Dense, and both kernel by kernel; promoted
+#             partial sums per k-tile against in halves of N
 set -uo pipefail
 logs=${1:-gpu-logs}
 part=${2:-all}
@@ -54,9 +56,14 @@ if want fused; then
   # a dense layer's training step (fused bias gradient), and XLA's step over our three GEMMs alone
   # the weight gradients' GEMMs (A stored (K, M)) of the dense and MLP steps, against XLA's dot
   step bench-wgrad python3 benchmarks/run.py --clocks --json "$logs/bench-wgrad.json" --epilogues gemm-at \
-    --shapes 4096,14336,8192 14336,4096,8192 4096,4096,8192 14336,4096,4096
+    --shapes 4096,14336,8192 14336,4096,8192 4096,4096,8192 14336,4096,4096 4096,14336,4096
   step bench-train python3 benchmarks/run.py --bound --json "$logs/bench-train.json" \
     --epilogues train:bias+gelu_tanh --shapes 8192,14336,4096 8192,4096,14336 8192,4096,4096
+fi
+if want ffn; then
+  step bench-train-ffn python3 benchmarks/run.py --clocks --json "$logs/bench-train-ffn.json" --epilogues train:bias+gelu_tanh \
+    --shapes 4096,14336,4096 4096,4096,14336 4096,4096,4096 4096,28672,8192 8192,14336,4096 8192,4096,14336 \
+    8192,4096,4096 8192,28672,8192 16384,14336,4096 16384,4096,14336 16384,4096,4096 16384,28672,8192
 fi
 if want tests; then
   step gpu-tests python3 -m pytest -q -m "gpu and not slow" tests \
@@ -85,7 +92,7 @@ if want bench; then
   step bench-8bit python3 benchmarks/run.py --json "$logs/bench-8bit.json" \
     --epilogues "$(python3 -c 'import jax_efc.bench as b; print(",".join(b.EIGHT_BIT_EPILOGUES))')" --shapes $shapes
   step bench-tf32 python3 benchmarks/run.py --dtype float32 --json "$logs/bench-tf32.json" \
-    --epilogues gemm,bias+gelu_tanh --shapes 8192,8192,8192 4096,4096,4096
+    --epilogues gemm,gemm-bt,bias+gelu_tanh --shapes 8192,8192,8192 4096,4096,4096
   step bench-autotune python3 benchmarks/run.py --json "$logs/bench-autotune.json" --configs auto autotune \
     --epilogues gemm,bias+gelu_tanh --shapes $shapes
   # the benchmark's own spread: the heuristic's config timed twice in the same rounds, the
@@ -108,6 +115,7 @@ if want fp8; then
     --epilogues "$(python3 -c 'import jax_efc.bench as b; print(",".join(b.FP8_TRAIN_STEPS))')"
   step fp8-breakdown python3 benchmarks/breakdown.py --epilogues fp8train:bias+gelu_tanh --shapes 8192,14336,4096
   step gpt-breakdown python3 benchmarks/breakdown.py --gpt fp8,fp8-fast,flax-fp8 --attention cudnn --hlo "$logs/hlo"
+  step promotion python3 benchmarks/promotion.py --shapes 8192,8192,8192 8192,14336,4096 4096,4096,4096
 fi
 for f in "$logs"/*.log; do
   printf '\n===== %s\n' "$f"; tail -n 30 "$f"
