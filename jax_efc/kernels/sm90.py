@@ -535,9 +535,9 @@ class Sm90FusedGemm(FusedGemmBase):
                   tCrA: cute.Tensor, tCrB: cute.Tensor, k_tiles, clear=None):
         """Issue one tile's WGMMAs, keeping one k-tile batch in flight (none where partial sums
         are promoted) and releasing each stage once the batch after it is issued; the last
-        batch is left in flight (the caller waits for it and releases its stage). Returns the advanced (read, release) states and
-        ``tiled_mma`` (its accumulate field is set here; the caller rebinds all three so the
-        tracer carries them through the tile loop). ``clear``: (sA, sB, rows, ctid, barrier), the
+        batch is left in flight (the caller waits for it and releases its stage). Returns the
+        advanced (read, release) states and ``tiled_mma`` (its accumulate field is set here; the
+        caller rebinds all three so the tracer carries them through the tile loop). ``clear``: (sA, sB, rows, ctid, barrier), the
         last k-tile's rows of the group (:meth:`_clear_k_rows` zeroes the rest). Promoting in
         halves, ``tiled_mma`` covers half the columns and ``tCrB`` is a pair, one per half."""
         if cutlass.const_expr(self.promote_halves):
