@@ -537,9 +537,10 @@ class Sm90FusedGemm(FusedGemmBase):
         are promoted) and releasing each stage once the batch after it is issued; the last
         batch is left in flight (the caller waits for it and releases its stage). Returns the
         advanced (read, release) states and ``tiled_mma`` (its accumulate field is set here; the
-        caller rebinds all three so the tracer carries them through the tile loop). ``clear``: (sA, sB, rows, ctid, barrier), the
-        last k-tile's rows of the group (:meth:`_clear_k_rows` zeroes the rest). Promoting in
-        halves, ``tiled_mma`` covers half the columns and ``tCrB`` is a pair, one per half."""
+        caller rebinds all three so the tracer carries them through the tile loop). ``clear``:
+        (sA, sB, rows, ctid, barrier), the last k-tile's rows of the group (:meth:`_clear_k_rows`
+        zeroes the rest). Promoting in halves, ``tiled_mma`` covers half the columns and ``tCrB``
+        is a pair, one per half."""
         if cutlass.const_expr(self.promote_halves):
             return self._mainloop_halves(mainloop, read, release, tiled_mma, acc, tCrA, tCrB, k_tiles, clear)
         if cutlass.const_expr(self.promote):
