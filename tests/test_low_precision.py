@@ -94,6 +94,57 @@ def test_an_8bit_export_holds_the_kernel_and_the_one_transpose():
     assert line.startswith("kernel (sm_90a): b is transposed once before the kernel")
 
 
+_EXPORT_TF32 = """
+import json
+import jax, jax.numpy as jnp
+import jax_efc as efc
+S = jax.ShapeDtypeStruct
+out = {}
+for name, transpose_b, b_shape in (("nk", True, (1024, 2048)), ("kn", False, (2048, 1024))):
+    specs = S((4096, 2048), jnp.float32), S(b_shape, jnp.float32)
+    f = jax.jit(lambda a, b: efc.gemm(a, b, transpose_b=transpose_b))
+    text = jax.export.export(f, platforms=["cuda"], disabled_checks=efc.export_checks())(*specs).mlir_module()
+    out[name] = {"kernels": text.count("custom_call @CuteDSLRT"), "transposes": text.count("stablehlo.transpose"),
+                 "tf32_masks": text.count("4294959104")}
+print(json.dumps(out))
+"""
+
+
+def test_a_float32_operand_transposed_for_the_kernel_is_rounded_to_tf32_in_that_pass():
+    """The pass that transposes B (K, N) for the TF32 kernel also rounds it to TF32 (the mask of
+    its 19 kept bits, 0xFFFFE000, beside the transpose); B stored (N, K) has neither."""
+    pytest.importorskip("cutlass.jax")
+    import json
+
+    from conftest import run_for_sm90
+
+    out = json.loads(run_for_sm90(_EXPORT_TF32).strip().splitlines()[-1])
+    assert out["nk"] == {"kernels": 1, "transposes": 0, "tf32_masks": 0}
+    assert out["kn"] == {"kernels": 1, "transposes": 1, "tf32_masks": 1}
+
+
+def test_tf32_rounding_is_to_nearest_ties_away_from_zero(rng):
+    """``tf32_rounded`` keeps 10 mantissa bits, rounding to nearest with ties away from zero (as
+    ``cvt.rna.tf32.f32`` and XLA's TF32 GEMMs do), within half a TF32 step of every finite input
+    over the whole exponent range; non-finite values pass, past the largest TF32 value gives
+    infinity."""
+    from jax_efc.ffi import tf32_rounded
+
+    f32 = np.finfo(np.float32)
+    cases = {1 + 2**-11: 1 + 2**-10, 1 + 3 * 2**-11: 1 + 2**-9, 1 + 2**-12: 1.0, -(1 + 2**-11): -(1 + 2**-10),
+             1 + 2**-11 - 2**-23: 1.0, 0.0: 0.0, 2.0**-149: 0.0, float(f32.max): np.inf, -float(f32.max): -np.inf,
+             np.inf: np.inf, -np.inf: -np.inf}
+    got = np.asarray(tf32_rounded(jnp.asarray(list(cases), jnp.float32)))
+    np.testing.assert_array_equal(got, np.asarray(list(cases.values()), np.float32))
+    assert np.isnan(np.asarray(tf32_rounded(jnp.float32(np.nan))))
+    x = (rng.standard_normal(4000) * 10.0 ** rng.integers(-40, 38, 4000)).astype(np.float32)
+    x = x[np.abs(x) < 3.4e38]
+    r = np.asarray(tf32_rounded(jnp.asarray(x)))
+    assert not (r.view(np.uint32) & 0x1FFF).any()  # 13 low bits dropped
+    step = np.spacing(np.abs(x)) * 2.0**13  # a TF32 step at x (subnormals: their own)
+    assert (np.abs(r.astype(np.float64) - x) <= step / 2).all()
+
+
 def test_the_two_8bit_formats_mix_and_nothing_else_does(rng):
     a = jnp.asarray(rng.standard_normal((64, 128)), jnp.float32).astype(jnp.float8_e4m3fn)
     b = jnp.asarray(rng.standard_normal((48, 128)), jnp.float32).astype(jnp.float8_e5m2)

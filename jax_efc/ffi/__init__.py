@@ -164,6 +164,19 @@ class _Call:
     disk_key: str | None
 
 
+def tf32_rounded(x):
+    """float32 ``x`` rounded to TF32 (10 mantissa bits) to nearest, ties away from zero, as
+    ``cvt.rna.tf32.f32`` and XLA's TF32 GEMMs round their operands (the TF32 WGMMA reads only
+    the top 10 bits: rounding toward zero, whose errors add up on data of one sign). Past the
+    largest TF32 value it gives infinity; infinities and NaN stay as they are."""
+    import jax
+    import jax.numpy as jnp
+
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    rounded = jax.lax.bitcast_convert_type((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000), jnp.float32)
+    return jnp.where(jnp.isfinite(x), rounded, x)
+
+
 def _assemble(plan: Plan, a, b, operands, timeline: bool, group_sizes=None) -> _Call:
     """The kernel call ``plan`` makes of ``a``, ``b`` and ``operands`` (checked against it), and of
     a grouped GEMM's int32 ``group_sizes``."""
@@ -173,8 +186,10 @@ def _assemble(plan: Plan, a, b, operands, timeline: bool, group_sizes=None) -> _
 
     if plan.backend != "kernel":
         raise ValueError(f"jax_efc kernel cannot run this GEMM: {plan.reason}")
-    # inputs stored in a major the MMA cannot read: transposed once, here (plan.note says so)
-    a, b = (jnp.swapaxes(x, -1, -2) if t else x for x, t in zip((a, b), plan.transposes))
+    # inputs stored in a major the MMA cannot read: transposed once, here (plan.note says so);
+    # float32 ones rounded to TF32 in the same pass, which the WGMMA would truncate
+    a, b = (jnp.swapaxes(tf32_rounded(x) if x.dtype == jnp.float32 else x, -1, -2) if t else x
+            for x, t in zip((a, b), plan.transposes))
     problem = plan.problem
     got = (np.dtype(a.dtype).name, np.dtype(b.dtype).name, len(a.shape) == 3, len(b.shape) == 3,
            tuple(len(x.shape) == 3 for x in operands))
