@@ -47,13 +47,14 @@ BENCHMARKS = {
                           "--configs", "auto", "128,128,1,2"], "ours: efc.grouped_gemm 128,128,1,2"),
     "moe_step.py": (["--tokens", "64", "--width", "16", "--hidden", "32", "--dtype", "float32", "--rounds", "1"],
                     "relative difference of the losses"),
+    "promotion.py": (["--shapes", "256,512,384", "--rounds", "1"], "promoted in halves"),
 }
 
 
 @pytest.mark.parametrize("script", sorted(BENCHMARKS))
 def test_benchmark_scripts_run_small(script):
-    """The grouped GEMM's benchmarks run end to end on small shapes (here on the reference) and
-    pass their own checks (the MoE step's losses agree)."""
+    """The grouped GEMM's and 8-bit promotion's benchmarks run end to end on small shapes (here on
+    the reference) and pass their own checks (the MoE step's losses agree)."""
     if script == "moe_step.py":
         pytest.importorskip("flax")
         pytest.importorskip("optax")
