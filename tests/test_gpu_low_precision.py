@@ -249,6 +249,24 @@ def test_float32_runs_as_tf32_as_accurate_as_xlas_default_dot(rng, transpose_b):
         jax.jit(lambda a, b: efc.gemm(a, b, transpose_b=transpose_b, precision="highest"))(a, b)
 
 
+def test_tf32_rounds_an_operand_it_transposes(rng):
+    """On positive operands, where truncation's errors add up: B stored (K, N), rounded to TF32
+    to nearest in the transpose before the kernel, leaves about half the error of B stored
+    (N, K), which the WGMMA reads in place and truncates (a NumPy model of the two roundings:
+    3.3e-4 against 6.5e-4; XLA's dot, rounding both operands, 1.1e-5)."""
+    m, n, k = 1024, 1032, 1024
+    a = jnp.asarray(rng.random((m, k)), jnp.float32)
+    b = jnp.asarray(rng.random((k, n)), jnp.float32)
+    want = _f64(a) @ _f64(b)
+    kn = jax.jit(lambda a, b: efc.gemm(a, b))
+    nk = jax.jit(lambda a, b: efc.gemm(a, b, transpose_b=True))
+    b_nk = jnp.asarray(np.asarray(b).T.copy())
+    assert efc.backends(kn, a, b)[0].startswith("kernel (sm_90a): b is transposed once")
+    assert efc.backends(nk, a, b_nk) == ["kernel (sm_90a)"]
+    rounded, truncated = _rel(kn(a, b), want), _rel(nk(a, b_nk), want)
+    assert rounded < 0.7 * truncated, (rounded, truncated)
+
+
 @pytest.mark.parametrize("out", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("precision", [None, FAST], ids=["promoted", "fast"])
 def test_full_range_e4m3_scaled_bias_within_the_outputs_rounding(rng, out, precision):
