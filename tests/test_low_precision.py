@@ -65,62 +65,48 @@ def test_8bit_operands_stored_otherwise_are_transposed_once_for_the_kernel(monke
     assert plan(False).transposes == (False, True) and "b is transposed once" in plan(False).note
 
 
-_EXPORT_8BIT = """
-import json
+# exports a GEMM of A (4096, 2048) in the dtype named by argv[1] with B stored (N, K) and
+# (K, N), and counts its kernels, transposes and TF32 rounding masks (0xFFFFE000)
+_EXPORT = """
+import json, sys
 import jax, jax.numpy as jnp
 import jax_efc as efc
 S = jax.ShapeDtypeStruct
+dtype = jnp.dtype(sys.argv[1])
 out = {}
 for name, transpose_b, b_shape in (("nk", True, (1024, 2048)), ("kn", False, (2048, 1024))):
-    specs = S((4096, 2048), jnp.float8_e4m3fn), S(b_shape, jnp.float8_e4m3fn)
+    specs = S((4096, 2048), dtype), S(b_shape, dtype)
     f = jax.jit(lambda a, b: efc.gemm(a, b, transpose_b=transpose_b, out_dtypes=jnp.bfloat16))
     text = jax.export.export(f, platforms=["cuda"], disabled_checks=efc.export_checks())(*specs).mlir_module()
     out[name] = {"kernels": text.count("custom_call @CuteDSLRT"), "transposes": text.count("stablehlo.transpose"),
-                 "backends": efc.backends(f, *specs)}
+                 "tf32_masks": text.count("4294959104"), "backends": efc.backends(f, *specs)}
 print(json.dumps(out))
 """
 
 
-def test_an_8bit_export_holds_the_kernel_and_the_one_transpose():
+def _export(dtype: str) -> dict:
     pytest.importorskip("cutlass.jax")
     import json
 
     from conftest import run_for_sm90
 
-    out = json.loads(run_for_sm90(_EXPORT_8BIT).strip().splitlines()[-1])
-    assert out["nk"] == {"kernels": 1, "transposes": 0, "backends": ["kernel (sm_90a)"]}
-    assert out["kn"]["kernels"] == 1 and out["kn"]["transposes"] == 1
+    return json.loads(run_for_sm90(_EXPORT, dtype).strip().splitlines()[-1])
+
+
+def test_an_8bit_export_holds_the_kernel_and_the_one_transpose():
+    out = _export("float8_e4m3fn")
+    assert out["nk"] == {"kernels": 1, "transposes": 0, "tf32_masks": 0, "backends": ["kernel (sm_90a)"]}
+    assert out["kn"]["kernels"] == 1 and out["kn"]["transposes"] == 1 and out["kn"]["tf32_masks"] == 0
     (line,) = out["kn"]["backends"]
     assert line.startswith("kernel (sm_90a): b is transposed once before the kernel")
-
-
-_EXPORT_TF32 = """
-import json
-import jax, jax.numpy as jnp
-import jax_efc as efc
-S = jax.ShapeDtypeStruct
-out = {}
-for name, transpose_b, b_shape in (("nk", True, (1024, 2048)), ("kn", False, (2048, 1024))):
-    specs = S((4096, 2048), jnp.float32), S(b_shape, jnp.float32)
-    f = jax.jit(lambda a, b: efc.gemm(a, b, transpose_b=transpose_b))
-    text = jax.export.export(f, platforms=["cuda"], disabled_checks=efc.export_checks())(*specs).mlir_module()
-    out[name] = {"kernels": text.count("custom_call @CuteDSLRT"), "transposes": text.count("stablehlo.transpose"),
-                 "tf32_masks": text.count("4294959104")}
-print(json.dumps(out))
-"""
 
 
 def test_a_float32_operand_transposed_for_the_kernel_is_rounded_to_tf32_in_that_pass():
     """The pass that transposes B (K, N) for the TF32 kernel also rounds it to TF32 (the mask of
     its 19 kept bits, 0xFFFFE000, beside the transpose); B stored (N, K) has neither."""
-    pytest.importorskip("cutlass.jax")
-    import json
-
-    from conftest import run_for_sm90
-
-    out = json.loads(run_for_sm90(_EXPORT_TF32).strip().splitlines()[-1])
-    assert out["nk"] == {"kernels": 1, "transposes": 0, "tf32_masks": 0}
-    assert out["kn"] == {"kernels": 1, "transposes": 1, "tf32_masks": 1}
+    out = _export("float32")
+    assert out["nk"] == {"kernels": 1, "transposes": 0, "tf32_masks": 0, "backends": ["kernel (sm_90a)"]}
+    assert out["kn"]["kernels"] == 1 and out["kn"]["transposes"] == 1 and out["kn"]["tf32_masks"] == 1
 
 
 def test_tf32_rounding_is_to_nearest_ties_away_from_zero(rng):
