@@ -20,7 +20,7 @@
 #   model     a GPT-style model's first step (compile time), its training step in bf16 and FP8
 #   fp8       the bound that model's GEMM share sets on any FP8 step's speedup, the FP8 dense
 #             layer's training step against Flax's FP8 Dense, and both kernel by kernel; promoted
-#             partial sums per k-tile against in halves of N
+#             partial sums against fast accumulation, ours and XLA's
 set -uo pipefail
 logs=${1:-gpu-logs}
 part=${2:-all}

@@ -151,7 +151,6 @@ def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config
     if config is None:
         chosen = pol.choose_config(problem, *mnkl, sm_count=max(1, sms - sm_margin))
         problem = dataclasses.replace(problem, config=dataclasses.replace(chosen, sm_margin=sm_margin))
-    problem = dataclasses.replace(problem, promote_halves=pol.promotes_in_halves(problem))
     cfg = problem.config
     cluster_size = cfg.cluster_m * cfg.cluster_n
     if sms - cfg.sm_margin < cluster_size:

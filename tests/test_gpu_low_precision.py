@@ -157,40 +157,6 @@ def test_long_k_is_as_accurate_as_xlas_fp8_dot(rng, k):
     assert promoted < fast
 
 
-@pytest.mark.parametrize("config", [None, (128, 192, 2, 1, {"swizzle": 8}), (128, 64, 1, 2, {"pingpong": True})],
-                         ids=["heuristic", "cooperative_128x192_c2x1", "pingpong_128x64_c1x2"])
-@pytest.mark.parametrize("m, n, k", [(1000, 776, 4096), (2048, 2048, 16384)])
-def test_promotion_in_halves(rng, monkeypatch, config, m, n, k):
-    """Partial sums promoted in two halves of N, one batch in flight while the other is added
-    (``KernelProblem.promote_halves``; planned only under JAX_EFC_UNVERIFIED_KERNELS=1 until it
-    has run here): as accurate as XLA's promoting dot over partial tiles, every value written
-    (the allocator primed with NaN first), each 128x128 block checked."""
-    from jax_efc import device
-    from jax_efc import ffi as F
-    from jax_efc.config import GemmConfig
-    from jax_efc.epilogue import identity_ir
-    from jax_efc.plan import plan_kernel
-
-    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
-    a, b = _quantized(rng, (m, k), jnp.float8_e4m3fn), _quantized(rng, (n, k), jnp.float8_e4m3fn)
-    cfg = None if config is None else GemmConfig(*config[:4], **config[4])
-    plan = plan_kernel(identity_ir(jnp.float32, jnp.float32), a, b, [], transpose_a=False, transpose_b=True,
-                       acc_dtype=jnp.float32, config=cfg, arch=device.arch())
-    assert plan.backend == "kernel" and plan.problem.promote_halves, plan.reason
-    kernel = jax.jit(lambda a, b: F.fused_gemm(a, b, plan=plan)[0])
-    jax.block_until_ready(kernel(a, b))  # compiled first, so the NaN blocks are the last freed
-    poison = jnp.full((m, n), jnp.nan, jnp.float32)
-    jax.block_until_ready(poison)
-    del poison
-    got, want = _f64(kernel(a, b)), _f64(a) @ _f64(b).T
-    assert np.isfinite(got).all()
-    bar = _bar(a, b, want)
-    assert _rel(got, want) <= bar
-    worst = max(_rel(got[i:i + 128, j:j + 128], want[i:i + 128, j:j + 128])
-                for i in range(0, m, 128) for j in range(0, n, 128))
-    assert worst <= 2 * bar
-
-
 def test_fp16_accumulation(rng):
     """fp16 inputs accumulated in fp16 (the f16-accumulating WGMMA): within fp16 accumulation's
     rounding of the float64 oracle."""

@@ -643,12 +643,6 @@ def test_8bit_kernels_read_a_and_b_k_major_and_promote_unless_fast():
     assert moved.backend == "kernel" and moved.transposes == (False, True) and moved.problem.b_major == "k"
     assert plan(b_nk, True).problem.promote and not plan(b_nk, True, precision=fast).problem.promote
     assert plan(b_nk, True, precision=jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32).problem.promote
-    # in halves of N only where unverified kernels may run (see test_kernel_compile_low_precision.py)
-    assert not plan(b_nk, True).problem.promote_halves
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
-        assert plan(b_nk, True).problem.promote_halves
-        assert not plan(b_nk, True, precision=fast).problem.promote_halves
     wide = GemmConfig(128, 256)
     assert "two accumulators an element, 256 registers a thread" in plan(b_nk, True, wide).reason
     assert plan(b_nk, True, wide, fast).backend == "kernel"

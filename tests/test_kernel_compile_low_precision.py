@@ -60,36 +60,6 @@ def test_8bit_float_partial_sums_are_promoted_unless_fast(compiled):
     assert len(adds) >= 2 * 64
 
 
-# partial sums promoted in two halves of N (KernelProblem.promote_halves), which the plan asks for
-# only under JAX_EFC_UNVERIFIED_KERNELS=1 until they have run on a GPU
-PROMOTION_HALVES_VARIANTS = {
-    "fp8e4m3_nk_halves_bias_gelu_128x128": ("float8_e4m3fn", False, True, None, (128, 128, 1, 1), "bias_gelu"),
-    "fp8e4m3_nk_halves_alpha_beta_128x192_c2x1": ("float8_e4m3fn", False, True, None,
-                                                  (128, 192, 2, 1, {"swizzle": 8}), "alpha_beta"),
-    "fp8e5m2_nk_halves_pingpong_128x64_c1x2": ("float8_e5m2", False, True, None,
-                                               (128, 64, 1, 2, {"pingpong": True}), "identity"),
-}
-
-
-@pytest.fixture(scope="module")
-def compiled_halves(tmp_path_factory):
-    return compile_variants(tmp_path_factory, "test_kernel_compile_low_precision.PROMOTION_HALVES_VARIANTS",
-                            unverified=True)
-
-
-def test_promotion_in_halves_keeps_a_batch_in_flight(compiled_halves, tmp_path_factory):
-    """Each half's WGMMAs are half the tile wide, and the k-loop waits for all but the last
-    batch (``wait_group 1``) before adding the one before it; no spills."""
-    for name, tile_n in (("fp8e4m3_nk_halves_bias_gelu_128x128", 128),
-                         ("fp8e4m3_nk_halves_alpha_beta_128x192_c2x1", 192),
-                         ("fp8e5m2_nk_halves_pingpong_128x64_c1x2", 64)):
-        check_variant(compiled_halves[name], PROMOTION_HALVES_VARIANTS[name])
-        ptx = compiled_halves[name]["ptx"]
-        assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32", ptx)) == {str(tile_n // 2)}, name
-        assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d);", ptx)) == {"0", "1"}, name
-    check_spills(assemble_all(compiled_halves, tmp_path_factory.mktemp("sass")))
-
-
 def test_int8_kernels_use_the_integer_wgmma(compiled):
     # the integer WGMMA accumulates in int32, saturating (.satfinite) where a sum would overflow
     assert "wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8" in compiled["int8_nk_identity_128x128"]["ptx"]

@@ -70,10 +70,6 @@ class ArchPolicy:
     row_stats_kernel: bool = False
     row_tile_ns: tuple[int, ...] = ()
     verified_row_stats: bool = False
-    # whether the kernel can take promoted 8-bit partial sums in two halves of N
-    # (KernelProblem.promote_halves), and whether that has run on a GPU of this architecture
-    promotion_halves: bool = False
-    verified_promotion_halves: bool = False
     # GEMMs the heuristic hands to XLA's GEMM (xla_faster_reason): at most this many rows per B
     # (None: none are), or more rows in 128x128 tiles that fill less than this share of the SMs
     xla_rows: int | None = None
@@ -117,14 +113,6 @@ class ArchPolicy:
         if not self.verified_grouped_k and problem.ragged_k:
             return f"the {self.arch} grouped GEMM over groups of the contraction (a grouped weight gradient)"
         return None
-
-    def promotes_in_halves(self, problem: KernelProblem) -> bool:
-        """Whether ``problem``'s kernel promotes its partial sums in two halves of N (keeping one
-        batch of WGMMAs in flight while the other is added): where it promotes at all, and until
-        that has run on a GPU of this architecture only under ``JAX_EFC_UNVERIFIED_KERNELS=1`` (the
-        kernel promotes each whole k-tile otherwise)."""
-        return (problem.promote and self.promotion_halves
-                and (self.verified_promotion_halves or unverified_allowed()))
 
     # ---- limits
     def config_reason(self, config: GemmConfig) -> str | None:

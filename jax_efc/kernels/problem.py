@@ -44,9 +44,7 @@ class KernelProblem:
     whether the GEMM has a leading batch L; ``a_batched``/``b_batched``/``operand_batched``
     say which tensors carry it (the others are shared across the batch). ``promote``: the
     mainloop adds each k-tile's WGMMA partial sums into separate fp32 accumulators (8-bit float
-    inputs, whose tensor-core accumulation keeps fewer bits than fp32 over a long K);
-    ``promote_halves``: it takes each k-tile's partial sums in two halves of N, one in flight
-    while the other is added (:meth:`~jax_efc.kernels.policy.ArchPolicy.promotes_in_halves`). float32
+    inputs, whose tensor-core accumulation keeps fewer bits than fp32 over a long K). float32
     inputs are multiplied as TF32 (the plan sends them here only where the call's precision
     allows it). ``groups``: a grouped (ragged) GEMM of that many groups (0: not one), whose A rows
     are split into groups by sizes the kernel reads at run time, B batched by group
@@ -69,7 +67,6 @@ class KernelProblem:
     config: GemmConfig
     b_dtype: str = ""
     promote: bool = False
-    promote_halves: bool = False
     groups: int = 0
     ragged_k: bool = False
 
@@ -129,7 +126,6 @@ class KernelProblem:
             self.operand_batched,
             self.arch,
             self.promote,
-            self.promote_halves,
             dataclasses.astuple(self.config),
         ) + ((("groups", self.groups, self.ragged_k),) if self.groups else ())
 

@@ -87,7 +87,6 @@ class Sm90FusedGemm(FusedGemmBase):
         cfg = problem.config
         self.pingpong = bool(cfg.pingpong)
         self.promote = problem.promote
-        self.promote_halves = problem.promote_halves
         # warpgroups that cooperate on one tile (its MMA and its epilogue); each covers
         # tile_m / n_mma_wg rows in 64-row WGMMA blocks (two per k-step for a 128x128
         # ping-pong consumer or a cooperative 256x128 tile)
@@ -148,9 +147,15 @@ class Sm90FusedGemm(FusedGemmBase):
             sk_buffers = (args.flags, cute.make_tensor(args.workspace.iterator, cute.make_layout(
                 (4, self.n_epi_threads, self.acc_per_thread // 4, self.schedule.slots),
                 stride=(1, 4, 4 * self.n_epi_threads, tile_elems))))
-        tiled_mma = self._tiled_mma(self.tile_mnk[1])
-        # partial sums promoted in halves: the WGMMAs of half the tile's columns
-        halves = (self._tiled_mma(self.tile_mnk[1] // 2),) if self.promote_halves else ()
+        if cutlass.const_expr(self.ab_dtype is cutlass.Float32):
+            # fp32 inputs multiply as TF32 (the plan reads them K-major)
+            tiled_mma = tf32_tiled_mma((self.n_mma_wg, 1, 1), (64, self.tile_mnk[1]))
+        else:
+            tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                self.ab_dtype, self.b_dtype,
+                self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
+                self.acc_dtype, (self.n_mma_wg, 1, 1), tiler_mn=(64, self.tile_mnk[1]),
+            )
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_mnk, self.ab_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_mnk, self.b_dtype, self.stages)
         # A is shared by the CTAs of a cluster row (same M tile): multicast over cluster_n.
@@ -170,20 +175,10 @@ class Sm90FusedGemm(FusedGemmBase):
         self.kernel(
             tiled_mma, tma_a, g_a, tma_b, g_b, tuple(tma_d), tuple(g_d), tuple(operands),
             tuple(tma_c), tuple(g_c), a_smem, b_smem, d_smem, c_smem, tiles_mnl, sk_buffers, stamps,
-            tuple(partials), grouped, halves,
+            tuple(partials), grouped,
         ).launch(
             grid=(*self.cluster_mn, clusters), block=[self.threads, 1, 1], cluster=(*self.cluster_mn, 1),
             min_blocks_per_mp=1, stream=stream, use_pdl=True,
-        )
-
-    def _tiled_mma(self, tile_n: int) -> cute.TiledMma:
-        """The consumers' WGMMAs over ``tile_n`` columns (the warpgroups of a tile along M)."""
-        if self.ab_dtype is cutlass.Float32:
-            # fp32 inputs multiply as TF32 (the plan reads them K-major)
-            return tf32_tiled_mma((self.n_mma_wg, 1, 1), (64, tile_n))
-        return sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.b_dtype, self.a_layout.sm90_mma_major_mode(), self.b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, (self.n_mma_wg, 1, 1), tiler_mn=(64, tile_n),
         )
 
     @staticmethod
@@ -200,7 +195,7 @@ class Sm90FusedGemm(FusedGemmBase):
                tma_c: tuple, mC: tuple,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, d_smem: tuple,
                c_smem: tuple, tiles_mnl: tuple, sk_buffers: tuple, stamps: tuple, mP: tuple,
-               grouped: tuple, halves: tuple):
+               grouped: tuple):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
@@ -345,18 +340,10 @@ class Sm90FusedGemm(FusedGemmBase):
             else:
                 group = 0
                 ctid = tidx - _WG
+            thr_mma = tiled_mma.get_slice(ctid)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             epi = self._consumer_epilogue(tiled_mma, ctid, group, warp_idx, tensors, sA, sB)
-            # the mainloop's WGMMAs: the tile's, or where partial sums are promoted in halves
-            # those of half its columns, with B's fragments for each half
-            mma = halves[0] if cutlass.const_expr(self.promote_halves) else tiled_mma
-            thr_mma = mma.get_slice(ctid)
-            tCrA = mma.make_fragment_A(thr_mma.partition_A(sA))
-            if cutlass.const_expr(self.promote_halves):
-                sB_halves = cute.logical_divide(sB, (self.tile_mnk[1] // 2,))
-                tCrB = (mma.make_fragment_B(thr_mma.partition_B(sB_halves[((None, 0), None, None)])),
-                        mma.make_fragment_B(thr_mma.partition_B(sB_halves[((None, 1), None, None)])))
-            else:
-                tCrB = mma.make_fragment_B(thr_mma.partition_B(sB))
             if cutlass.const_expr(self.grouped_rows):
                 epi = dataclasses.replace(epi, outputs=grouped[1])
             acc = cute.make_rmem_tensor(cute.shape(epi.tCcT), self.acc_dtype)
@@ -408,8 +395,8 @@ class Sm90FusedGemm(FusedGemmBase):
                         # the rows of the group's last k-tile from here on are the next group's
                         clear = (sA, sB, u.k_end - u.k_start - (u.k_count - 1) * self.tile_mnk[2], ctid,
                                  epi.barrier)
-                read, release, mma = self._mainloop(mainloop, read, release, mma, acc, tCrA, tCrB, u.k_count,
-                                                    clear)
+                read, release, tiled_mma = self._mainloop(mainloop, read, release, tiled_mma, acc,
+                                                          tCrA, tCrB, u.k_count, clear)
                 if cutlass.const_expr(self.pingpong):
                     # our WGMMAs are issued: the other consumer may issue its own
                     self._order_barrier(_MMA_ORDER_ID, 1 - group).arrive()
@@ -535,22 +522,18 @@ class Sm90FusedGemm(FusedGemmBase):
                   tCrA: cute.Tensor, tCrB: cute.Tensor, k_tiles, clear=None):
         """Issue one tile's WGMMAs, keeping one k-tile batch in flight (none where partial sums
         are promoted) and releasing each stage once the batch after it is issued; the last
-        batch is left in flight (the caller waits for it and releases its stage). Returns the
-        advanced (read, release) states and ``tiled_mma`` (its accumulate field is set here; the
-        caller rebinds all three so the tracer carries them through the tile loop). ``clear``:
-        (sA, sB, rows, ctid, barrier), the last k-tile's rows of the group (:meth:`_clear_k_rows`
-        zeroes the rest). Promoting in halves, ``tiled_mma`` covers half the columns and ``tCrB``
-        is a pair, one per half."""
-        if cutlass.const_expr(self.promote_halves):
-            return self._mainloop_halves(mainloop, read, release, tiled_mma, acc, tCrA, tCrB, k_tiles, clear)
+        batch is left in flight (the caller
+        waits for it and releases its stage). Returns the advanced (read, release) states and
+        ``tiled_mma`` (its accumulate field is set here; the caller rebinds all three so the
+        tracer carries them through the tile loop). ``clear``: (sA, sB, rows, ctid, barrier), the
+        last k-tile's rows of the group (:meth:`_clear_k_rows` zeroes the rest)."""
         if cutlass.const_expr(self.promote):
             # 8-bit floats: each k-tile's WGMMAs accumulate into ``part`` from zero and, once
             # they complete, ``part`` is added into ``acc`` in fp32 (Hopper's 8-bit WGMMA keeps
             # fewer bits than fp32 in its own accumulation, so a long K would lose precision).
             # Waiting for each batch leaves the tensor cores to the other warpgroup meanwhile.
             # (Two ``part`` sets taken in turn, keeping one batch in flight, spill registers
-            # even at 64 accumulators a thread: ptxas, 216 bytes at 240 registers a thread; two
-            # sets of half the columns fit: _mainloop_halves.)
+            # even at 64 accumulators a thread: ptxas, 216 bytes at 240 registers a thread.)
             part = cute.make_rmem_tensor(acc.layout, self.acc_dtype)
             acc.fill(0.0)
         else:
@@ -561,7 +544,12 @@ class Sm90FusedGemm(FusedGemmBase):
             # order the epilogue's reads of the previous tile's accumulators before the WGMMAs
             warpgroup.fence()
         for k in range(k_tiles):
-            self._wait_k_tile(mainloop, read, k, k_tiles, clear)
+            mainloop.consumer_wait(read)
+            if cutlass.const_expr(clear is not None):
+                sA, sB, rows, ctid, barrier = clear
+                if k == k_tiles - 1:
+                    if rows < self.tile_mnk[2]:
+                        self._clear_k_rows(sA, sB, read.index, rows, ctid, barrier)
             if cutlass.const_expr(self.promote):
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                 # order the adds' reads of ``part`` (and the epilogue's of ``acc``) before them
@@ -580,61 +568,6 @@ class Sm90FusedGemm(FusedGemmBase):
                 for i in cutlass.range(cute.size(acc), unroll_full=True):
                     acc[i] = acc[i] + part[i]
         return read, release, tiled_mma
-
-    @cute.jit
-    def _mainloop_halves(self, mainloop, read, release, tiled_mma: cute.TiledMma, acc: cute.Tensor,
-                         tCrA: cute.Tensor, tCrB: tuple, k_tiles, clear):
-        """:meth:`_mainloop` promoting each k-tile's partial sums in two halves of N: each half's
-        WGMMAs accumulate from zero into a set of their own, and each set is added into ``acc``
-        while the next half's batch runs (one batch kept in flight, as without promotion), in
-        the registers of one full set."""
-        full = cute.shape(acc)  # ((2, 2, n/8), m blocks, 1) a thread: n/8 column groups of 8
-        blocks = full[0][2] // 2
-        half = ((2, 2, blocks), *full[1:])
-        parts = (cute.make_rmem_tensor(half, self.acc_dtype), cute.make_rmem_tensor(half, self.acc_dtype))
-        acc.fill(0.0)
-        for k in range(k_tiles):
-            self._wait_k_tile(mainloop, read, k, k_tiles, clear)
-            for h in cutlass.range_constexpr(2):
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                # order the adds' reads of the set (and the epilogue's of ``acc``) before them
-                warpgroup.fence()
-                tiled_mma = self._issue_k_tile(read, tiled_mma, parts[h], tCrA, tCrB[h])
-                # the batch before this one is complete: the other half's, of this k-tile or
-                # (for the first half) of the last, whose stage is then free
-                warpgroup.wait_group(1)
-                if cutlass.const_expr(h == 1):
-                    self._add_half(acc, parts[0], 0, blocks)
-                else:
-                    if k > 0:
-                        self._add_half(acc, parts[1], 1, blocks)
-                        mainloop.consumer_release(release)
-                        release.advance()
-            read.advance()
-        if k_tiles > 0:
-            warpgroup.wait_group(0)
-            self._add_half(acc, parts[1], 1, blocks)
-        return read, release, tiled_mma
-
-    @staticmethod
-    def _add_half(acc: cute.Tensor, part: cute.Tensor, h: int, blocks: int):
-        """``acc`` += ``part``, the sums of column groups ``h * blocks`` on: value i of the
-        thread's (2, 2, blocks) of a 64-row block is value i + 4 * blocks * h of its
-        (2, 2, 2 * blocks) in ``acc``."""
-        per_block = 4 * blocks
-        for i in range(cute.size(part)):
-            j = i % per_block + per_block * h + 2 * per_block * (i // per_block)
-            acc[j] = acc[j] + part[i]
-
-    @cute.jit
-    def _wait_k_tile(self, mainloop, read, k, k_tiles, clear):
-        """Wait for the k-tile at ``read``; ``clear``: see :meth:`_mainloop`."""
-        mainloop.consumer_wait(read)
-        if cutlass.const_expr(clear is not None):
-            sA, sB, rows, ctid, barrier = clear
-            if k == k_tiles - 1:
-                if rows < self.tile_mnk[2]:
-                    self._clear_k_rows(sA, sB, read.index, rows, ctid, barrier)
 
     @cute.jit
     def _issue_k_tile(self, read, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor,

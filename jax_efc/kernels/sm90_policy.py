@@ -168,8 +168,6 @@ class Sm90Policy(ArchPolicy):
     row_stats_kernel = True
     row_tile_ns = _TILE_N
     verified_row_stats = True
-    # compiled without spills (tests/test_kernel_compile_low_precision.py), not yet run on a GPU
-    promotion_halves = True
 
     def accumulator_reason(self, problem: KernelProblem) -> str | None:
         if problem.acc_dtype == "float16" and problem.ab_dtype != "float16":
