@@ -175,6 +175,15 @@ def fast_accumulation(precision: Any) -> bool:
     return isinstance(precision, jax.lax.DotAlgorithmPreset) and precision.name in _FAST_ACCUM
 
 
+def most_precise(precision: Any) -> bool:
+    """Whether ``precision`` (as :func:`precision` returns it) asks an FP8 GEMM for XLA's most
+    precise arithmetic: ``HIGHEST`` (for either operand), or fp32 accumulation by name."""
+    if isinstance(precision, jax.lax.DotAlgorithmPreset):
+        return precision.name == "ANY_F8_ANY_F8_F32"
+    pair = precision if isinstance(precision, tuple) else (precision,)
+    return jax.lax.Precision.HIGHEST in pair
+
+
 # float32 inputs multiply as TF32 in the kernel: what JAX gives the levels DEFAULT and HIGH on
 # NVIDIA GPUs ("tensorfloat32" is HIGH), and the preset that names it
 _TF32_LEVELS = (None, jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGH)

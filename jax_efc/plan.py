@@ -21,7 +21,7 @@ import numpy as np
 from jax_efc import autotune, self_check
 from jax_efc import config as _config
 from jax_efc import device
-from jax_efc.arguments import fast_accumulation, is_8bit_float, kernel_precision_reason, mixes_8bit
+from jax_efc.arguments import fast_accumulation, is_8bit_float, kernel_precision_reason, mixes_8bit, most_precise
 from jax_efc.config import GemmConfig
 from jax_efc.epilogue import EpilogueIR
 from jax_efc.kernels import KernelProblem, no_kernel_reason, policy
@@ -91,7 +91,8 @@ def plan_kernel(ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], *, tran
     cannot run it. ``a``, ``b`` and ``operands`` are avals (``shape``/``dtype``) in the
     primitive's canonical shapes; ``devices``: the ordinals of the CUDA devices the call runs
     on (see :func:`jax_efc.device.residency`); ``precision`` as the primitive holds it (8-bit
-    float inputs promote partial sums into fp32 unless it asks for fast accumulation);
+    float inputs promote partial sums into fp32 unless it asks for fast accumulation: each k-tile's
+    at ``HIGHEST``, as XLA's FP8 dot does there, else as often as the policy says);
     ``sm_margin``: the SMs the heuristic's config leaves free (a pinned config keeps its own
     ``sm_margin``); ``groups``: a grouped GEMM's group count, ``b`` then (G, K, N) or (G, N, K),
     one matrix per group (its plan's ``mnkl`` has L = 1); with ``ragged_k`` the groups split the
@@ -105,7 +106,9 @@ def plan_kernel(ir: EpilogueIR, a: Any, b: Any, operands: Sequence[Any], *, tran
     reason = kernel_precision_reason(precision, a.dtype)
     if reason:
         return _reference(reason, arch=arch)
-    promote = is_8bit_float(a.dtype) and not fast_accumulation(precision)
+    # 8-bit floats: no promotion (fast accumulation), each k-tile's (1), or the policy's (None)
+    promote = 0 if not is_8bit_float(a.dtype) or fast_accumulation(precision) else \
+        1 if most_precise(precision) else None
     return _plan_kernel(ir, _spec(a), _spec(b), tuple(_spec(x) for x in operands), bool(transpose_a),
                         bool(transpose_b), np.dtype(acc_dtype).name, config, arch,
                         None if devices is None else tuple(devices), promote, sm_margin, groups, bool(ragged_k),
@@ -133,7 +136,8 @@ def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config
         ir=ir, ab_dtype=a[1], b_dtype=b[1], acc_dtype=acc_dtype, a_major="m" if transpose_a else "k",
         b_major="k" if transpose_b else "n", batched=batch is not None, a_batched=len(a[0]) == 3,
         b_batched=len(b[0]) == 3, operand_batched=tuple(len(x[0]) == 3 for x in operands), arch=arch,
-        config=config if config is not None else GemmConfig(), promote=promote, groups=groups,
+        config=config if config is not None else GemmConfig(),
+        promote=pol.promotion(most_precise=False) if promote is None else promote, groups=groups,
         ragged_k=ragged_k,
     )
     reason = pol.dtype_reason(problem)

@@ -641,8 +641,17 @@ def test_8bit_kernels_read_a_and_b_k_major_and_promote_unless_fast():
     assert plan(b_nk, True).transposes == (False, False) and plan(b_nk, True).note is None
     moved = plan(b_kn, False)
     assert moved.backend == "kernel" and moved.transposes == (False, True) and moved.problem.b_major == "k"
-    assert plan(b_nk, True).problem.promote and not plan(b_nk, True, precision=fast).problem.promote
-    assert plan(b_nk, True, precision=jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32).problem.promote
+    # partial sums promoted each k-tile (at HIGHEST, or by default until promoting every second
+    # k-tile has run on a GPU), or not at all (fast accumulation)
+    highest = (jax.lax.Precision.HIGHEST, (jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST),
+               jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32)
+    assert plan(b_nk, True).problem.promote == 1 and plan(b_nk, True, precision=fast).problem.promote == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
+        assert plan(b_nk, True).problem.promote == 2
+        assert plan(b_nk, True, precision=jax.lax.Precision.DEFAULT).problem.promote == 2
+        assert all(plan(b_nk, True, precision=p).problem.promote == 1 for p in highest)
+        assert plan(b_nk, True, precision=fast).problem.promote == 0
     wide = GemmConfig(128, 256)
     assert "two accumulators an element, 256 registers a thread" in plan(b_nk, True, wide).reason
     assert plan(b_nk, True, wide, fast).backend == "kernel"
@@ -654,7 +663,8 @@ def test_8bit_kernels_read_a_and_b_k_major_and_promote_unless_fast():
     x3 = plan(b_nk, True, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3)
     assert x3.backend == "reference" and "BF16_BF16_F32_X3" in x3.reason
     bf16 = _aval((1024, 512), jnp.bfloat16)
-    assert not plan(bf16, True, a=bf16).problem.promote
+    assert plan(bf16, True, a=bf16).problem.promote == 0
+    assert plan(bf16, True, precision=jax.lax.Precision.HIGHEST, a=bf16).problem.promote == 0
 
 
 def test_a_policy_says_what_has_not_run_on_its_gpus():

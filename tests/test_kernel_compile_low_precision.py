@@ -60,6 +60,37 @@ def test_8bit_float_partial_sums_are_promoted_unless_fast(compiled):
     assert len(adds) >= 2 * 64
 
 
+# partial sums promoted every two k-tiles (Sm90Policy.promotion_k_tiles), which the plan asks for
+# only under JAX_EFC_UNVERIFIED_KERNELS=1 until it has run on a GPU
+PROMOTION_INTERVAL_VARIANTS = {
+    "fp8e4m3_nk_every2_bias_gelu_128x128": ("float8_e4m3fn", False, True, None, (128, 128, 1, 1), "bias_gelu"),
+    "fp8e4m3_nk_every2_bias_gelu_128x128_stream_k": ("float8_e4m3fn", False, True, None,
+                                                     (128, 128, 2, 1, {"swizzle": 8}), "bias_gelu", (8192, 8192, 8192)),
+    "fp8e5m2_nk_every2_pingpong_128x64_c1x2": ("float8_e5m2", False, True, None,
+                                               (128, 64, 1, 2, {"pingpong": True}), "identity"),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled_every2(tmp_path_factory):
+    return compile_variants(tmp_path_factory, "test_kernel_compile_low_precision.PROMOTION_INTERVAL_VARIANTS",
+                            unverified=True)
+
+
+def test_promotion_every_two_k_tiles_keeps_a_batch_in_flight_between(compiled_every2, tmp_path_factory):
+    """Promoting every second k-tile, the k-loop waits for all but the last batch
+    (``wait_group 1``) after the first k-tile of each pair and for all (``wait_group 0``) before
+    adding the pair's partial sums into fp32; no spills."""
+    for name, variant in PROMOTION_INTERVAL_VARIANTS.items():
+        check_variant(compiled_every2[name], variant)
+        ptx = compiled_every2[name]["ptx"]
+        assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d);", ptx)) == {"0", "1"}, name
+    assert compiled_every2["fp8e4m3_nk_every2_bias_gelu_128x128_stream_k"]["stream_k"]
+    adds = re.findall(r"\badd(?:\.rn)?\.f32\b", compiled_every2["fp8e4m3_nk_every2_bias_gelu_128x128"]["ptx"])
+    assert len(adds) >= 2 * 64
+    check_spills(assemble_all(compiled_every2, tmp_path_factory.mktemp("sass")))
+
+
 def test_int8_kernels_use_the_integer_wgmma(compiled):
     # the integer WGMMA accumulates in int32, saturating (.satfinite) where a sum would overflow
     assert "wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8" in compiled["int8_nk_identity_128x128"]["ptx"]

@@ -59,6 +59,11 @@ class ArchPolicy:
     # that has run on a GPU of this architecture
     gated_kernel: bool = False
     verified_gated: bool = False
+    # k-tiles of 8-bit float partial sums accumulated between promotions into fp32 where the call
+    # does not ask for the most precise arithmetic (which promotes each k-tile), and whether
+    # promoting less often than each k-tile has run on a GPU of this architecture
+    promotion_k_tiles: int = 1
+    verified_promotion_k_tiles: bool = False
     # whether the kernel runs grouped (ragged) GEMMs (KernelProblem.groups), and whether that has
     # run on a GPU of this architecture
     grouped_kernel: bool = False
@@ -113,6 +118,14 @@ class ArchPolicy:
         if not self.verified_grouped_k and problem.ragged_k:
             return f"the {self.arch} grouped GEMM over groups of the contraction (a grouped weight gradient)"
         return None
+
+    def promotion(self, most_precise: bool) -> int:
+        """k-tiles per promotion of 8-bit float partial sums (``KernelProblem.promote``): each
+        k-tile's where ``most_precise`` (or promoting less often has not run on a GPU here),
+        else :attr:`promotion_k_tiles`."""
+        if most_precise or not (self.verified_promotion_k_tiles or unverified_allowed()):
+            return 1
+        return self.promotion_k_tiles
 
     # ---- limits
     def config_reason(self, config: GemmConfig) -> str | None:

@@ -42,9 +42,10 @@ class KernelProblem:
     formats differ). ``a_major`` is ``"k"`` (A stored (M, K) row-major) or ``"m"`` (stored (K, M));
     ``b_major`` is ``"n"`` (B stored (K, N)) or ``"k"`` (stored (N, K)). ``batched`` says
     whether the GEMM has a leading batch L; ``a_batched``/``b_batched``/``operand_batched``
-    say which tensors carry it (the others are shared across the batch). ``promote``: the
-    mainloop adds each k-tile's WGMMA partial sums into separate fp32 accumulators (8-bit float
-    inputs, whose tensor-core accumulation keeps fewer bits than fp32 over a long K). float32
+    say which tensors carry it (the others are shared across the batch). ``promote``: every
+    ``promote`` k-tiles the mainloop adds the WGMMAs' partial sums into separate fp32
+    accumulators (8-bit float inputs, whose tensor-core accumulation keeps fewer bits than fp32
+    over a long K; 0: never). float32
     inputs are multiplied as TF32 (the plan sends them here only where the call's precision
     allows it). ``groups``: a grouped (ragged) GEMM of that many groups (0: not one), whose A rows
     are split into groups by sizes the kernel reads at run time, B batched by group
@@ -66,7 +67,7 @@ class KernelProblem:
     arch: str
     config: GemmConfig
     b_dtype: str = ""
-    promote: bool = False
+    promote: int = 0
     groups: int = 0
     ragged_k: bool = False
 

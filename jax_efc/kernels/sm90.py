@@ -520,18 +520,19 @@ class Sm90FusedGemm(FusedGemmBase):
     @cute.jit
     def _mainloop(self, mainloop, read, release, tiled_mma: cute.TiledMma, acc: cute.Tensor,
                   tCrA: cute.Tensor, tCrB: cute.Tensor, k_tiles, clear=None):
-        """Issue one tile's WGMMAs, keeping one k-tile batch in flight (none where partial sums
+        """Issue one tile's WGMMAs, keeping one k-tile batch in flight (none before partial sums
         are promoted) and releasing each stage once the batch after it is issued; the last
-        batch is left in flight (the caller
-        waits for it and releases its stage). Returns the advanced (read, release) states and
-        ``tiled_mma`` (its accumulate field is set here; the caller rebinds all three so the
-        tracer carries them through the tile loop). ``clear``: (sA, sB, rows, ctid, barrier), the
-        last k-tile's rows of the group (:meth:`_clear_k_rows` zeroes the rest)."""
+        batch is left in flight (the caller waits for it and releases its stage). Returns the
+        advanced (read, release) states and ``tiled_mma`` (its accumulate field is set here; the
+        caller rebinds all three so the tracer carries them through the tile loop). ``clear``:
+        (sA, sB, rows, ctid, barrier), the last k-tile's rows of the group (:meth:`_clear_k_rows`
+        zeroes the rest)."""
         if cutlass.const_expr(self.promote):
-            # 8-bit floats: each k-tile's WGMMAs accumulate into ``part`` from zero and, once
-            # they complete, ``part`` is added into ``acc`` in fp32 (Hopper's 8-bit WGMMA keeps
-            # fewer bits than fp32 in its own accumulation, so a long K would lose precision).
-            # Waiting for each batch leaves the tensor cores to the other warpgroup meanwhile.
+            # 8-bit floats: the WGMMAs of ``promote`` k-tiles accumulate into ``part`` from zero
+            # and, once they complete, ``part`` is added into ``acc`` in fp32 (Hopper's 8-bit
+            # WGMMA keeps fewer bits than fp32 in its own accumulation, so a long K would lose
+            # precision). Waiting for the batch before each promotion leaves the tensor cores to
+            # the other warpgroup meanwhile; between promotions one batch stays in flight.
             # (Two ``part`` sets taken in turn, keeping one batch in flight, spill registers
             # even at 64 accumulators a thread: ptxas, 216 bytes at 240 registers a thread.)
             part = cute.make_rmem_tensor(acc.layout, self.acc_dtype)
@@ -551,7 +552,8 @@ class Sm90FusedGemm(FusedGemmBase):
                     if rows < self.tile_mnk[2]:
                         self._clear_k_rows(sA, sB, read.index, rows, ctid, barrier)
             if cutlass.const_expr(self.promote):
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                # (each promotion's first k-tile starts ``part`` from zero)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, False if self.promote == 1 else k % self.promote != 0)
                 # order the adds' reads of ``part`` (and the epilogue's of ``acc``) before them
                 warpgroup.fence()
             tiled_mma = self._issue_k_tile(read, tiled_mma, part, tCrA, tCrB)
@@ -559,14 +561,20 @@ class Sm90FusedGemm(FusedGemmBase):
             # H200 at 128x128 it was 0.1-2.1% slower at 14 of 15 problems in one run (equal
             # at the 15th) after 0.9-5.4% faster at 6 of 8 in an earlier one, and 2.5-6.6%
             # slower for alpha-beta)
-            warpgroup.wait_group(0 if self.promote else 1)
+            if cutlass.const_expr(self.promote > 1):
+                if k % self.promote == self.promote - 1 or k == k_tiles - 1:
+                    warpgroup.wait_group(0)
+                    _add_into(acc, part)
+                else:
+                    warpgroup.wait_group(1)
+            else:
+                warpgroup.wait_group(0 if self.promote else 1)
             if k > 0:
                 mainloop.consumer_release(release)
                 release.advance()
             read.advance()
-            if cutlass.const_expr(self.promote):
-                for i in cutlass.range(cute.size(acc), unroll_full=True):
-                    acc[i] = acc[i] + part[i]
+            if cutlass.const_expr(self.promote == 1):
+                _add_into(acc, part)
         return read, release, tiled_mma
 
     @cute.jit
@@ -641,10 +649,16 @@ class Sm90FusedGemm(FusedGemmBase):
         return indices
 
 
-
 def _gather_registers(frag: cute.Tensor, acc: cute.Tensor, indices: list[int]) -> None:
     """``frag[v] = acc[indices[v]]``: register renames, unrolled by Python at trace time (a
     subtile holds up to 96 values a thread, past the DSL's static-loop warning)."""
     widen = acc.element_type is not frag.element_type  # a 16-bit accumulator, read as fp32
     for v, i in enumerate(indices):
         frag[v] = frag.element_type(acc[i]) if widen else acc[i]
+
+
+@cute.jit
+def _add_into(acc: cute.Tensor, part: cute.Tensor) -> None:
+    """``acc`` += ``part``, elementwise (promoted partial sums)."""
+    for i in cutlass.range(cute.size(acc), unroll_full=True):
+        acc[i] = acc[i] + part[i]
