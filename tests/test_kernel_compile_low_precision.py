@@ -113,3 +113,33 @@ def test_float32_kernels_use_the_tf32_wgmma(compiled):
         ptx = compiled[name]["ptx"]
         assert set(re.findall(r"wgmma\.mma_async[\w.]*", ptx)) == {
             f"wgmma.mma_async.sync.aligned.m64n{tile_n}k8.f32.tf32.tf32"}, name
+    assert "cvt.rna.tf32.f32" not in "".join(compiled[name]["ptx"] for name in LOW_PRECISION_VARIANTS)
+
+
+# float32 operands read in place rounded to TF32 in shared memory (KernelProblem.round_tf32),
+# which the plan asks for only under JAX_EFC_UNVERIFIED_KERNELS=1 until it has run on a GPU:
+# A and B (N, K) both; A only (B (K, N), transposed and rounded before the kernel)
+TF32_ROUNDING_VARIANTS = {
+    "tf32_nk_round_bias_gelu_128x128": LOW_PRECISION_VARIANTS["tf32_nk_bias_gelu_128x128"],
+    "tf32_kn_round_pingpong_128x192_epi64_c2x1": LOW_PRECISION_VARIANTS["tf32_kn_pingpong_128x192_epi64_c2x1"],
+    "tf32_nk_round_bias_gelu_128x128_c2x1_stream_k": LOW_PRECISION_VARIANTS["tf32_nk_bias_gelu_128x128_c2x1_stream_k"],
+}
+
+
+@pytest.fixture(scope="module")
+def compiled_rounding(tmp_path_factory):
+    return compile_variants(tmp_path_factory, "test_kernel_compile_low_precision.TF32_ROUNDING_VARIANTS",
+                            unverified=True)
+
+
+def test_tf32_operands_read_in_place_are_rounded_in_shared_memory(compiled_rounding, tmp_path_factory):
+    """Each k-tile's fp32 values are rounded with ``cvt.rna.tf32.f32``, 16 bytes a load and a
+    store, and made visible to the WGMMAs (a proxy fence) before they read them; two rounding
+    loops (A and B) where both are read in place, one where B was transposed; no spills."""
+    for name, variant in TF32_ROUNDING_VARIANTS.items():
+        check_variant(compiled_rounding[name], variant)
+        ptx = compiled_rounding[name]["ptx"]
+        loops = re.findall(r"ld\.shared\.v4\.b32[^\n]*\n(?:[^\n]*\n){0,2}\s*cvt\.rna\.tf32\.f32", ptx)
+        assert len(loops) >= (1 if "_kn_" in name else 2), name
+        assert "st.shared.v4.b32" in ptx and "fence.proxy.async.shared::cta" in ptx, name
+    check_spills(assemble_all(compiled_rounding, tmp_path_factory.mktemp("sass")))

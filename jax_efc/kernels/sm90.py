@@ -65,6 +65,7 @@ _CONSUMER_REGS = 232
 _WG = 128  # threads per warpgroup
 # 16-bit values in one 16-byte unit of shared memory, which the 128-byte swizzle keeps whole
 _UNIT = 8
+_FP32_UNIT = 4  # (fp32 values)
 # (the epilogue named barrier of consumer group g is gemm_base.EPI_BARRIER_ID + g: 1 or 2)
 # ping-pong: consumer g waits on named barrier _MMA_ORDER_ID + g before its mainloop and,
 # once its WGMMAs are issued, arrives on the other consumer's; likewise _EPI_ORDER_ID + g
@@ -87,6 +88,7 @@ class Sm90FusedGemm(FusedGemmBase):
         cfg = problem.config
         self.pingpong = bool(cfg.pingpong)
         self.promote = problem.promote
+        self.round_tf32 = problem.round_tf32
         # warpgroups that cooperate on one tile (its MMA and its epilogue); each covers
         # tile_m / n_mma_wg rows in 64-row WGMMA blocks (two per k-step for a 128x128
         # ping-pong consumer or a cooperative 256x128 tile)
@@ -395,8 +397,9 @@ class Sm90FusedGemm(FusedGemmBase):
                         # the rows of the group's last k-tile from here on are the next group's
                         clear = (sA, sB, u.k_end - u.k_start - (u.k_count - 1) * self.tile_mnk[2], ctid,
                                  epi.barrier)
+                rounding = (sA, sB, ctid, epi.barrier) if any(self.round_tf32) else None
                 read, release, tiled_mma = self._mainloop(mainloop, read, release, tiled_mma, acc,
-                                                          tCrA, tCrB, u.k_count, clear)
+                                                          tCrA, tCrB, u.k_count, clear, rounding)
                 if cutlass.const_expr(self.pingpong):
                     # our WGMMAs are issued: the other consumer may issue its own
                     self._order_barrier(_MMA_ORDER_ID, 1 - group).arrive()
@@ -511,6 +514,34 @@ class Sm90FusedGemm(FusedGemmBase):
             row = cute.zipped_divide(smem[(None, first + e // units, stage)], (_UNIT,))
             cute.autovec_copy(zeros, row[(None, e % units)])
 
+    @cute.jit
+    def _round_k_tile(self, sA: cute.Tensor, sB: cute.Tensor, ctid, barrier, stage):
+        """Round the fp32 values of the k-tile in ``stage`` of the A and/or B ring (as
+        ``round_tf32`` says) to TF32 in place, to nearest with ties away from zero (``cvt.rna``, as
+        XLA's TF32 GEMMs round; the TF32 WGMMA would drop the low 13 mantissa bits), each thread
+        of the epilogue group that consumes it a share, and make them visible to the WGMMAs."""
+        if cutlass.const_expr(self.round_tf32[0]):
+            self._round_rows(sA, self.tile_mnk[0], stage, ctid)
+        if cutlass.const_expr(self.round_tf32[1]):
+            self._round_rows(sB, self.tile_mnk[1], stage, ctid)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        barrier.arrive_and_wait()
+
+    @cute.jit
+    def _round_rows(self, smem: cute.Tensor, rows: int, stage, ctid):
+        """:meth:`_round_k_tile` for one operand, K-major: the 128-byte swizzle permutes 16-byte
+        units, so four consecutive fp32 values of a row stay together; each thread rounds whole
+        units, consecutive threads consecutive units of a row."""
+        vals = cute.make_rmem_tensor((_FP32_UNIT,), cutlass.Float32)
+        bits = cute.recast_tensor(vals, cutlass.Int32)
+        units = self.tile_mnk[2] // _FP32_UNIT
+        for e in cutlass.range(ctid, rows * units, self.n_epi_threads):
+            unit = cute.zipped_divide(smem[(e // units, None, stage)], (_FP32_UNIT,))[(None, e % units)]
+            cute.autovec_copy(unit, vals)
+            for i in cutlass.range_constexpr(_FP32_UNIT):
+                bits[i] = cute.arch.cvt_f32_tf32(vals[i])
+            cute.autovec_copy(vals, unit)
+
     @staticmethod
     def _order_barrier(first_id, group):
         """Ping-pong: the named barrier consumer ``group`` waits on before its mainloop
@@ -519,14 +550,15 @@ class Sm90FusedGemm(FusedGemmBase):
 
     @cute.jit
     def _mainloop(self, mainloop, read, release, tiled_mma: cute.TiledMma, acc: cute.Tensor,
-                  tCrA: cute.Tensor, tCrB: cute.Tensor, k_tiles, clear=None):
+                  tCrA: cute.Tensor, tCrB: cute.Tensor, k_tiles, clear=None, rounding=None):
         """Issue one tile's WGMMAs, keeping one k-tile batch in flight (none before partial sums
         are promoted) and releasing each stage once the batch after it is issued; the last
         batch is left in flight (the caller waits for it and releases its stage). Returns the
         advanced (read, release) states and ``tiled_mma`` (its accumulate field is set here; the
         caller rebinds all three so the tracer carries them through the tile loop). ``clear``:
         (sA, sB, rows, ctid, barrier), the last k-tile's rows of the group (:meth:`_clear_k_rows`
-        zeroes the rest)."""
+        zeroes the rest); ``rounding``: (sA, sB, ctid, barrier) where A or B is rounded to TF32
+        (:meth:`_round_k_tile`)."""
         if cutlass.const_expr(self.promote):
             # 8-bit floats: the WGMMAs of ``promote`` k-tiles accumulate into ``part`` from zero
             # and, once they complete, ``part`` is added into ``acc`` in fp32 (Hopper's 8-bit
@@ -551,6 +583,9 @@ class Sm90FusedGemm(FusedGemmBase):
                 if k == k_tiles - 1:
                     if rows < self.tile_mnk[2]:
                         self._clear_k_rows(sA, sB, read.index, rows, ctid, barrier)
+            if cutlass.const_expr(rounding is not None):
+                # (while the previous k-tile's batch runs)
+                self._round_k_tile(*rounding, read.index)
             if cutlass.const_expr(self.promote):
                 # (each promotion's first k-tile starts ``part`` from zero)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, False if self.promote == 1 else k % self.promote != 0)

@@ -173,6 +173,9 @@ class Sm90Policy(ArchPolicy):
     # error of 2.1e-4 against 1.3e-4 at K = 16384 (XLA's promoting dot 1.3e-4, its default dot
     # 2.1e-3): benchmarks/FINDINGS.md. Its GPU tests have not yet run.
     promotion_k_tiles = 2
+    # float32 operands read in place are rounded to TF32 in shared memory by the consumers
+    # (Sm90FusedGemm._round_k_tile); compiled only, its cost and accuracy not yet measured
+    tf32_rounding = True
 
     def accumulator_reason(self, problem: KernelProblem) -> str | None:
         if problem.acc_dtype == "float16" and problem.ab_dtype != "float16":
