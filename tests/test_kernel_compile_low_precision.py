@@ -118,9 +118,13 @@ def test_float32_kernels_use_the_tf32_wgmma(compiled):
 
 # float32 operands read in place rounded to TF32 in shared memory (KernelProblem.round_tf32),
 # which the plan asks for only under JAX_EFC_UNVERIFIED_KERNELS=1 until it has run on a GPU:
-# A and B (N, K) both; A only (B (K, N), transposed and rounded before the kernel)
+# A and B (N, K) both; A only (B (K, N), transposed and rounded before the kernel); the
+# heuristic's large TF32 tile, ping-pong 128x192, with both (five batches of units a thread)
 TF32_ROUNDING_VARIANTS = {
     "tf32_nk_round_bias_gelu_128x128": LOW_PRECISION_VARIANTS["tf32_nk_bias_gelu_128x128"],
+    "tf32_nk_round_pingpong_128x192_epi64_c2x1_bias_gelu": ("float32", False, True, None,
+                                                            (128, 192, 2, 1, {"pingpong": True, "epi_m": 64}),
+                                                            "bias_gelu", (8192, 8192, 4096)),
     "tf32_kn_round_pingpong_128x192_epi64_c2x1": LOW_PRECISION_VARIANTS["tf32_kn_pingpong_128x192_epi64_c2x1"],
     "tf32_nk_round_bias_gelu_128x128_c2x1_stream_k": LOW_PRECISION_VARIANTS["tf32_nk_bias_gelu_128x128_c2x1_stream_k"],
 }
@@ -137,7 +141,7 @@ def test_tf32_operands_read_in_place_are_rounded_in_shared_memory(compiled_round
     store, and made visible to the WGMMAs (a proxy fence) before they read them; two rounding
     loops (A and B) where both are read in place, one where B was transposed; no spills."""
     for name, variant in TF32_ROUNDING_VARIANTS.items():
-        check_variant(compiled_rounding[name], variant)
+        check_variant(compiled_rounding[name], variant, stream_k="stream_k" in name)
         ptx = compiled_rounding[name]["ptx"]
         loops = re.findall(r"ld\.shared\.v4\.b32[^\n]*\n(?:[^\n]*\n){0,2}\s*cvt\.rna\.tf32\.f32", ptx)
         assert len(loops) >= (1 if "_kn_" in name else 2), name

@@ -66,6 +66,7 @@ _WG = 128  # threads per warpgroup
 # 16-bit values in one 16-byte unit of shared memory, which the 128-byte swizzle keeps whole
 _UNIT = 8
 _FP32_UNIT = 4  # (fp32 values)
+_ROUNDING_BATCH = 4  # 16-byte units a thread rounds at a time (Sm90FusedGemm._round_rows)
 # (the epilogue named barrier of consumer group g is gemm_base.EPI_BARRIER_ID + g: 1 or 2)
 # ping-pong: consumer g waits on named barrier _MMA_ORDER_ID + g before its mainloop and,
 # once its WGMMAs are issued, arrives on the other consumer's; likewise _EPI_ORDER_ID + g
@@ -531,16 +532,25 @@ class Sm90FusedGemm(FusedGemmBase):
     def _round_rows(self, smem: cute.Tensor, rows: int, stage, ctid):
         """:meth:`_round_k_tile` for one operand, K-major: the 128-byte swizzle permutes 16-byte
         units, so four consecutive fp32 values of a row stay together; each thread rounds whole
-        units, consecutive threads consecutive units of a row."""
-        vals = cute.make_rmem_tensor((_FP32_UNIT,), cutlass.Float32)
-        bits = cute.recast_tensor(vals, cutlass.Int32)
+        units, consecutive threads consecutive units of a row. A batch of a thread's units is
+        loaded before any is stored, so their loads overlap (its stores could alias them); four
+        units a batch, 16 registers (eight, beside a ping-pong 128x192 tile's 192 accumulators,
+        spilled 12 bytes)."""
         units = self.tile_mnk[2] // _FP32_UNIT
-        for e in cutlass.range(ctid, rows * units, self.n_epi_threads):
-            unit = cute.zipped_divide(smem[(e // units, None, stage)], (_FP32_UNIT,))[(None, e % units)]
-            cute.autovec_copy(unit, vals)
-            for i in cutlass.range_constexpr(_FP32_UNIT):
+        per_thread = rows * units // self.n_epi_threads  # (tiles are multiples of 64 rows)
+        batch = min(per_thread, _ROUNDING_BATCH)
+        vals = cute.make_rmem_tensor((_FP32_UNIT, batch), cutlass.Float32)
+        bits = cute.recast_tensor(vals, cutlass.Int32)
+        for first in cutlass.range_constexpr(0, per_thread, batch):
+            for j in cutlass.range_constexpr(batch):
+                e = ctid + (first + j) * self.n_epi_threads
+                cute.autovec_copy(_fp32_unit(smem, units, stage, e), vals[(None, j)])
+            for i in cutlass.range_constexpr(_FP32_UNIT * batch):
                 bits[i] = cute.arch.cvt_f32_tf32(vals[i])
-            cute.autovec_copy(vals, unit)
+            for j in cutlass.range_constexpr(batch):
+                e = ctid + (first + j) * self.n_epi_threads
+                cute.autovec_copy(vals[(None, j)], _fp32_unit(smem, units, stage, e))
+
 
     @staticmethod
     def _order_barrier(first_id, group):
@@ -697,3 +707,9 @@ def _add_into(acc: cute.Tensor, part: cute.Tensor) -> None:
     """``acc`` += ``part``, elementwise (promoted partial sums)."""
     for i in cutlass.range(cute.size(acc), unroll_full=True):
         acc[i] = acc[i] + part[i]
+
+
+def _fp32_unit(smem: cute.Tensor, units: int, stage, e) -> cute.Tensor:
+    """16-byte unit ``e`` of ``smem``'s K-major k-tile in ``stage``: row ``e // units``, four
+    fp32 values from ``4 * (e % units)`` on."""
+    return cute.zipped_divide(smem[(e // units, None, stage)], (_FP32_UNIT,))[(None, e % units)]
