@@ -14,13 +14,14 @@
 #   tests     the rest of the GPU tests but `stores`' (the compute-sanitizer runs, marked slow, apart)
 #   stores    the epilogue reductions' (in-tile row ones too), transposed and masked outputs' GPU tests
 #   examples  each example at a GPU size, `jax-efc run`, info and selftest
-#   bench     the benchmark's shapes with both XLA baselines, the 8-bit epilogues, TF32 (B in both layouts),
-#             autotuning's gain over the heuristic, one config timed twice (the spread), and
-#             autotuning on 114 of the SMs (benchmarks/fewer_sms.sh)
+#   bench     the benchmark's shapes with both XLA baselines, the 8-bit epilogues, TF32 (B in both
+#             layouts, truncated and rounded in the kernel), autotuning's gain over the heuristic,
+#             one config timed twice (the spread), and autotuning on 114 of the SMs
+#             (benchmarks/fewer_sms.sh)
 #   model     a GPT-style model's first step (compile time), its training step in bf16 and FP8
 #   fp8       the bound that model's GEMM share sets on any FP8 step's speedup, the FP8 dense
 #             layer's training step against Flax's FP8 Dense, and both kernel by kernel; promoted
-#             partial sums against fast accumulation, ours and XLA's
+#             partial sums (each k-tile, every second one) against fast accumulation, ours and XLA's
 set -uo pipefail
 logs=${1:-gpu-logs}
 part=${2:-all}
@@ -93,6 +94,10 @@ if want bench; then
     --epilogues "$(python3 -c 'import jax_efc.bench as b; print(",".join(b.EIGHT_BIT_EPILOGUES))')" --shapes $shapes
   step bench-tf32 python3 benchmarks/run.py --dtype float32 --json "$logs/bench-tf32.json" \
     --epilogues gemm,gemm-bt,bias+gelu_tanh --shapes 8192,8192,8192 4096,4096,4096
+  # the same with the operands read in place rounded to TF32 in the kernel (unverified until
+  # tests/test_gpu_low_precision.py::test_tf32_rounds_operands_read_in_place has run): its cost
+  step bench-tf32-rounded env JAX_EFC_UNVERIFIED_KERNELS=1 python3 benchmarks/run.py --dtype float32 \
+    --json "$logs/bench-tf32-rounded.json" --epilogues gemm,gemm-bt --shapes 8192,8192,8192 4096,4096,4096
   step bench-autotune python3 benchmarks/run.py --json "$logs/bench-autotune.json" --configs auto autotune \
     --epilogues gemm,bias+gelu_tanh --shapes $shapes
   # the benchmark's own spread: the heuristic's config timed twice in the same rounds, the
