@@ -119,13 +119,15 @@ def test_float32_kernels_use_the_tf32_wgmma(compiled):
 # float32 operands read in place rounded to TF32 in shared memory (KernelProblem.round_tf32),
 # which the plan asks for only under JAX_EFC_UNVERIFIED_KERNELS=1 until it has run on a GPU:
 # A and B (N, K) both; A only (B (K, N), transposed and rounded before the kernel); the
-# heuristic's large TF32 tile, ping-pong 128x192, with both (five batches of units a thread)
+# heuristic's large TF32 tile, ping-pong 128x192, with both (five batches of units a thread);
+# a cooperative 128x192 tile, whose B takes six units a thread (a batch of four and one of two)
 TF32_ROUNDING_VARIANTS = {
     "tf32_nk_round_bias_gelu_128x128": LOW_PRECISION_VARIANTS["tf32_nk_bias_gelu_128x128"],
     "tf32_nk_round_pingpong_128x192_epi64_c2x1_bias_gelu": ("float32", False, True, None,
                                                             (128, 192, 2, 1, {"pingpong": True, "epi_m": 64}),
                                                             "bias_gelu", (8192, 8192, 4096)),
     "tf32_kn_round_pingpong_128x192_epi64_c2x1": LOW_PRECISION_VARIANTS["tf32_kn_pingpong_128x192_epi64_c2x1"],
+    "tf32_nk_round_128x192": ("float32", False, True, None, (128, 192, 1, 1), "identity"),
     "tf32_nk_round_bias_gelu_128x128_c2x1_stream_k": LOW_PRECISION_VARIANTS["tf32_nk_bias_gelu_128x128_c2x1_stream_k"],
 }
 
@@ -146,4 +148,7 @@ def test_tf32_operands_read_in_place_are_rounded_in_shared_memory(compiled_round
         loops = re.findall(r"ld\.shared\.v4\.b32[^\n]*\n(?:[^\n]*\n){0,2}\s*cvt\.rna\.tf32\.f32", ptx)
         assert len(loops) >= (1 if "_kn_" in name else 2), name
         assert "st.shared.v4.b32" in ptx and "fence.proxy.async.shared::cta" in ptx, name
+    # every value of the 128x192 tile's k-tile once: A's 128 rows and B's 192 of 8 units, over
+    # 256 threads, four values a unit
+    assert compiled_rounding["tf32_nk_round_128x192"]["ptx"].count("cvt.rna.tf32.f32") == 4 * (128 + 192) * 8 // 256
     check_spills(assemble_all(compiled_rounding, tmp_path_factory.mktemp("sass")))

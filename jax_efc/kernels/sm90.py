@@ -542,15 +542,15 @@ class Sm90FusedGemm(FusedGemmBase):
         vals = cute.make_rmem_tensor((_FP32_UNIT, batch), cutlass.Float32)
         bits = cute.recast_tensor(vals, cutlass.Int32)
         for first in cutlass.range_constexpr(0, per_thread, batch):
-            for j in cutlass.range_constexpr(batch):
+            count = min(batch, per_thread - first)  # (the last batch may be short: 6 units, 4 + 2)
+            for j in cutlass.range_constexpr(count):
                 e = ctid + (first + j) * self.n_epi_threads
                 cute.autovec_copy(_fp32_unit(smem, units, stage, e), vals[(None, j)])
-            for i in cutlass.range_constexpr(_FP32_UNIT * batch):
+            for i in cutlass.range_constexpr(_FP32_UNIT * count):
                 bits[i] = cute.arch.cvt_f32_tf32(vals[i])
-            for j in cutlass.range_constexpr(batch):
+            for j in cutlass.range_constexpr(count):
                 e = ctid + (first + j) * self.n_epi_threads
                 cute.autovec_copy(vals[(None, j)], _fp32_unit(smem, units, stage, e))
-
 
     @staticmethod
     def _order_barrier(first_id, group):
