@@ -123,13 +123,11 @@ class ArchPolicy:
             return f"the {self.arch} grouped GEMM over groups of the contraction (a grouped weight gradient)"
         return None
 
-    def promotion(self, most_precise: bool) -> int:
-        """k-tiles per promotion of 8-bit float partial sums (``KernelProblem.promote``): each
-        k-tile's where ``most_precise`` (or promoting less often has not run on a GPU here),
-        else :attr:`promotion_k_tiles`."""
-        if most_precise or not (self.verified_promotion_k_tiles or unverified_allowed()):
-            return 1
-        return self.promotion_k_tiles
+    def default_promotion(self) -> int:
+        """k-tiles per promotion of 8-bit float partial sums (``KernelProblem.promote``) where the
+        call does not ask for the most precise arithmetic (which promotes each k-tile):
+        :attr:`promotion_k_tiles`, or 1 until promoting less often has run on a GPU here."""
+        return self.promotion_k_tiles if self.verified_promotion_k_tiles or unverified_allowed() else 1
 
     def rounds_tf32(self, problem: KernelProblem, transposes: tuple[bool, bool]) -> tuple[bool, bool]:
         """Which of A and B the kernel rounds to TF32 (``KernelProblem.round_tf32``): float32
