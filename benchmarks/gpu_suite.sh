@@ -2,8 +2,11 @@
 # What must be seen on a GPU, in parts that each fit a ten-minute run on an H100 or H200 from a
 # cold kernel cache (run them in this order; `all` runs every part). Logs go to LOGDIR (default
 # ./gpu-logs); each part prints its summary last.
-#   usage: benchmarks/gpu_suite.sh [LOGDIR] [grouped|fused|ffn|tests|stores|examples|bench|model|fp8|all]
+#   usage: benchmarks/gpu_suite.sh [LOGDIR] [unverified|grouped|fused|ffn|tests|stores|examples|bench|model|fp8|all]
 #
+#   unverified  what the plan takes only under JAX_EFC_UNVERIFIED_KERNELS=1: 8-bit float partial
+#             sums promoted every second k-tile, TF32 operands rounded in the kernel; their GPU
+#             tests, and their speed against the default kernels and XLA
 #   grouped   the grouped GEMM: its numerics; its speed (and its weight gradient's) against
 #             ragged_dot, Pallas's Mosaic GPU ragged dot and a dense GEMM of the same FLOPs; an
 #             MoE layer's training step against ragged_dot's
@@ -15,13 +18,11 @@
 #   stores    the epilogue reductions' (in-tile row ones too), transposed and masked outputs' GPU tests
 #   examples  each example at a GPU size, `jax-efc run`, info and selftest
 #   bench     the benchmark's shapes with both XLA baselines, the 8-bit epilogues, TF32 (B in both
-#             layouts, truncated and rounded in the kernel), autotuning's gain over the heuristic,
-#             one config timed twice (the spread), and autotuning on 114 of the SMs
-#             (benchmarks/fewer_sms.sh)
+#             layouts), autotuning's gain over the heuristic, one config timed twice (the spread),
+#             and autotuning on 114 of the SMs (benchmarks/fewer_sms.sh)
 #   model     a GPT-style model's first step (compile time), its training step in bf16 and FP8
 #   fp8       the bound that model's GEMM share sets on any FP8 step's speedup, the FP8 dense
-#             layer's training step against Flax's FP8 Dense, and both kernel by kernel; promoted
-#             partial sums (each k-tile, every second one) against fast accumulation, ours and XLA's
+#             layer's training step against Flax's FP8 Dense, and both kernel by kernel
 set -uo pipefail
 logs=${1:-gpu-logs}
 part=${2:-all}
@@ -36,6 +37,20 @@ step() {  # step NAME COMMAND...: run, log, and remember the exit status
 }
 shapes="8192,8192,8192 8192,14336,4096 4096,4096,4096"
 want() { [[ $part == all || $part == "$1" ]]; }
+
+if want unverified; then
+  step unverified-tests python3 -m pytest -q -m gpu tests/test_gpu_low_precision.py \
+    -k "every_two or read_in_place or long_k or transposes"
+  # promoted partial sums, each k-tile and every second one, against fast accumulation, ours and
+  # XLA's, with the errors at K = 16384; the 8-bit epilogues promoting every second k-tile
+  step promotion python3 benchmarks/promotion.py --shapes $shapes 2048,2048,16384
+  step bench-8bit-every2 env JAX_EFC_UNVERIFIED_KERNELS=1 python3 benchmarks/run.py \
+    --json "$logs/bench-8bit-every2.json" --shapes $shapes \
+    --epilogues "fp8:gemm,fp8:scaled+bias+gelu_tanh,fp8:scaled+bias+gelu_tanh->fp8"
+  # TF32 with the operands read in place rounded in the kernel, against XLA's default dot
+  step bench-tf32-rounded env JAX_EFC_UNVERIFIED_KERNELS=1 python3 benchmarks/run.py --dtype float32 \
+    --json "$logs/bench-tf32-rounded.json" --epilogues gemm,gemm-bt --shapes 8192,8192,8192 4096,4096,4096
+fi
 
 if want grouped; then
   step grouped python3 -m pytest -q -m gpu tests/test_gpu_grouped.py tests/test_fuzz_grouped.py
@@ -94,10 +109,6 @@ if want bench; then
     --epilogues "$(python3 -c 'import jax_efc.bench as b; print(",".join(b.EIGHT_BIT_EPILOGUES))')" --shapes $shapes
   step bench-tf32 python3 benchmarks/run.py --dtype float32 --json "$logs/bench-tf32.json" \
     --epilogues gemm,gemm-bt,bias+gelu_tanh --shapes 8192,8192,8192 4096,4096,4096
-  # the same with the operands read in place rounded to TF32 in the kernel (unverified until
-  # tests/test_gpu_low_precision.py::test_tf32_rounds_operands_read_in_place has run): its cost
-  step bench-tf32-rounded env JAX_EFC_UNVERIFIED_KERNELS=1 python3 benchmarks/run.py --dtype float32 \
-    --json "$logs/bench-tf32-rounded.json" --epilogues gemm,gemm-bt --shapes 8192,8192,8192 4096,4096,4096
   step bench-autotune python3 benchmarks/run.py --json "$logs/bench-autotune.json" --configs auto autotune \
     --epilogues gemm,bias+gelu_tanh --shapes $shapes
   # the benchmark's own spread: the heuristic's config timed twice in the same rounds, the
@@ -120,7 +131,6 @@ if want fp8; then
     --epilogues "$(python3 -c 'import jax_efc.bench as b; print(",".join(b.FP8_TRAIN_STEPS))')"
   step fp8-breakdown python3 benchmarks/breakdown.py --epilogues fp8train:bias+gelu_tanh --shapes 8192,14336,4096
   step gpt-breakdown python3 benchmarks/breakdown.py --gpt fp8,fp8-fast,flax-fp8 --attention cudnn --hlo "$logs/hlo"
-  step promotion python3 benchmarks/promotion.py --shapes 8192,8192,8192 8192,14336,4096 4096,4096,4096
 fi
 for f in "$logs"/*.log; do
   printf '\n===== %s\n' "$f"; tail -n 30 "$f"
