@@ -42,7 +42,7 @@ from jax_efc.kernels.grouped_walk import ContractionWalk, GroupedWalk, group_ste
 from jax_efc.kernels.problem import SMEM_ALIGN, KernelProblem
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, cluster_tiles
 from jax_efc.kernels.sm90_policy import mma_warpgroups, pipeline_stages
-from jax_efc.kernels.sm90_tf32 import tf32_tiled_mma
+from jax_efc.kernels.sm90_tf32 import round_to_tf32, tf32_tiled_mma
 
 __all__ = ["Sm90FusedGemm"]
 
@@ -65,8 +65,6 @@ _CONSUMER_REGS = 232
 _WG = 128  # threads per warpgroup
 # 16-bit values in one 16-byte unit of shared memory, which the 128-byte swizzle keeps whole
 _UNIT = 8
-_FP32_UNIT = 4  # (fp32 values)
-_ROUNDING_BATCH = 4  # 16-byte units a thread rounds at a time (Sm90FusedGemm._round_rows)
 # (the epilogue named barrier of consumer group g is gemm_base.EPI_BARRIER_ID + g: 1 or 2)
 # ping-pong: consumer g waits on named barrier _MMA_ORDER_ID + g before its mainloop and,
 # once its WGMMAs are issued, arrives on the other consumer's; likewise _EPI_ORDER_ID + g
@@ -517,40 +515,15 @@ class Sm90FusedGemm(FusedGemmBase):
 
     @cute.jit
     def _round_k_tile(self, sA: cute.Tensor, sB: cute.Tensor, ctid, barrier, stage):
-        """Round the fp32 values of the k-tile in ``stage`` of the A and/or B ring (as
-        ``round_tf32`` says) to TF32 in place, to nearest with ties away from zero (``cvt.rna``, as
-        XLA's TF32 GEMMs round; the TF32 WGMMA would drop the low 13 mantissa bits), each thread
-        of the epilogue group that consumes it a share, and make them visible to the WGMMAs."""
+        """Round the k-tile in ``stage`` of the A and/or B ring (as ``round_tf32`` says) to TF32
+        in place (:func:`~jax_efc.kernels.sm90_tf32.round_to_tf32`), each thread of the epilogue
+        group that consumes it a share, and make it visible to the WGMMAs."""
         if cutlass.const_expr(self.round_tf32[0]):
-            self._round_rows(sA, self.tile_mnk[0], stage, ctid)
+            round_to_tf32(sA, stage, ctid, self.n_epi_threads)
         if cutlass.const_expr(self.round_tf32[1]):
-            self._round_rows(sB, self.tile_mnk[1], stage, ctid)
+            round_to_tf32(sB, stage, ctid, self.n_epi_threads)
         cute.arch.fence_proxy("async.shared", space="cta")
         barrier.arrive_and_wait()
-
-    @cute.jit
-    def _round_rows(self, smem: cute.Tensor, rows: int, stage, ctid):
-        """:meth:`_round_k_tile` for one operand, K-major: the 128-byte swizzle permutes 16-byte
-        units, so four consecutive fp32 values of a row stay together; each thread rounds whole
-        units, consecutive threads consecutive units of a row. A batch of a thread's units is
-        loaded before any is stored, so their loads overlap (its stores could alias them); four
-        units a batch, 16 registers (eight, beside a ping-pong 128x192 tile's 192 accumulators,
-        spilled 12 bytes)."""
-        units = self.tile_mnk[2] // _FP32_UNIT
-        per_thread = rows * units // self.n_epi_threads  # (tiles are multiples of 64 rows)
-        batch = min(per_thread, _ROUNDING_BATCH)
-        vals = cute.make_rmem_tensor((_FP32_UNIT, batch), cutlass.Float32)
-        bits = cute.recast_tensor(vals, cutlass.Int32)
-        for first in cutlass.range_constexpr(0, per_thread, batch):
-            count = min(batch, per_thread - first)  # (the last batch may be short: 6 units, 4 + 2)
-            for j in cutlass.range_constexpr(count):
-                e = ctid + (first + j) * self.n_epi_threads
-                cute.autovec_copy(_fp32_unit(smem, units, stage, e), vals[(None, j)])
-            for i in cutlass.range_constexpr(_FP32_UNIT * count):
-                bits[i] = cute.arch.cvt_f32_tf32(vals[i])
-            for j in cutlass.range_constexpr(count):
-                e = ctid + (first + j) * self.n_epi_threads
-                cute.autovec_copy(vals[(None, j)], _fp32_unit(smem, units, stage, e))
 
     @staticmethod
     def _order_barrier(first_id, group):
@@ -708,8 +681,3 @@ def _add_into(acc: cute.Tensor, part: cute.Tensor) -> None:
     for i in cutlass.range(cute.size(acc), unroll_full=True):
         acc[i] = acc[i] + part[i]
 
-
-def _fp32_unit(smem: cute.Tensor, units: int, stage, e) -> cute.Tensor:
-    """16-byte unit ``e`` of ``smem``'s K-major k-tile in ``stage``: row ``e // units``, four
-    fp32 values from ``4 * (e % units)`` on."""
-    return cute.zipped_divide(smem[(e // units, None, stage)], (_FP32_UNIT,))[(None, e % units)]
