@@ -60,8 +60,14 @@ _WGMMA_ERR = 2.5e-4
 
 def _bar(a, b, want, contract=(((1,), (1,)), ((), ()))):
     """How accurate the promoting kernel must be at least: as XLA's promoting FP8 dot, within
-    1.5x, or the WGMMA's own rounding where XLA picks an exact algorithm (small GEMMs)."""
-    return max(1.5 * _xla_err(a, b, want, contract), _WGMMA_ERR)
+    1.5x, or the WGMMA's own rounding where XLA picks an exact algorithm (small GEMMs). Where
+    the plan promotes less often than each k-tile by default (``ArchPolicy.default_promotion``),
+    both 5/3 as high: 2.5x (every second k-tile: 1.7x at K = 16384 on an H100)."""
+    from jax_efc import device
+    from jax_efc.kernels import policy
+
+    factor = 1.0 if policy(device.arch()).default_promotion() == 1 else 5 / 3
+    return factor * max(1.5 * _xla_err(a, b, want, contract), _WGMMA_ERR)
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=lambda d: jnp.dtype(d).name)
