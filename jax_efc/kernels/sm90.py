@@ -386,7 +386,7 @@ class Sm90FusedGemm(FusedGemmBase):
                 if cutlass.const_expr(self.pingpong):
                     self._order_barrier(_MMA_ORDER_ID, group).arrive_and_wait()
                 self._stamp(stamps, ctid, slot, group, j, "mainloop")
-                clear = None
+                clear_rows = None
                 if cutlass.const_expr(self.groups):
                     # the rows past the groups (an empty group of the contraction) run no mainloop:
                     # their product is 0 (zeroed in a branch taken for those tiles only, the
@@ -394,11 +394,9 @@ class Sm90FusedGemm(FusedGemmBase):
                     acc.fill(0.0)
                     if cutlass.const_expr(self.grouped_k):
                         # the rows of the group's last k-tile from here on are the next group's
-                        clear = (sA, sB, u.k_end - u.k_start - (u.k_count - 1) * self.tile_mnk[2], ctid,
-                                 epi.barrier)
-                rounding = (sA, sB, ctid, epi.barrier) if any(self.round_tf32) else None
-                read, release, tiled_mma = self._mainloop(mainloop, read, release, tiled_mma, acc,
-                                                          tCrA, tCrB, u.k_count, clear, rounding)
+                        clear_rows = u.k_end - u.k_start - (u.k_count - 1) * self.tile_mnk[2]
+                read, release, tiled_mma = self._mainloop(mainloop, read, release, tiled_mma, acc, tCrA, tCrB,
+                                                          u.k_count, (sA, sB, ctid, epi.barrier), clear_rows)
                 if cutlass.const_expr(self.pingpong):
                     # our WGMMAs are issued: the other consumer may issue its own
                     self._order_barrier(_MMA_ORDER_ID, 1 - group).arrive()
@@ -533,15 +531,16 @@ class Sm90FusedGemm(FusedGemmBase):
 
     @cute.jit
     def _mainloop(self, mainloop, read, release, tiled_mma: cute.TiledMma, acc: cute.Tensor,
-                  tCrA: cute.Tensor, tCrB: cute.Tensor, k_tiles, clear=None, rounding=None):
+                  tCrA: cute.Tensor, tCrB: cute.Tensor, k_tiles, ring: tuple, clear_rows=None):
         """Issue one tile's WGMMAs, keeping one k-tile batch in flight (none before partial sums
         are promoted) and releasing each stage once the batch after it is issued; the last
         batch is left in flight (the caller waits for it and releases its stage). Returns the
         advanced (read, release) states and ``tiled_mma`` (its accumulate field is set here; the
-        caller rebinds all three so the tracer carries them through the tile loop). ``clear``:
-        (sA, sB, rows, ctid, barrier), the last k-tile's rows of the group (:meth:`_clear_k_rows`
-        zeroes the rest); ``rounding``: (sA, sB, ctid, barrier) where A or B is rounded to TF32
-        (:meth:`_round_k_tile`)."""
+        caller rebinds all three so the tracer carries them through the tile loop). ``ring``:
+        (sA, sB, ctid, barrier), the stages this thread's group consumes, for the k-tiles it
+        changes before its WGMMAs read them: A or B rounded to TF32 (:meth:`_round_k_tile`), and
+        with ``clear_rows`` the last k-tile's rows of the group (:meth:`_clear_k_rows` zeroes
+        the rest)."""
         if cutlass.const_expr(self.promote):
             # 8-bit floats: the WGMMAs of ``promote`` k-tiles accumulate into ``part`` from zero
             # and, once they complete, ``part`` is added into ``acc`` in fp32 (Hopper's 8-bit
@@ -559,16 +558,16 @@ class Sm90FusedGemm(FusedGemmBase):
             tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
             # order the epilogue's reads of the previous tile's accumulators before the WGMMAs
             warpgroup.fence()
+        sA, sB, ctid, barrier = ring
         for k in range(k_tiles):
             mainloop.consumer_wait(read)
-            if cutlass.const_expr(clear is not None):
-                sA, sB, rows, ctid, barrier = clear
+            if cutlass.const_expr(clear_rows is not None):
                 if k == k_tiles - 1:
-                    if rows < self.tile_mnk[2]:
-                        self._clear_k_rows(sA, sB, read.index, rows, ctid, barrier)
-            if cutlass.const_expr(rounding is not None):
+                    if clear_rows < self.tile_mnk[2]:
+                        self._clear_k_rows(sA, sB, read.index, clear_rows, ctid, barrier)
+            if cutlass.const_expr(any(self.round_tf32)):
                 # (while the previous k-tile's batch runs)
-                self._round_k_tile(*rounding, read.index)
+                self._round_k_tile(sA, sB, ctid, barrier, read.index)
             if cutlass.const_expr(self.promote):
                 # (each promotion's first k-tile starts ``part`` from zero)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, False if self.promote == 1 else k % self.promote != 0)

@@ -55,19 +55,21 @@ def tf32_tiled_mma(atom_layout_mnk: tuple[int, int, int], tiler_mn: tuple[int, i
     return cute.make_tiled_mma(cute.make_mma_atom(MmaTF32Op(tiler_mn)), atom_layout_mnk)
 
 
-
 @cute.jit
 def round_to_tf32(ring: cute.Tensor, stage, tid, threads: int) -> None:
     """Round the K-major fp32 k-tile in ``stage`` of a shared-memory ``ring`` ((rows, K, stages),
     swizzled) to TF32 in place, to nearest with ties away from zero (``cvt.rna``, as XLA's TF32
     GEMMs round; the WGMMA itself keeps the top 10 mantissa bits, truncating), thread ``tid`` of
-    ``threads`` a share. Four consecutive values of a row stay together under the swizzle, so each thread rounds
-    whole 16-byte units, consecutive threads consecutive units of a row. A batch of a thread's
-    units is loaded before any is stored, so their loads overlap (its stores could alias them);
-    batches of four, as eight spilled 12 bytes beside a ping-pong 128x192 tile's 192
-    accumulators. The caller fences and synchronises before the WGMMAs read the k-tile."""
+    ``threads`` a share. Four consecutive values of a row stay together under the swizzle, so
+    each thread rounds whole 16-byte units, consecutive threads consecutive units of a row. A
+    batch of a thread's units is loaded before any is stored, so their loads overlap (its stores
+    could alias them); batches of four, as eight spilled 12 bytes beside a ping-pong 128x192
+    tile's 192 accumulators. The caller fences and synchronises before the WGMMAs read the
+    k-tile."""
     units = cute.size(ring, mode=[1]) // _UNIT
-    per_thread = cute.size(ring, mode=[0]) * units // threads  # (tiles are multiples of 64 rows)
+    per_thread, left = divmod(cute.size(ring, mode=[0]) * units, threads)
+    if cutlass.const_expr(left):  # (never: tiles are multiples of 64 rows)
+        raise ValueError(f"{cute.size(ring, mode=[0])} rows of {units} units do not split over {threads} threads")
     batch = min(per_thread, _BATCH)
     vals = cute.make_rmem_tensor((_UNIT, batch), cutlass.Float32)
     bits = cute.recast_tensor(vals, cutlass.Int32)
