@@ -2,11 +2,10 @@
 # What must be seen on a GPU, in parts that each fit a ten-minute run on an H100 or H200 from a
 # cold kernel cache (run them in this order; `all` runs every part). Logs go to LOGDIR (default
 # ./gpu-logs); each part prints its summary last.
-#   usage: benchmarks/gpu_suite.sh [LOGDIR] [unverified|grouped|fused|ffn|tests|stores|examples|bench|model|fp8|all]
+#   usage: benchmarks/gpu_suite.sh [LOGDIR] [promotion|grouped|fused|ffn|tests|stores|examples|bench|model|fp8|all]
 #
-#   unverified  what the plan takes only under JAX_EFC_UNVERIFIED_KERNELS=1: 8-bit float partial
-#             sums promoted every second k-tile, TF32 operands rounded in the kernel; their GPU
-#             tests, and their speed against the default kernels and XLA
+#   promotion 8-bit float partial sums promoted every second k-tile (the default) and each (at
+#             HIGHEST): their speed and error against fast accumulation and XLA's
 #   grouped   the grouped GEMM: its numerics; its speed (and its weight gradient's) against
 #             ragged_dot, Pallas's Mosaic GPU ragged dot and a dense GEMM of the same FLOPs; an
 #             MoE layer's training step against ragged_dot's
@@ -38,18 +37,10 @@ step() {  # step NAME COMMAND...: run, log, and remember the exit status
 shapes="8192,8192,8192 8192,14336,4096 4096,4096,4096"
 want() { [[ $part == all || $part == "$1" ]]; }
 
-if want unverified; then
-  step unverified-tests python3 -m pytest -q -m gpu tests/test_gpu_low_precision.py \
-    -k "every_two or read_in_place or long_k or transposes"
+if want promotion; then
   # promoted partial sums, each k-tile and every second one, against fast accumulation, ours and
-  # XLA's, with the errors at K = 16384; the 8-bit epilogues promoting every second k-tile
+  # XLA's, with the errors at K = 16384
   step promotion python3 benchmarks/promotion.py --shapes $shapes 2048,2048,16384
-  step bench-8bit-every2 env JAX_EFC_UNVERIFIED_KERNELS=1 python3 benchmarks/run.py \
-    --json "$logs/bench-8bit-every2.json" --shapes $shapes \
-    --epilogues "fp8:gemm,fp8:scaled+bias+gelu_tanh,fp8:scaled+bias+gelu_tanh->fp8"
-  # TF32 with the operands read in place rounded in the kernel, against XLA's default dot
-  step bench-tf32-rounded env JAX_EFC_UNVERIFIED_KERNELS=1 python3 benchmarks/run.py --dtype float32 \
-    --json "$logs/bench-tf32-rounded.json" --epilogues gemm,gemm-bt --shapes 8192,8192,8192 4096,4096,4096
 fi
 
 if want grouped; then

@@ -151,7 +151,6 @@ def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config
         note = (f"{moved} {'is' if sum(transposes) == 1 else 'are'} transposed once before the kernel, which reads "
                 f"{problem.ab_dtype} A and B only K-major (one pass over {moved}; store them K-major to skip it)")
         problem = dataclasses.replace(problem, a_major=need[0], b_major=need[1])
-    problem = dataclasses.replace(problem, round_tf32=pol.rounds_tf32(problem, transposes))
     sms = device.sm_count(pol.default_sm_count)
     if config is None:
         chosen = pol.choose_config(problem, *mnkl, sm_count=max(1, sms - sm_margin))

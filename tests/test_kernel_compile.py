@@ -125,14 +125,18 @@ VARIANTS = {
 # tests/test_kernel_compile_low_precision.py, so that the two compile matrices can run side by side)
 LOW_PRECISION_VARIANTS = {
     # 8-bit float A and B (K-major both: b stored (N, K)); 128-deep k-tiles, m64nNk32 WGMMAs;
-    # bf16 epilogue operands, 8-bit or wider outputs. By default each k-tile's partial sums are
-    # promoted into fp32 accumulators (cooperative tiles of at most 96 columns a warpgroup);
-    # "fast" ones accumulate in the WGMMA alone (precision=...FAST_ACCUM), in any tile
-    "fp8e4m3_nk_bias_gelu_128x128": ("float8_e4m3fn", False, True, None, (128, 128, 1, 1), "bias_gelu"),
-    "fp8e4m3_nk_alpha_beta_128x192_c2x1": ("float8_e4m3fn", False, True, None, (128, 192, 2, 1, {"swizzle": 8}),
-                                           "alpha_beta"),
-    "fp8e4m3_nk_bias_gelu_128x128_stream_k": ("float8_e4m3fn", False, True, None, (128, 128, 2, 1, {"swizzle": 8}),
-                                              "bias_gelu", (8192, 8192, 8192)),
+    # bf16 epilogue operands, 8-bit or wider outputs. "highest" ones (precision HIGHEST) promote
+    # each k-tile's partial sums into fp32 accumulators (cooperative tiles of at most 96 columns a
+    # warpgroup; the default interval, every second k-tile, is compiled beside them in
+    # test_kernel_compile_low_precision.py); "fast" ones accumulate in the WGMMA alone
+    # (precision=...FAST_ACCUM), in any tile
+    "fp8e4m3_nk_bias_gelu_128x128": ("float8_e4m3fn", False, True, None, (128, 128, 1, 1, {"highest": True}),
+                                     "bias_gelu"),
+    "fp8e4m3_nk_alpha_beta_128x192_c2x1": ("float8_e4m3fn", False, True, None,
+                                           (128, 192, 2, 1, {"swizzle": 8, "highest": True}), "alpha_beta"),
+    "fp8e4m3_nk_bias_gelu_128x128_stream_k": ("float8_e4m3fn", False, True, None,
+                                              (128, 128, 2, 1, {"swizzle": 8, "highest": True}), "bias_gelu",
+                                              (8192, 8192, 8192)),
     "fp8e5m2_nk_fast_pingpong_128x128_c1x2": ("float8_e5m2", False, True, None,
                                               (128, 128, 1, 2, {"pingpong": True, "swizzle": 8, "fast": True}),
                                               "identity"),
@@ -150,8 +154,8 @@ LOW_PRECISION_VARIANTS = {
     "int8xuint8_nk_multi_128x256_c2x1": ("int8+uint8", False, True, None, (128, 256, 2, 1, {"acc": "int32"}),
                                          "int_multi"),
     # mixed 8-bit formats (A e4m3, B e5m2), B stored (K, N): transposed once before the kernel
-    "fp8mixed_kn_bias_gelu_128x192": ("float8_e4m3fn+float8_e5m2", False, False, None, (128, 192, 1, 1),
-                                      "bias_gelu"),
+    "fp8mixed_kn_bias_gelu_128x192": ("float8_e4m3fn+float8_e5m2", False, False, None,
+                                      (128, 192, 1, 1, {"highest": True}), "bias_gelu"),
     "fp8e4m3_nk_fast_pingpong_192x128_bias_gelu": ("float8_e4m3fn", False, True, None,
                                                    (192, 128, 1, 2, {"pingpong": True, "epi_m": 64, "epi_n": 16,
                                                                      "fast": True}), "bias_gelu"),
@@ -216,7 +220,7 @@ REDUCTION_VARIANTS = {
 def _config(cfg):
     from jax_efc.config import GemmConfig
 
-    extra = {k: v for k, v in (cfg[4] if len(cfg) > 4 else {}).items() if k not in ("acc", "fast")}
+    extra = {k: v for k, v in (cfg[4] if len(cfg) > 4 else {}).items() if k not in ("acc", "fast", "highest")}
     return GemmConfig(*cfg[:4], **extra)
 
 
@@ -226,10 +230,13 @@ def _acc_dtype(cfg) -> str:
 
 
 def _precision(cfg):
-    """A variant's precision: 8-bit float ones marked ``"fast"`` skip promoting partial sums."""
+    """A variant's precision: 8-bit float ones marked ``"fast"`` skip promoting partial sums, those
+    marked ``"highest"`` promote them each k-tile (by default, every ``promotion_k_tiles``)."""
     import jax
 
     extra = cfg[4] if len(cfg) > 4 else {}
+    if extra.get("highest"):
+        return jax.lax.Precision.HIGHEST
     return jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM if extra.get("fast") else None
 
 
@@ -641,17 +648,14 @@ def test_8bit_kernels_read_a_and_b_k_major_and_promote_unless_fast():
     assert plan(b_nk, True).transposes == (False, False) and plan(b_nk, True).note is None
     moved = plan(b_kn, False)
     assert moved.backend == "kernel" and moved.transposes == (False, True) and moved.problem.b_major == "k"
-    # partial sums promoted each k-tile (at HIGHEST, or by default until promoting every second
-    # k-tile has run on a GPU), or not at all (fast accumulation)
+    # partial sums promoted every second k-tile by default, each k-tile at HIGHEST, or not at all
+    # (fast accumulation)
     highest = (jax.lax.Precision.HIGHEST, (jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST),
                jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32)
-    assert plan(b_nk, True).problem.promote == 1 and plan(b_nk, True, precision=fast).problem.promote == 0
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
-        assert plan(b_nk, True).problem.promote == 2
-        assert plan(b_nk, True, precision=jax.lax.Precision.DEFAULT).problem.promote == 2
-        assert all(plan(b_nk, True, precision=p).problem.promote == 1 for p in highest)
-        assert plan(b_nk, True, precision=fast).problem.promote == 0
+    assert plan(b_nk, True).problem.promote == 2
+    assert plan(b_nk, True, precision=jax.lax.Precision.DEFAULT).problem.promote == 2
+    assert all(plan(b_nk, True, precision=p).problem.promote == 1 for p in highest)
+    assert plan(b_nk, True, precision=fast).problem.promote == 0
     wide = GemmConfig(128, 256)
     assert "two accumulators an element, 256 registers a thread" in plan(b_nk, True, wide).reason
     assert plan(b_nk, True, wide, fast).backend == "kernel"

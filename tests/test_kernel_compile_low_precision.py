@@ -45,23 +45,29 @@ def test_8bit_kernels_use_the_8bit_wgmma_and_saturating_stores(compiled):
         assert f"cvt.rn.satfinite.{kind}x2.f32" in ptx, name
 
 
-def test_8bit_float_partial_sums_are_promoted_unless_fast(compiled):
-    """Promotion: each k-tile's WGMMAs start from zero in registers of their own, the k-loop
-    waits for them (no batch left in flight) and adds them into the fp32 accumulators: 64
-    ``add.f32`` a thread for a 128x128 cooperative tile, beside the epilogue's 64 bias adds.
-    Fast kernels keep one batch in flight instead."""
-    waits = lambda ptx: set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d);", ptx))  # noqa: E731
+def test_8bit_float_partial_sums_are_promoted_each_k_tile_at_highest(compiled):
+    """Promotion at precision HIGHEST: each k-tile's WGMMAs start from zero in registers of their
+    own, the k-loop waits for them (no batch left in flight) and adds them into the fp32
+    accumulators: 64 ``add.f32`` a thread for a 128x128 cooperative tile, beside the epilogue's
+    64 bias adds. Fast kernels keep one batch in flight instead."""
     for name in ("fp8e4m3_nk_bias_gelu_128x128", "fp8e4m3_nk_alpha_beta_128x192_c2x1",
                  "fp8e4m3_nk_bias_gelu_128x128_stream_k", "fp8mixed_kn_bias_gelu_128x192"):
-        assert waits(compiled[name]["ptx"]) == {"0"}, name
+        assert _waits(compiled[name]["ptx"]) == {"0"}, name
     for name in ("fp8e5m2_nk_fast_pingpong_128x128_c1x2", "fp8e4m3_nk_fast_alpha_beta_128x256_c2x1"):
-        assert waits(compiled[name]["ptx"]) == {"0", "1"}, name
-    adds = re.findall(r"\badd(?:\.rn)?\.f32\b", compiled["fp8e4m3_nk_bias_gelu_128x128"]["ptx"])
-    assert len(adds) >= 2 * 64
+        assert _waits(compiled[name]["ptx"]) == {"0", "1"}, name
+    assert len(_adds(compiled["fp8e4m3_nk_bias_gelu_128x128"]["ptx"])) >= 2 * 64
 
 
-# partial sums promoted every two k-tiles (Sm90Policy.promotion_k_tiles), which the plan asks for
-# only under JAX_EFC_UNVERIFIED_KERNELS=1 until it has run on a GPU
+def _waits(ptx: str) -> set[str]:
+    """The counts of WGMMA batches the kernel waits down to."""
+    return set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d);", ptx))
+
+
+def _adds(ptx: str) -> list[str]:
+    return re.findall(r"\badd(?:\.rn)?\.f32\b", ptx)
+
+
+# partial sums promoted every second k-tile (Sm90Policy.promotion_k_tiles), the default
 PROMOTION_INTERVAL_VARIANTS = {
     "fp8e4m3_nk_every2_bias_gelu_128x128": ("float8_e4m3fn", False, True, None, (128, 128, 1, 1), "bias_gelu"),
     "fp8e4m3_nk_every2_bias_gelu_128x128_stream_k": ("float8_e4m3fn", False, True, None,
@@ -73,21 +79,18 @@ PROMOTION_INTERVAL_VARIANTS = {
 
 @pytest.fixture(scope="module")
 def compiled_every2(tmp_path_factory):
-    return compile_variants(tmp_path_factory, "test_kernel_compile_low_precision.PROMOTION_INTERVAL_VARIANTS",
-                            unverified=True)
+    return compile_variants(tmp_path_factory, "test_kernel_compile_low_precision.PROMOTION_INTERVAL_VARIANTS")
 
 
 def test_promotion_every_two_k_tiles_keeps_a_batch_in_flight_between(compiled_every2, tmp_path_factory):
-    """Promoting every second k-tile, the k-loop waits for all but the last batch
+    """Promoting every second k-tile (the default), the k-loop waits for all but the last batch
     (``wait_group 1``) after the first k-tile of each pair and for all (``wait_group 0``) before
     adding the pair's partial sums into fp32; no spills."""
     for name, variant in PROMOTION_INTERVAL_VARIANTS.items():
         check_variant(compiled_every2[name], variant)
-        ptx = compiled_every2[name]["ptx"]
-        assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d);", ptx)) == {"0", "1"}, name
+        assert _waits(compiled_every2[name]["ptx"]) == {"0", "1"}, name
     assert compiled_every2["fp8e4m3_nk_every2_bias_gelu_128x128_stream_k"]["stream_k"]
-    adds = re.findall(r"\badd(?:\.rn)?\.f32\b", compiled_every2["fp8e4m3_nk_every2_bias_gelu_128x128"]["ptx"])
-    assert len(adds) >= 2 * 64
+    assert len(_adds(compiled_every2["fp8e4m3_nk_every2_bias_gelu_128x128"]["ptx"])) >= 2 * 64
     check_spills(assemble_all(compiled_every2, tmp_path_factory.mktemp("sass")))
 
 
@@ -114,41 +117,3 @@ def test_float32_kernels_use_the_tf32_wgmma(compiled):
         assert set(re.findall(r"wgmma\.mma_async[\w.]*", ptx)) == {
             f"wgmma.mma_async.sync.aligned.m64n{tile_n}k8.f32.tf32.tf32"}, name
     assert "cvt.rna.tf32.f32" not in "".join(compiled[name]["ptx"] for name in LOW_PRECISION_VARIANTS)
-
-
-# float32 operands read in place rounded to TF32 in shared memory (KernelProblem.round_tf32),
-# which the plan asks for only under JAX_EFC_UNVERIFIED_KERNELS=1 until it has run on a GPU:
-# A and B (N, K) both; A only (B (K, N), transposed and rounded before the kernel); the
-# heuristic's large TF32 tile, ping-pong 128x192, with both (five batches of units a thread);
-# a cooperative 128x192 tile, whose B takes six units a thread (a batch of four and one of two)
-TF32_ROUNDING_VARIANTS = {
-    "tf32_nk_round_bias_gelu_128x128": LOW_PRECISION_VARIANTS["tf32_nk_bias_gelu_128x128"],
-    "tf32_nk_round_pingpong_128x192_epi64_c2x1_bias_gelu": ("float32", False, True, None,
-                                                            (128, 192, 2, 1, {"pingpong": True, "epi_m": 64}),
-                                                            "bias_gelu", (8192, 8192, 4096)),
-    "tf32_kn_round_pingpong_128x192_epi64_c2x1": LOW_PRECISION_VARIANTS["tf32_kn_pingpong_128x192_epi64_c2x1"],
-    "tf32_nk_round_128x192": ("float32", False, True, None, (128, 192, 1, 1), "identity"),
-    "tf32_nk_round_bias_gelu_128x128_c2x1_stream_k": LOW_PRECISION_VARIANTS["tf32_nk_bias_gelu_128x128_c2x1_stream_k"],
-}
-
-
-@pytest.fixture(scope="module")
-def compiled_rounding(tmp_path_factory):
-    return compile_variants(tmp_path_factory, "test_kernel_compile_low_precision.TF32_ROUNDING_VARIANTS",
-                            unverified=True)
-
-
-def test_tf32_operands_read_in_place_are_rounded_in_shared_memory(compiled_rounding, tmp_path_factory):
-    """Each k-tile's fp32 values are rounded with ``cvt.rna.tf32.f32``, 16 bytes a load and a
-    store, and made visible to the WGMMAs (a proxy fence) before they read them; two rounding
-    loops (A and B) where both are read in place, one where B was transposed; no spills."""
-    for name, variant in TF32_ROUNDING_VARIANTS.items():
-        check_variant(compiled_rounding[name], variant, stream_k="stream_k" in name)
-        ptx = compiled_rounding[name]["ptx"]
-        loops = re.findall(r"ld\.shared\.v4\.b32[^\n]*\n(?:[^\n]*\n){0,2}\s*cvt\.rna\.tf32\.f32", ptx)
-        assert len(loops) >= (1 if "_kn_" in name else 2), name
-        assert "st.shared.v4.b32" in ptx and "fence.proxy.async.shared::cta" in ptx, name
-    # every value of the 128x192 tile's k-tile once: A's 128 rows and B's 192 of 8 units, over
-    # 256 threads, four values a unit
-    assert compiled_rounding["tf32_nk_round_128x192"]["ptx"].count("cvt.rna.tf32.f32") == 4 * (128 + 192) * 8 // 256
-    check_spills(assemble_all(compiled_rounding, tmp_path_factory.mktemp("sass")))

@@ -3,7 +3,6 @@ is held to in ``test_gpu_low_precision.py``, the 8-bit stores' rounding and satu
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -253,29 +252,3 @@ def test_float32_runs_as_tf32_where_jax_would_use_tf32(monkeypatch):
         assert plan().backend == "reference"
     with jax.default_matmul_precision("tensorfloat32"):
         assert plan().backend == "kernel"
-
-
-def test_the_kernel_rounds_to_tf32_what_it_reads_in_place_where_allowed(monkeypatch):
-    """Under JAX_EFC_UNVERIFIED_KERNELS=1 (until it has run on a GPU) the Hopper kernel rounds
-    the float32 operands it reads in place to TF32 (``KernelProblem.round_tf32``); one the plan
-    transposes was rounded in that pass; 16-bit inputs are never rounded. The flags are in the
-    kernel's compile key."""
-    pytest.importorskip("cutlass")
-    from jax_efc.epilogue import identity_ir
-    from jax_efc.plan import plan_kernel
-
-    def plan(dtype, transpose_a, transpose_b):
-        m, n, k = 1024, 1024, 512
-        a = jax.ShapeDtypeStruct((k, m) if transpose_a else (m, k), dtype)
-        b = jax.ShapeDtypeStruct((n, k) if transpose_b else (k, n), dtype)
-        return plan_kernel(identity_ir(jnp.float32, jnp.float32), a, b, [], transpose_a=transpose_a,
-                           transpose_b=transpose_b, acc_dtype=jnp.float32, config=None, arch="sm_90a")
-
-    assert plan(jnp.float32, False, True).problem.round_tf32 == (False, False)
-    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
-    assert plan(jnp.float32, False, True).problem.round_tf32 == (True, True)
-    assert plan(jnp.float32, False, False).problem.round_tf32 == (True, False)
-    assert plan(jnp.float32, True, True).problem.round_tf32 == (False, True)
-    assert plan(jnp.bfloat16, False, True).problem.round_tf32 == (False, False)
-    rounded = plan(jnp.float32, False, True).problem
-    assert rounded.compile_key != dataclasses.replace(rounded, round_tf32=(False, False)).compile_key

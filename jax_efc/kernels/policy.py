@@ -64,10 +64,6 @@ class ArchPolicy:
     # promoting less often than each k-tile has run on a GPU of this architecture
     promotion_k_tiles: int = 1
     verified_promotion_k_tiles: bool = False
-    # whether the kernel rounds float32 operands it reads in place to TF32 before its MMAs (which
-    # would truncate them), and whether that has run on a GPU of this architecture
-    tf32_rounding: bool = False
-    verified_tf32_rounding: bool = False
     # whether the kernel runs grouped (ragged) GEMMs (KernelProblem.groups), and whether that has
     # run on a GPU of this architecture
     grouped_kernel: bool = False
@@ -128,14 +124,6 @@ class ArchPolicy:
         call does not ask for the most precise arithmetic (which promotes each k-tile):
         :attr:`promotion_k_tiles`, or 1 until promoting less often has run on a GPU here."""
         return self.promotion_k_tiles if self.verified_promotion_k_tiles or unverified_allowed() else 1
-
-    def rounds_tf32(self, problem: KernelProblem, transposes: tuple[bool, bool]) -> tuple[bool, bool]:
-        """Which of A and B the kernel rounds to TF32 (``KernelProblem.round_tf32``): float32
-        operands it reads in place; one transposed before the kernel was rounded in that pass."""
-        if problem.ab_dtype != "float32" or not self.tf32_rounding or not (
-                self.verified_tf32_rounding or unverified_allowed()):
-            return (False, False)
-        return (not transposes[0], not transposes[1])
 
     # ---- limits
     def config_reason(self, config: GemmConfig) -> str | None:

@@ -46,8 +46,7 @@ class KernelProblem:
     ``promote`` k-tiles the mainloop adds the WGMMAs' partial sums into separate fp32
     accumulators (8-bit float inputs, whose tensor-core accumulation keeps fewer bits than fp32
     over a long K; 0: never). float32 inputs are multiplied as TF32 (the plan sends them here only
-    where the call's precision allows it); ``round_tf32`` says which of A and B the consumers
-    round to TF32 in shared memory before the WGMMAs read them (which would truncate them).
+    where the call's precision allows it).
     ``groups``: a grouped (ragged) GEMM of that many groups (0: not one), whose A rows
     are split into groups by sizes the kernel reads at run time, B batched by group
     (:mod:`~jax_efc.kernels.grouped_walk`); its batched operands are indexed by group.
@@ -71,7 +70,6 @@ class KernelProblem:
     promote: int = 0
     groups: int = 0
     ragged_k: bool = False
-    round_tf32: tuple[bool, bool] = (False, False)
 
     def __post_init__(self) -> None:
         if not self.b_dtype:
@@ -130,8 +128,7 @@ class KernelProblem:
             self.arch,
             self.promote,
             dataclasses.astuple(self.config),
-        ) + ((("groups", self.groups, self.ragged_k),) if self.groups else ()) \
-            + ((("round_tf32", self.round_tf32),) if any(self.round_tf32) else ())
+        ) + ((("groups", self.groups, self.ragged_k),) if self.groups else ())
 
 
 def tile_k(ab_dtype: str) -> int:

@@ -42,7 +42,7 @@ from jax_efc.kernels.grouped_walk import ContractionWalk, GroupedWalk, group_ste
 from jax_efc.kernels.problem import SMEM_ALIGN, KernelProblem
 from jax_efc.kernels.schedule import TileSchedule, TileWalk, cluster_tiles
 from jax_efc.kernels.sm90_policy import mma_warpgroups, pipeline_stages
-from jax_efc.kernels.sm90_tf32 import round_to_tf32, tf32_tiled_mma
+from jax_efc.kernels.sm90_tf32 import tf32_tiled_mma
 
 __all__ = ["Sm90FusedGemm"]
 
@@ -87,7 +87,6 @@ class Sm90FusedGemm(FusedGemmBase):
         cfg = problem.config
         self.pingpong = bool(cfg.pingpong)
         self.promote = problem.promote
-        self.round_tf32 = problem.round_tf32
         # warpgroups that cooperate on one tile (its MMA and its epilogue); each covers
         # tile_m / n_mma_wg rows in 64-row WGMMA blocks (two per k-step for a 128x128
         # ping-pong consumer or a cooperative 256x128 tile)
@@ -511,18 +510,6 @@ class Sm90FusedGemm(FusedGemmBase):
             row = cute.zipped_divide(smem[(None, first + e // units, stage)], (_UNIT,))
             cute.autovec_copy(zeros, row[(None, e % units)])
 
-    @cute.jit
-    def _round_k_tile(self, sA: cute.Tensor, sB: cute.Tensor, ctid, barrier, stage):
-        """Round the k-tile in ``stage`` of the A and/or B ring (as ``round_tf32`` says) to TF32
-        in place (:func:`~jax_efc.kernels.sm90_tf32.round_to_tf32`), each thread of the epilogue
-        group that consumes it a share, and make it visible to the WGMMAs."""
-        if cutlass.const_expr(self.round_tf32[0]):
-            round_to_tf32(sA, stage, ctid, self.n_epi_threads)
-        if cutlass.const_expr(self.round_tf32[1]):
-            round_to_tf32(sB, stage, ctid, self.n_epi_threads)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        barrier.arrive_and_wait()
-
     @staticmethod
     def _order_barrier(first_id, group):
         """Ping-pong: the named barrier consumer ``group`` waits on before its mainloop
@@ -537,10 +524,8 @@ class Sm90FusedGemm(FusedGemmBase):
         batch is left in flight (the caller waits for it and releases its stage). Returns the
         advanced (read, release) states and ``tiled_mma`` (its accumulate field is set here; the
         caller rebinds all three so the tracer carries them through the tile loop). ``ring``:
-        (sA, sB, ctid, barrier), the stages this thread's group consumes, for the k-tiles it
-        changes before its WGMMAs read them: A or B rounded to TF32 (:meth:`_round_k_tile`), and
-        with ``clear_rows`` the last k-tile's rows of the group (:meth:`_clear_k_rows` zeroes
-        the rest)."""
+        (sA, sB, ctid, barrier), the stages this thread's group consumes; with ``clear_rows``,
+        the rows of the group's last k-tile (:meth:`_clear_k_rows` zeroes the rest)."""
         if cutlass.const_expr(self.promote):
             # 8-bit floats: the WGMMAs of ``promote`` k-tiles accumulate into ``part`` from zero
             # and, once they complete, ``part`` is added into ``acc`` in fp32 (Hopper's 8-bit
@@ -565,9 +550,6 @@ class Sm90FusedGemm(FusedGemmBase):
                 if k == k_tiles - 1:
                     if clear_rows < self.tile_mnk[2]:
                         self._clear_k_rows(sA, sB, read.index, clear_rows, ctid, barrier)
-            if cutlass.const_expr(any(self.round_tf32)):
-                # (while the previous k-tile's batch runs)
-                self._round_k_tile(sA, sB, ctid, barrier, read.index)
             if cutlass.const_expr(self.promote):
                 # (each promotion's first k-tile starts ``part`` from zero)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, False if self.promote == 1 else k % self.promote != 0)
