@@ -5,7 +5,8 @@
 #   usage: benchmarks/gpu_suite.sh [LOGDIR] [promotion|grouped|fused|ffn|tests|stores|examples|bench|model|fp8|all]
 #
 #   promotion 8-bit float partial sums promoted every second k-tile (the default) and each (at
-#             HIGHEST): their speed and error against fast accumulation and XLA's
+#             HIGHEST): their speed and error against fast accumulation and XLA's; fast
+#             accumulation in the promoting kernels' tile
 #   grouped   the grouped GEMM: its numerics; its speed (and its weight gradient's) against
 #             ragged_dot, Pallas's Mosaic GPU ragged dot and a dense GEMM of the same FLOPs; an
 #             MoE layer's training step against ragged_dot's
@@ -41,6 +42,10 @@ if want promotion; then
   # promoted partial sums, each k-tile and every second one, against fast accumulation, ours and
   # XLA's, with the errors at K = 16384
   step promotion python3 benchmarks/promotion.py --shapes $shapes 2048,2048,16384
+  # where promotion's time goes: fast accumulation in the promoting kernels' tile (cooperative
+  # 128x192, 2x1) against its own heuristic's tiles; as slow as promoting would put it in the tile
+  step promotion-tiles python3 benchmarks/run.py --json "$logs/promotion-tiles.json" \
+    --shapes 8192,8192,8192 8192,14336,4096 --epilogues fp8:gemm,fp8fast:gemm --configs auto 128,192,2,1,swizzle=8
 fi
 
 if want grouped; then
