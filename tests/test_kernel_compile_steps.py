@@ -1,6 +1,7 @@
 """The kernels the heuristic plans for a model's training steps, compiled for sm_90a on the CPU:
 a dense layer's, a GELU MLP's and a gated MLP's (bf16, 8192 x 14336 x 4096, the benchmark's
-``train:`` problems). None spills. The compile matrix pins its configs; this checks the
+``train:`` problems), and the FP8 dense layer's (``fp8train:``, its 8-bit GEMMs promoting partial
+sums every second k-tile, the default). None spills. The compile matrix pins its configs; this checks the
 heuristic's own choices for the epilogues a model runs, where reductions folded beside TILE
 operands once spilled 464-500 bytes on 192x128 tiles (benchmarks/FINDINGS.md, "Tenth sitting")."""
 
@@ -16,7 +17,7 @@ from test_kernel_compile import assemble_all, check_spills
 
 pytestmark = pytest.mark.matrix
 
-STEPS = ("train:bias+gelu_tanh", "train:mlp+gelu_tanh", "train:gated_mlp+silu")
+STEPS = ("train:bias+gelu_tanh", "train:mlp+gelu_tanh", "train:gated_mlp+silu", "fp8train:bias+gelu_tanh")
 
 # Lowers each step for CUDA with a fresh kernel cache; after each GEMM's kernel is built (the
 # next plan, or the end), takes the PTX the DSL dumped (named by the operands' shapes, so two
@@ -65,7 +66,7 @@ def compiled(tmp_path_factory):
 
 
 def test_every_kernel_of_the_steps_runs_on_the_kernel(compiled):
-    # the dense step's three GEMMs, the GELU MLP's six, the gated MLP's eight
+    # the dense step's three GEMMs, the GELU MLP's six, the gated MLP's eight, the FP8 layer's four
     for step in STEPS:
         names = [name for name in compiled if name.startswith(step + " ")]
         assert len(names) >= 3 and all(" kernel " in name for name in names), names
