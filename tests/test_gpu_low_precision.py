@@ -266,6 +266,24 @@ def test_float32_runs_as_tf32_as_accurate_as_xlas_default_dot(rng, transpose_b):
         jax.jit(lambda a, b: efc.gemm(a, b, transpose_b=transpose_b, precision="highest"))(a, b)
 
 
+@pytest.mark.parametrize("transpose_b", [True, False], ids=["b_nk", "b_kn"])
+def test_tf32_non_finite_inputs_reach_their_rows(rng, transpose_b):
+    """An infinite and a NaN value of A (read in place, truncated to TF32) make their rows infinite
+    and NaN as in XLA's dot, over partial tiles; the other rows stay finite."""
+    m, n, k = 1000, 1032, 1056
+    a = np.asarray(rng.random((m, k)), np.float32)
+    a[0, 5], a[1, 7] = np.inf, np.nan
+    a = jnp.asarray(a)
+    b = jnp.asarray(rng.random((n, k) if transpose_b else (k, n)), jnp.float32)
+    fn = jax.jit(lambda a, b: efc.gemm(a, b, transpose_b=transpose_b))
+    assert efc.backends(fn, a, b)[0].startswith("kernel (sm_90a)")
+    got = np.asarray(fn(a, b))
+    xla = np.asarray(jax.jit(lambda a, b: a @ (b.T if transpose_b else b))(a, b))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(xla))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(xla))
+    assert np.isposinf(got[0]).all() and np.isnan(got[1]).all() and np.isfinite(got[2:]).all()
+
+
 def test_tf32_rounds_an_operand_it_transposes(rng):
     """On positive operands, where truncation's errors add up: B stored (K, N), rounded to TF32
     to nearest in the transpose before the kernel, leaves about half the error of B stored

@@ -169,9 +169,10 @@ class Sm90Policy(ArchPolicy):
     row_tile_ns = _TILE_N
     verified_row_stats = True
     # 8-bit float partial sums promoted every two k-tiles (256 deep) rather than each: on an H100
-    # the fused 8-bit epilogues ran 5-7% faster (8192^3 e4m3 plain: 0.906 ms against 0.977), at a
-    # relative error of 2.1e-4 against 1.3e-4 at K = 16384 (XLA's promoting dot 1.3e-4, its
-    # default dot 2.1e-3-3.1e-3); its GPU tests passed there: benchmarks/FINDINGS.md
+    # the fused 8-bit epilogues ran 5-7% faster in one process each (plain GEMMs' gain was not
+    # steady across runs), at a relative error of 2.1e-4 against 1.3e-4 at K = 16384 (XLA's
+    # promoting dot 1.3e-4, its default dot 2.1e-3-3.1e-3); its GPU tests passed there
+    # (benchmarks/FINDINGS.md, fourteenth and fifteenth sittings)
     promotion_k_tiles = 2
     verified_promotion_k_tiles = True
 
