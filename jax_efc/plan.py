@@ -140,6 +140,7 @@ def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config
         promote=pol.default_promotion() if promote is None else promote, groups=groups,
         ragged_k=ragged_k,
     )
+    problem = dataclasses.replace(problem, promote_staggered=pol.staggers_promotion(problem.promote))
     reason = pol.dtype_reason(problem)
     if reason:
         return _reference(reason, arch=arch)

@@ -94,6 +94,35 @@ def test_promotion_every_two_k_tiles_keeps_a_batch_in_flight_between(compiled_ev
     check_spills(assemble_all(compiled_every2, tmp_path_factory.mktemp("sass")))
 
 
+# the cooperative tiles' two warpgroups promoting at alternate k-tiles (promote_staggered), which
+# the plan asks for only under JAX_EFC_UNVERIFIED_KERNELS=1 until it has run on a GPU: the
+# heuristic's 128x192 tile in 2x1 clusters, and 128x128 under stream-K
+STAGGERED_VARIANTS = {
+    "fp8e4m3_nk_staggered_bias_gelu_128x192_c2x1": ("float8_e4m3fn", False, True, None,
+                                                    (128, 192, 2, 1, {"swizzle": 8}), "bias_gelu"),
+    "fp8e4m3_nk_every2_bias_gelu_128x128_stream_k": PROMOTION_INTERVAL_VARIANTS[
+        "fp8e4m3_nk_every2_bias_gelu_128x128_stream_k"],
+}
+
+
+@pytest.fixture(scope="module")
+def compiled_staggered(tmp_path_factory):
+    return compile_variants(tmp_path_factory, "test_kernel_compile_low_precision.STAGGERED_VARIANTS",
+                            unverified=True)
+
+
+def test_staggered_promotion_compiles_apart_without_spills(compiled_staggered, compiled_every2, tmp_path_factory):
+    """Staggered, each warpgroup still waits for all its batches before a promotion and for all
+    but the last between; the kernel differs from the unstaggered one of its config; no spills."""
+    for name, variant in STAGGERED_VARIANTS.items():
+        check_variant(compiled_staggered[name], variant)
+        assert _waits(compiled_staggered[name]["ptx"]) == {"0", "1"}, name
+    name = "fp8e4m3_nk_every2_bias_gelu_128x128_stream_k"
+    assert compiled_staggered[name]["stream_k"]
+    assert compiled_staggered[name]["ptx"] != compiled_every2[name]["ptx"]
+    check_spills(assemble_all(compiled_staggered, tmp_path_factory.mktemp("sass")))
+
+
 def test_int8_kernels_use_the_integer_wgmma(compiled):
     # the integer WGMMA accumulates in int32, saturating (.satfinite) where a sum would overflow
     assert "wgmma.mma_async.sync.aligned.m64n128k32.satfinite.s32.s8.s8" in compiled["int8_nk_identity_128x128"]["ptx"]

@@ -87,6 +87,7 @@ class Sm90FusedGemm(FusedGemmBase):
         cfg = problem.config
         self.pingpong = bool(cfg.pingpong)
         self.promote = problem.promote
+        self.promote_staggered = problem.promote_staggered
         # warpgroups that cooperate on one tile (its MMA and its epilogue); each covers
         # tile_m / n_mma_wg rows in 64-row WGMMA blocks (two per k-step for a 128x128
         # ping-pong consumer or a cooperative 256x128 tile)
@@ -544,6 +545,10 @@ class Sm90FusedGemm(FusedGemmBase):
             # order the epilogue's reads of the previous tile's accumulators before the WGMMAs
             warpgroup.fence()
         sA, sB, ctid, barrier = ring
+        # staggered promotion: warpgroup w of a cooperative tile promotes after the k-tiles k with
+        # (k + w) % promote == promote - 1, so the two drain their WGMMAs at alternate k-tiles
+        # (ping-pong consumers, and 64-row cooperative tiles, are one warpgroup: w = 0)
+        phase = ctid // _WG if cutlass.const_expr(self.promote_staggered) else 0
         for k in range(k_tiles):
             mainloop.consumer_wait(read)
             if cutlass.const_expr(clear_rows is not None):
@@ -551,8 +556,14 @@ class Sm90FusedGemm(FusedGemmBase):
                     if clear_rows < self.tile_mnk[2]:
                         self._clear_k_rows(sA, sB, read.index, clear_rows, ctid, barrier)
             if cutlass.const_expr(self.promote):
-                # (each promotion's first k-tile starts ``part`` from zero)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, False if self.promote == 1 else k % self.promote != 0)
+                # (each promotion's first k-tile starts ``part`` from zero; staggered, the tile's
+                # first too)
+                if cutlass.const_expr(self.promote == 1):
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                elif cutlass.const_expr(self.promote_staggered):
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, (k + phase) % self.promote * k != 0)
+                else:
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, k % self.promote != 0)
                 # order the adds' reads of ``part`` (and the epilogue's of ``acc``) before them
                 warpgroup.fence()
             tiled_mma = self._issue_k_tile(read, tiled_mma, part, tCrA, tCrB)
@@ -561,7 +572,7 @@ class Sm90FusedGemm(FusedGemmBase):
             # at the 15th) after 0.9-5.4% faster at 6 of 8 in an earlier one, and 2.5-6.6%
             # slower for alpha-beta)
             if cutlass.const_expr(self.promote > 1):
-                if k % self.promote == self.promote - 1 or k == k_tiles - 1:
+                if (k + phase) % self.promote == self.promote - 1 or k == k_tiles - 1:
                     warpgroup.wait_group(0)
                     _add_into(acc, part)
                 else:

@@ -175,6 +175,9 @@ class Sm90Policy(ArchPolicy):
     # (benchmarks/FINDINGS.md, fourteenth and fifteenth sittings)
     promotion_k_tiles = 2
     verified_promotion_k_tiles = True
+    # a cooperative tile's two warpgroups promote at alternate k-tiles (Sm90FusedGemm._mainloop):
+    # compiled only, its speed and its GPU tests not yet seen
+    staggered_promotion = True
 
     def accumulator_reason(self, problem: KernelProblem) -> str | None:
         if problem.acc_dtype == "float16" and problem.ab_dtype != "float16":
