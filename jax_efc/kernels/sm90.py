@@ -548,8 +548,9 @@ class Sm90FusedGemm(FusedGemmBase):
         # staggered promotion: warpgroup w of a cooperative tile promotes after the k-tiles k with
         # (k + w) % promote == promote - 1, so the two drain their WGMMAs at alternate k-tiles
         # (ping-pong consumers, and 64-row cooperative tiles, are one warpgroup: w = 0)
-        phase = ctid // _WG if cutlass.const_expr(self.promote_staggered) else 0
+        phase = ctid // _WG if cutlass.const_expr(self.promote_staggered) else None
         for k in range(k_tiles):
+            step = k + phase if cutlass.const_expr(self.promote_staggered) else k  # (in the interval)
             mainloop.consumer_wait(read)
             if cutlass.const_expr(clear_rows is not None):
                 if k == k_tiles - 1:
@@ -561,7 +562,7 @@ class Sm90FusedGemm(FusedGemmBase):
                 if cutlass.const_expr(self.promote == 1):
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                 elif cutlass.const_expr(self.promote_staggered):
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, (k + phase) % self.promote * k != 0)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, step % self.promote * k != 0)
                 else:
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, k % self.promote != 0)
                 # order the adds' reads of ``part`` (and the epilogue's of ``acc``) before them
@@ -572,7 +573,7 @@ class Sm90FusedGemm(FusedGemmBase):
             # at the 15th) after 0.9-5.4% faster at 6 of 8 in an earlier one, and 2.5-6.6%
             # slower for alpha-beta)
             if cutlass.const_expr(self.promote > 1):
-                if (k + phase) % self.promote == self.promote - 1 or k == k_tiles - 1:
+                if step % self.promote == self.promote - 1 or k == k_tiles - 1:
                     warpgroup.wait_group(0)
                     _add_into(acc, part)
                 else:
