@@ -132,15 +132,14 @@ def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config
     pol = policy(arch)
     m, n, k, batch = gemm_dims(a[0], b[0], transpose_a, transpose_b, groups, ragged_k)
     mnkl = (m, n, k, batch or 1)
+    promote = pol.default_promotion() if promote is None else promote
     problem = KernelProblem(
         ir=ir, ab_dtype=a[1], b_dtype=b[1], acc_dtype=acc_dtype, a_major="m" if transpose_a else "k",
         b_major="k" if transpose_b else "n", batched=batch is not None, a_batched=len(a[0]) == 3,
         b_batched=len(b[0]) == 3, operand_batched=tuple(len(x[0]) == 3 for x in operands), arch=arch,
         config=config if config is not None else GemmConfig(),
-        promote=pol.default_promotion() if promote is None else promote, groups=groups,
-        ragged_k=ragged_k,
+        promote=promote, promote_staggered=pol.staggers_promotion(promote), groups=groups, ragged_k=ragged_k,
     )
-    problem = dataclasses.replace(problem, promote_staggered=pol.staggers_promotion(problem.promote))
     reason = pol.dtype_reason(problem)
     if reason:
         return _reference(reason, arch=arch)
