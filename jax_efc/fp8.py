@@ -9,8 +9,10 @@ whose accumulator is zero (which also takes its amax and column sums, the bias g
 the data and weight gradients are FP8 GEMMs whose epilogues dequantise. Each quantisation also
 writes the K-major copy its GEMM reads (Hopper's 8-bit WGMMA reads both operands K-major only),
 so no GEMM transposes an FP8 operand: the weight is written both ways, the input and the
-gradient once more transposed (the gradient's by the pass's kernel itself; rows padded with
-zeros to a multiple of 16, as TMA needs of the weight gradient's contraction).
+gradient once more transposed. A tensor that a GEMM's epilogue quantises (the gradient in its
+pass; in ``fp8_mlp`` the hidden value and its gradient too) gets its transposed copy from that
+kernel's store; the rest from XLA, rows padded with zeros to a multiple of 16, as TMA needs of
+the weight gradient's contraction.
 
 Scaling: with ``meta=None``, *current* scaling (each tensor's scale is its amax over the
 format's largest finite value, this step); with an :class:`Fp8Meta`, *delayed* scaling exactly
@@ -28,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -118,6 +120,11 @@ def _quantize(x: Any, dtype: Any, scale: Any) -> Any:
     return jnp.clip(x.astype(jnp.float32) / scale[0], -top, top).astype(dtype)
 
 
+def _twice(q: Any, transposed: bool) -> tuple[Any, ...]:
+    """An epilogue's 8-bit output, returned once more where its call stores a transposed copy."""
+    return (q, q) if transposed else (q,)
+
+
 @functools.lru_cache(maxsize=64)
 def _forward_epilogue(activation: Callable[[Any], Any], has_bias: bool, keep_z: bool) -> Callable[..., Any]:
     """``activation(acc * s + bias)`` and, where the backward needs it, the pre-activation."""
@@ -151,8 +158,7 @@ def _gradient_epilogue(activation: Callable[[Any], Any], has_z: bool, transposed
     def epilogue(acc, g, *z, inv_scale):
         if has_z:
             g = _times_derivative(activation, g, z[0])
-        q = g * inv_scale
-        return (q, *((q,) if transposed else ()), jnp.max(jnp.abs(g)), jnp.sum(g, axis=0))
+        return (*_twice(g * inv_scale, transposed), jnp.max(jnp.abs(g)), jnp.sum(g, axis=0))
 
     epilogue.__efc_builtin__ = activations.is_builtin(activation)
     return epilogue
@@ -162,25 +168,34 @@ def _gradient_epilogue(activation: Callable[[Any], Any], has_z: bool, transposed
 _PASS_K = 16
 
 
+def _stored_both_ways(rows: int, call: Callable[[bool], Sequence[Any]]) -> tuple[Any, ...]:
+    """``call(transposed)``'s results with the first one's K-major copy second (an operand of a
+    weight gradient, which contracts over the ``rows``). Where ``rows`` is a multiple of
+    ``_ALIGN`` the GEMM's kernel stores that copy itself (``call(True)``: the epilogue returns the
+    value twice and the call stores the second transposed); elsewhere XLA pads and transposes it.
+    Left to XLA, the transpose is one more pass over the tensor, and around the gradient's
+    derivative it turns the whole computation around (benchmarks/FINDINGS.md, third H100
+    sitting)."""
+    if rows % _ALIGN == 0:
+        return tuple(call(True))
+    first, *rest = call(False)
+    return (first, _transposed(first), *rest)
+
+
 def _quantized_gradient(activation: Callable[[Any], Any], g: Any, z: Any, scale: Any) -> tuple[Any, Any, Any, Any]:
     """(gq (M, N), gq transposed (N, M'), amax, float32 column sums) of the output gradient ``g``
     (M, N) times ``activation``'s derivative at ``z`` (None: none), quantised to e5m2 with
     ``scale``, in one pass over ``g`` and ``z``: the epilogue of a GEMM whose accumulator is zero
-    (K = 16, next to nothing to multiply), whose kernel stores the M-major copy the weight
-    gradient reads itself. Left to XLA, the transpose that copy needs turns the derivative's
-    whole computation around it into four passes in float32 (benchmarks/FINDINGS.md, third H100
-    sitting). Where M is not a multiple of ``_ALIGN`` the kernel cannot store that copy, and XLA
-    pads and transposes it."""
+    (K = 16, next to nothing to multiply)."""
     m, n = g.shape
-    transposed = m % _ALIGN == 0
     zeros = jnp.zeros((m, _PASS_K), jnp.bfloat16), jnp.zeros((_PASS_K, n), jnp.bfloat16)
-    out = gemm(*zeros, _gradient_epilogue(activation, z is not None, transposed), g, *(() if z is None else (z,)),
-               inv_scale=1 / scale[0], transposed_outputs=1 if transposed else None,
-               out_dtypes=(E5M2, E5M2, jnp.float32, jnp.float32)[int(not transposed):])
-    if transposed:
-        return out
-    gq, amax, sums = out
-    return gq, _transposed(gq), amax, sums
+
+    def call(transposed: bool) -> Any:
+        return gemm(*zeros, _gradient_epilogue(activation, z is not None, transposed), g, *(() if z is None else (z,)),
+                    inv_scale=1 / scale[0], transposed_outputs=1 if transposed else None,
+                    out_dtypes=(*_twice(E5M2, transposed), jnp.float32, jnp.float32))
+
+    return _stored_both_ways(m, call)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,30 +332,32 @@ def _checked_meta(name: str, meta: Any) -> Fp8Meta | None:
 # The MLP ----------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=64)
-def _up_epilogue(activation: Callable[[Any], Any], has_bias: bool) -> Callable[..., Any]:
+def _up_epilogue(activation: Callable[[Any], Any], has_bias: bool, transposed: bool) -> Callable[..., Any]:
     """The up projection's epilogue: the hidden value quantised with the down projection's input
-    scale (stored as e4m3, saturating), its amax (the down projection's input amax this step),
-    and the pre-activation (the backward's residual)."""
+    scale (stored as e4m3, saturating; where ``transposed``, again: the call stores that copy
+    transposed, the down projection's weight gradient's operand), its amax (the down
+    projection's input amax this step), and the pre-activation (the backward's residual)."""
 
     def epilogue(acc, *ops, s, inv_scale):
         z = acc * s + ops[0] if has_bias else acc * s
         h = activation(z)
-        return h * inv_scale, jnp.max(jnp.abs(h)), z
+        return (*_twice(h * inv_scale, transposed), jnp.max(jnp.abs(h)), z)
 
     epilogue.__efc_builtin__ = activations.is_builtin(activation)
     return epilogue
 
 
 @functools.lru_cache(maxsize=64)
-def _hidden_grad_epilogue(activation: Callable[[Any], Any], has_bias: bool) -> Callable[..., Any]:
+def _hidden_grad_epilogue(activation: Callable[[Any], Any], has_bias: bool, transposed: bool) -> Callable[..., Any]:
     """The down projection's data-gradient epilogue: the up projection's output gradient (the
     hidden gradient times the activation's derivative at ``z``) quantised with its delayed scale
-    (stored as e5m2, saturating), its amax and, with an up bias, its column sums (that bias's
-    gradient)."""
+    (stored as e5m2, saturating; where ``transposed``, again, for the call to store transposed:
+    the up projection's weight gradient's operand), its amax and, with an up bias, its column
+    sums (that bias's gradient)."""
 
     def epilogue(acc, z, *, s, inv_scale):
         g = _times_derivative(activation, acc * s, z)
-        out = (g * inv_scale, jnp.max(jnp.abs(g)))
+        out = (*_twice(g * inv_scale, transposed), jnp.max(jnp.abs(g)))
         return (*out, jnp.sum(g, axis=0)) if has_bias else out
 
     epilogue.__efc_builtin__ = activations.is_builtin(activation)
@@ -370,13 +387,20 @@ def _fp8_mlp_fwd(static: _MlpStatic, x, up, down, metas):
     # before the up GEMM; this step's amax comes out of that GEMM and enters the history after
     sh = _delayed_scale(E4M3, md.input_scale, md.input_amax_history)
     xq, wuq, wdq = _quantize(x, E4M3, sx), _quantize(up_k, E4M3, swu), _quantize(down_k, E4M3, swd)
-    hq, amax_h, z = gemm(xq, _transposed(wuq, 1), _up_epilogue(static.activation, up_b is not None), *[b for b in (up_b,) if b is not None],
-                         precision=static.precision, transpose_b=True, s=(sx * swu)[0], inv_scale=1 / sh[0], out_dtypes=(E4M3, jnp.float32, static.x_dtype))
+    up_ops = [b for b in (up_b,) if b is not None]
+
+    def up_gemm(transposed: bool) -> Any:
+        return gemm(xq, _transposed(wuq, 1), _up_epilogue(static.activation, up_b is not None, transposed), *up_ops,
+                    precision=static.precision, transpose_b=True, s=(sx * swu)[0], inv_scale=1 / sh[0],
+                    transposed_outputs=1 if transposed else None,
+                    out_dtypes=(*_twice(E4M3, transposed), jnp.float32, static.x_dtype))
+
+    hq, hq_t, amax_h, z = _stored_both_ways(xq.shape[0], up_gemm)
     hh = _pushed(md.input_amax_history, amax_h)
     y = gemm(hq, _transposed(wdq, 1), _forward_epilogue(activations.identity, down_b is not None, False),
              *[b for b in (down_b,) if b is not None], precision=static.precision, transpose_b=True, s=(sh * swd)[0], out_dtypes=static.x_dtype)
     updates = ((sx, hx, swu, hwu), (sh, hh, swd, hwd))
-    return y, (_transposed(xq), _transposed(hq), wuq, wdq, z, (sx, swu, sh, swd), updates, metas, up_b, down_b)
+    return y, (_transposed(xq), hq_t, wuq, wdq, z, (sx, swu, sh, swd), updates, metas, up_b, down_b)
 
 
 def _fp8_mlp_bwd(static: _MlpStatic, residuals, g):
@@ -387,13 +411,18 @@ def _fp8_mlp_bwd(static: _MlpStatic, residuals, g):
     # the up projection's output gradient leaves the down projection's data-gradient GEMM
     # quantised with its delayed scale, with its amax and the up bias's gradient
     sg = _delayed_scale(E5M2, mu.output_grad_scale, mu.output_grad_amax_history)
-    gq, amax_g, *d_up_b = gemm(gyq, wdq, _hidden_grad_epilogue(static.activation, up_b is not None), z,
-                               precision=static.precision, transpose_b=True, s=(sgy * swd)[0], inv_scale=1 / sg[0],
-                               out_dtypes=(E5M2, jnp.float32, jnp.float32)[:2 + (up_b is not None)])
+
+    def hidden_grad_gemm(transposed: bool) -> Any:
+        return gemm(gyq, wdq, _hidden_grad_epilogue(static.activation, up_b is not None, transposed), z,
+                    precision=static.precision, transpose_b=True, s=(sgy * swd)[0], inv_scale=1 / sg[0],
+                    transposed_outputs=1 if transposed else None,
+                    out_dtypes=(*_twice(E5M2, transposed), jnp.float32, jnp.float32)[:3 + transposed - (up_b is None)])
+
+    gq, gq_t, amax_g, *d_up_b = _stored_both_ways(gyq.shape[0], hidden_grad_gemm)
     hg = _pushed(mu.output_grad_amax_history, amax_g)
     d_down = (gemm(hq_t, gyq_t, _dequantize, precision=static.precision, transpose_b=True, s=(sh * sgy)[0], out_dtypes=static.down_dtype),
               None if down_b is None else d_down_b.astype(down_b.dtype))
-    d_up = (gemm(xq_t, _transposed(gq), _dequantize, precision=static.precision, transpose_b=True, s=(sx * sg)[0], out_dtypes=static.up_dtype),
+    d_up = (gemm(xq_t, gq_t, _dequantize, precision=static.precision, transpose_b=True, s=(sx * sg)[0], out_dtypes=static.up_dtype),
             None if up_b is None else d_up_b[0].astype(up_b.dtype))
     dx = gemm(gq, wuq, _dequantize, precision=static.precision, transpose_b=True, s=(sg * swu)[0], out_dtypes=static.x_dtype)
     (u, d) = updates
@@ -424,7 +453,8 @@ def fp8_mlp(
     the hidden value already in e4m3 with the down projection's input scale, and its amax; in the
     backward the down projection's data-gradient epilogue computes the activation's derivative
     and writes the up projection's output gradient in e5m2, its amax and the up bias's gradient.
-    The hidden tensors are never written in 16 bits, nor read again for an amax. Without metas
+    Both also store the transposed copy the weight gradients read. The hidden tensors are never
+    written in 16 bits, nor read again for an amax or a transpose. Without metas
     (current scaling, whose scales need this step's amaxes first) it is the two layers composed.
     The metas' gradients are their updates (Flax's overwrite-with-gradient convention).
     ``precision`` is :func:`fp8_dense`'s.

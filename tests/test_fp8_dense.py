@@ -232,15 +232,16 @@ def _metas(rng, length=4):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_the_fused_fp8_mlp_is_two_fp8_dense_layers(rng, bias):
+@pytest.mark.parametrize("m", [200, 208])  # 208: the GEMMs store the hidden tensors' transposed copies
+def test_the_fused_fp8_mlp_is_two_fp8_dense_layers(rng, bias, m):
     """With delayed scaling, fp8_mlp quantises the hidden value in the up GEMM's epilogue and the
     up layer's output gradient in the down layer's data-gradient epilogue: the same output,
     gradients and meta updates as the two fp8_dense layers composed, up to where the composition
     rounds the hidden tensors to bf16 before quantising them."""
-    x = jnp.asarray(rng.standard_normal((200, 64)) * 3, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, 64)) * 3, jnp.bfloat16)
     up, down = (jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.bfloat16) for s in ((64, 128), (128, 48)))
     bu, bd = (jnp.asarray(rng.standard_normal(n), jnp.bfloat16) if bias else None for n in (128, 48))
-    g = jnp.asarray(rng.standard_normal((200, 48)), jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal((m, 48)), jnp.bfloat16)
     mu, md = _metas(rng)
 
     def fused(x, up, bu, down, bd, mu, md):
@@ -283,12 +284,12 @@ def test_fp8_mlp_without_metas_composes_two_fp8_dense_layers(rng):
 
 
 _MLP_SCRIPT = """
-import json
+import json, sys
 import jax, jax.numpy as jnp
 import jax_efc as efc
 
 S = jax.ShapeDtypeStruct
-m, k, h, d = 2008, 1024, 2048, 1024  # M not a multiple of 16: the weight gradients pad
+m, k, h, d = int(sys.argv[1]), 1024, 2048, 1024
 meta = efc.Fp8Meta.init(16)
 def loss(x, u, bu, w, bw, mu, md):
     y = efc.fp8_mlp(x, u, bu, w, bw, activation="gelu_tanh", up_meta=mu, down_meta=md)
@@ -297,15 +298,21 @@ specs = (S((m, k), jnp.bfloat16), S((k, h), jnp.bfloat16), S((h,), jnp.bfloat16)
          S((d,), jnp.bfloat16), meta, meta)
 step = jax.grad(loss, range(7))
 text = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=efc.export_checks())(*specs).mlir_module()
-print(json.dumps({"kernels": text.count("CuteDSLRT"), "backends": efc.backends(step, *specs)}))
+print(json.dumps({"kernels": text.count("CuteDSLRT"), "transposes": text.count("stablehlo.transpose"),
+                  "backends": efc.backends(step, *specs)}))
 """
 
 
-def test_the_fused_fp8_mlps_six_gemms_are_fp8_kernels_on_hopper():
+@pytest.mark.parametrize("m", [2008, 2048])  # 2008: not a multiple of 16, the weight gradients pad
+def test_the_fused_fp8_mlps_six_gemms_are_fp8_kernels_on_hopper(m):
     """Its forward's two GEMMs and its backward's four each a Hopper FP8 kernel (the two with
-    epilogue reductions too), and the output gradient's pass a seventh."""
-    out = json.loads(run_for_sm90(_MLP_SCRIPT).strip().splitlines()[-1])
+    epilogue reductions too), and the output gradient's pass a seventh. Where M allows, the
+    kernels that quantise the hidden value and its gradient also store their transposed copies
+    (the weight gradients' operands): XLA transposes only x and the weights."""
+    out = json.loads(run_for_sm90(_MLP_SCRIPT, str(m)).strip().splitlines()[-1])
     assert out["kernels"] == 7 and out["backends"] == ["kernel (sm_90a)"] * 7, out
+    # x and the two weights; unaligned, also the hidden value, its gradient and the output gradient
+    assert out["transposes"] == (3 if m % 16 == 0 else 6), out
 
 
 def test_sharded_amaxes_are_the_whole_tensors(rng):

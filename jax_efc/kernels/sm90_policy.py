@@ -305,7 +305,7 @@ class Sm90Policy(ArchPolicy):
         sms = sm_count
         has_work = bool(problem.ir.instrs) or bool(problem.ir.operands)
         if problem.promote:
-            return _promoting_config(m, n, l, sms)
+            return _promoting_config(m, n, l, sms, any(o.transposed for o in problem.ir.outputs))
         if k <= problem.tile_k and has_work:
             # One k-tile: the kernel is its epilogue, bound by memory. Cooperative tiles run both
             # consumer groups' epilogues at once (ping-pong ones take turns), and 128x256 tiles
@@ -498,19 +498,22 @@ def _grouped_tall_config(t: int, n: int, groups: int, sms: int) -> GemmConfig | 
     return GemmConfig(tile_m=256, tile_n=128, cluster_n=2, raster="m")
 
 
-def _promoting_config(m: int, n: int, l: int, sms: int) -> GemmConfig:
+def _promoting_config(m: int, n: int, l: int, sms: int, stores_transposed: bool) -> GemmConfig:
     """Cooperative tiles for 8-bit float inputs whose partial sums are promoted: each thread holds
     two accumulators an element, which leaves at most 96 columns a warpgroup. 128x192 where its
     tiles fill the SMs' rounds as well as 128x128 ones (an m64n192 WGMMA reads each A fragment
     for 192 columns, not 128), in 2x1 clusters multicasting B walked in bands of 8 when M spans
-    several tiles."""
+    several tiles. Beside those 192 accumulators an epilogue that also stores an output
+    transposed spilled in 32-wide subtiles (fp8_mlp's up GEMM, ptxas: 76 bytes; none without the
+    transposed copy), and none in 16-wide ones, which it takes."""
     def fill(tn: int) -> float:
         tiles = _tiles(m, n, l, 128, tn)
         return m * n * l / (128 * tn * sms * -(-tiles // sms))
 
     tn = 192 if n >= 192 and fill(192) >= fill(128) - _FILL_SLACK else 128
     big = -(-m // 128) >= 8 and _tiles(m, n, l, 128, tn) >= 2 * sms
-    return GemmConfig(tile_m=128, tile_n=tn, cluster_m=2 if big else 1, swizzle=8 if big else 1)
+    return GemmConfig(tile_m=128, tile_n=tn, cluster_m=2 if big else 1, swizzle=8 if big else 1,
+                      epi_n=16 if stores_transposed else 32)
 
 
 POLICY = Sm90Policy()
