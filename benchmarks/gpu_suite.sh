@@ -4,10 +4,10 @@
 # ./gpu-logs); each part prints its summary last.
 #   usage: benchmarks/gpu_suite.sh [LOGDIR] [promotion|grouped|fused|ffn|tests|stores|examples|bench|model|fp8|all]
 #
-#   promotion 8-bit float partial sums promoted every second k-tile (the default; staggered
-#             between a cooperative tile's warpgroups, unverified) and each (at HIGHEST): GPU
-#             tests, speed and error against fast accumulation and XLA's; fast accumulation in
-#             the promoting kernels' tile
+#   promotion 8-bit float partial sums promoted every second k-tile (the default, a cooperative
+#             tile's warpgroups at alternate k-tiles) and each (at HIGHEST): GPU tests, speed and
+#             error against fast accumulation and XLA's; fast accumulation in the promoting
+#             kernels' tile
 #   grouped   the grouped GEMM: its numerics; its speed (and its weight gradient's) against
 #             ragged_dot, Pallas's Mosaic GPU ragged dot and a dense GEMM of the same FLOPs; an
 #             MoE layer's training step against ragged_dot's
@@ -40,13 +40,10 @@ shapes="8192,8192,8192 8192,14336,4096 4096,4096,4096"
 want() { [[ $part == all || $part == "$1" ]]; }
 
 if want promotion; then
-  # every second k-tile, aligned and staggered (a cooperative tile's warpgroups promoting at
-  # alternate k-tiles: planned only under JAX_EFC_UNVERIFIED_KERNELS=1 until this has passed)
   step promotion-tests python3 -m pytest -q -m gpu tests/test_gpu_low_precision.py -k every_two
   # promoted partial sums, each k-tile and every second one, against fast accumulation, ours and
-  # XLA's, with the errors at K = 16384; then staggered
+  # XLA's, with the errors at K = 16384
   step promotion python3 benchmarks/promotion.py --shapes $shapes 2048,2048,16384
-  step promotion-staggered env JAX_EFC_UNVERIFIED_KERNELS=1 python3 benchmarks/promotion.py --shapes $shapes
   # where promotion's time goes: fast accumulation in the promoting kernels' tile (cooperative
   # 128x192, 2x1) against its own heuristic's tiles; as slow as promoting would put it in the tile
   step promotion-tiles python3 benchmarks/run.py --json "$logs/promotion-tiles.json" \

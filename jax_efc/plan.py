@@ -138,7 +138,7 @@ def _plan_kernel(ir, a, b, operands, transpose_a, transpose_b, acc_dtype, config
         b_major="k" if transpose_b else "n", batched=batch is not None, a_batched=len(a[0]) == 3,
         b_batched=len(b[0]) == 3, operand_batched=tuple(len(x[0]) == 3 for x in operands), arch=arch,
         config=config if config is not None else GemmConfig(),
-        promote=promote, promote_staggered=pol.staggers_promotion(promote), groups=groups, ragged_k=ragged_k,
+        promote=promote, groups=groups, ragged_k=ragged_k,
     )
     reason = pol.dtype_reason(problem)
     if reason:

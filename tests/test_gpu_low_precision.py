@@ -170,22 +170,19 @@ def test_long_k_is_as_accurate_as_xlas_fp8_dot(rng, k):
                          ids=["heuristic", "cooperative_128x192_c2x1", "pingpong_128x64_c1x2",
                               "cooperative_128x128_c2x1"])
 @pytest.mark.parametrize("m, n, k", [(1000, 776, 4480), (2048, 2048, 16384)])
-@pytest.mark.parametrize("staggered", [False, True], ids=["aligned", "staggered"])
-def test_promotion_every_two_k_tiles(rng, monkeypatch, config, m, n, k, staggered):
+def test_promotion_every_two_k_tiles(rng, config, m, n, k):
     """Partial sums promoted every second k-tile (``Sm90Policy.promotion_k_tiles``, the default),
     an odd k-tile count (35, split by stream-K in 128x128 tiles) among them: within 2.5x XLA's
     promoting dot's error (and at K = 16384 more accurate than its fast one), over partial tiles,
     every value written (the allocator primed with NaN first), each 128x128 block checked; at
-    precision HIGHEST the plan promotes each k-tile. Staggered: a cooperative tile's warpgroups
-    promote at alternate k-tiles (``promote_staggered``; planned only under
-    JAX_EFC_UNVERIFIED_KERNELS=1 until it has run here)."""
+    precision HIGHEST the plan promotes each k-tile. A cooperative tile's two warpgroups promote
+    at alternate k-tiles."""
     from jax_efc import device
     from jax_efc import ffi as F
     from jax_efc.config import GemmConfig
     from jax_efc.epilogue import identity_ir
     from jax_efc.plan import plan_kernel
 
-    monkeypatch.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1" if staggered else "0")
     a, b = _quantized(rng, (m, k), jnp.float8_e4m3fn), _quantized(rng, (n, k), jnp.float8_e4m3fn)
     cfg = None if config is None else GemmConfig(*config[:4], **config[4])
 
@@ -196,7 +193,6 @@ def test_promotion_every_two_k_tiles(rng, monkeypatch, config, m, n, k, staggere
     assert plan(jax.lax.Precision.HIGHEST).problem.promote == 1
     p = plan()
     assert p.backend == "kernel" and p.problem.promote == 2, p.reason
-    assert p.problem.promote_staggered == staggered
     kernel = jax.jit(lambda a, b: F.fused_gemm(a, b, plan=p)[0])
     jax.block_until_ready(kernel(a, b))  # compiled first, so the NaN blocks are the last freed
     poison = jnp.full((m, n), jnp.nan, jnp.float32)

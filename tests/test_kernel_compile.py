@@ -656,16 +656,6 @@ def test_8bit_kernels_read_a_and_b_k_major_and_promote_unless_fast():
     assert plan(b_nk, True, precision=jax.lax.Precision.DEFAULT).problem.promote == 2
     assert all(plan(b_nk, True, precision=p).problem.promote == 1 for p in highest)
     assert plan(b_nk, True, precision=fast).problem.promote == 0
-    # cooperative warpgroups promoting at alternate k-tiles: planned only under
-    # JAX_EFC_UNVERIFIED_KERNELS=1 until it has run on a GPU, and only where they promote less
-    # often than each k-tile; in the compile key
-    assert not plan(b_nk, True).problem.promote_staggered
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JAX_EFC_UNVERIFIED_KERNELS", "1")
-        staggered = plan(b_nk, True).problem
-        assert staggered.promote == 2 and staggered.promote_staggered
-        assert not any(plan(b_nk, True, precision=p).problem.promote_staggered for p in (*highest, fast))
-        assert staggered.compile_key != dataclasses.replace(staggered, promote_staggered=False).compile_key
     wide = GemmConfig(128, 256)
     assert "two accumulators an element, 256 registers a thread" in plan(b_nk, True, wide).reason
     assert plan(b_nk, True, wide, fast).backend == "kernel"

@@ -67,11 +67,15 @@ def _adds(ptx: str) -> list[str]:
     return re.findall(r"\badd(?:\.rn)?\.f32\b", ptx)
 
 
-# partial sums promoted every second k-tile (Sm90Policy.promotion_k_tiles), the default
+# partial sums promoted every second k-tile (Sm90Policy.promotion_k_tiles), the default, a
+# cooperative tile's two warpgroups at alternate k-tiles: the heuristic's 128x192 tile in 2x1
+# clusters, 128x128 under stream-K, and ping-pong (one warpgroup a tile)
 PROMOTION_INTERVAL_VARIANTS = {
     "fp8e4m3_nk_every2_bias_gelu_128x128": ("float8_e4m3fn", False, True, None, (128, 128, 1, 1), "bias_gelu"),
     "fp8e4m3_nk_every2_bias_gelu_128x128_stream_k": ("float8_e4m3fn", False, True, None,
                                                      (128, 128, 2, 1, {"swizzle": 8}), "bias_gelu", (8192, 8192, 8192)),
+    "fp8e4m3_nk_every2_bias_gelu_128x192_c2x1": ("float8_e4m3fn", False, True, None,
+                                                 (128, 192, 2, 1, {"swizzle": 8}), "bias_gelu"),
     "fp8e5m2_nk_every2_pingpong_128x64_c1x2": ("float8_e5m2", False, True, None,
                                                (128, 64, 1, 2, {"pingpong": True}), "identity"),
 }
@@ -83,44 +87,15 @@ def compiled_every2(tmp_path_factory):
 
 
 def test_promotion_every_two_k_tiles_keeps_a_batch_in_flight_between(compiled_every2, tmp_path_factory):
-    """Promoting every second k-tile (the default), the k-loop waits for all but the last batch
-    (``wait_group 1``) after the first k-tile of each pair and for all (``wait_group 0``) before
-    adding the pair's partial sums into fp32; no spills."""
+    """Promoting every second k-tile (the default), each warpgroup's k-loop waits for all but the
+    last batch (``wait_group 1``) after the first k-tile of each of its pairs and for all
+    (``wait_group 0``) before adding the pair's partial sums into fp32; no spills."""
     for name, variant in PROMOTION_INTERVAL_VARIANTS.items():
         check_variant(compiled_every2[name], variant)
         assert _waits(compiled_every2[name]["ptx"]) == {"0", "1"}, name
     assert compiled_every2["fp8e4m3_nk_every2_bias_gelu_128x128_stream_k"]["stream_k"]
     assert len(_adds(compiled_every2["fp8e4m3_nk_every2_bias_gelu_128x128"]["ptx"])) >= 2 * 64
     check_spills(assemble_all(compiled_every2, tmp_path_factory.mktemp("sass")))
-
-
-# the cooperative tiles' two warpgroups promoting at alternate k-tiles (promote_staggered), which
-# the plan asks for only under JAX_EFC_UNVERIFIED_KERNELS=1 until it has run on a GPU: the
-# heuristic's 128x192 tile in 2x1 clusters, and 128x128 under stream-K
-STAGGERED_VARIANTS = {
-    "fp8e4m3_nk_staggered_bias_gelu_128x192_c2x1": ("float8_e4m3fn", False, True, None,
-                                                    (128, 192, 2, 1, {"swizzle": 8}), "bias_gelu"),
-    "fp8e4m3_nk_every2_bias_gelu_128x128_stream_k": PROMOTION_INTERVAL_VARIANTS[
-        "fp8e4m3_nk_every2_bias_gelu_128x128_stream_k"],
-}
-
-
-@pytest.fixture(scope="module")
-def compiled_staggered(tmp_path_factory):
-    return compile_variants(tmp_path_factory, "test_kernel_compile_low_precision.STAGGERED_VARIANTS",
-                            unverified=True)
-
-
-def test_staggered_promotion_compiles_apart_without_spills(compiled_staggered, compiled_every2, tmp_path_factory):
-    """Staggered, each warpgroup still waits for all its batches before a promotion and for all
-    but the last between; the kernel differs from the unstaggered one of its config; no spills."""
-    for name, variant in STAGGERED_VARIANTS.items():
-        check_variant(compiled_staggered[name], variant)
-        assert _waits(compiled_staggered[name]["ptx"]) == {"0", "1"}, name
-    name = "fp8e4m3_nk_every2_bias_gelu_128x128_stream_k"
-    assert compiled_staggered[name]["stream_k"]
-    assert compiled_staggered[name]["ptx"] != compiled_every2[name]["ptx"]
-    check_spills(assemble_all(compiled_staggered, tmp_path_factory.mktemp("sass")))
 
 
 def test_int8_kernels_use_the_integer_wgmma(compiled):

@@ -64,11 +64,6 @@ class ArchPolicy:
     # promoting less often than each k-tile has run on a GPU of this architecture
     promotion_k_tiles: int = 1
     verified_promotion_k_tiles: bool = False
-    # whether the two warpgroups of a cooperative tile promote at alternate k-tiles where they
-    # promote less often than each (KernelProblem.promote_staggered), and whether that has run
-    # on a GPU of this architecture
-    staggered_promotion: bool = False
-    verified_staggered_promotion: bool = False
     # whether the kernel runs grouped (ragged) GEMMs (KernelProblem.groups), and whether that has
     # run on a GPU of this architecture
     grouped_kernel: bool = False
@@ -129,11 +124,6 @@ class ArchPolicy:
         call does not ask for the most precise arithmetic (which promotes each k-tile):
         :attr:`promotion_k_tiles`, or 1 until promoting less often has run on a GPU here."""
         return self.promotion_k_tiles if self.verified_promotion_k_tiles or unverified_allowed() else 1
-
-    def staggers_promotion(self, promote: int) -> bool:
-        """Whether cooperative tiles promoting every ``promote`` k-tiles stagger their
-        warpgroups' promotions (``KernelProblem.promote_staggered``)."""
-        return promote > 1 and self.staggered_promotion and (self.verified_staggered_promotion or unverified_allowed())
 
     # ---- limits
     def config_reason(self, config: GemmConfig) -> str | None:

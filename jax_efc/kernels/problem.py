@@ -45,8 +45,8 @@ class KernelProblem:
     say which tensors carry it (the others are shared across the batch). ``promote``: every
     ``promote`` k-tiles the mainloop adds the WGMMAs' partial sums into separate fp32 accumulators
     (8-bit float inputs, whose tensor-core accumulation keeps fewer bits than fp32 over a long K; 0:
-    never); with ``promote_staggered`` the two warpgroups of a cooperative tile promote at alternate
-    k-tiles, so that one drains its WGMMAs while the other's run. float32 inputs are multiplied as
+    never); promoting less often than each k-tile, the two warpgroups of a cooperative tile
+    promote at alternate k-tiles, so that one drains its WGMMAs while the other's run. float32 inputs are multiplied as
     TF32 (the plan sends them here only where the call's precision allows it). ``groups``: a grouped
     (ragged) GEMM of that many groups (0: not one), whose A rows are split into groups by sizes the
     kernel reads at run time, B batched by group (:mod:`~jax_efc.kernels.grouped_walk`); its batched
@@ -69,7 +69,6 @@ class KernelProblem:
     config: GemmConfig
     b_dtype: str = ""
     promote: int = 0
-    promote_staggered: bool = False
     groups: int = 0
     ragged_k: bool = False
 
@@ -130,8 +129,7 @@ class KernelProblem:
             self.arch,
             self.promote,
             dataclasses.astuple(self.config),
-        ) + ((("groups", self.groups, self.ragged_k),) if self.groups else ()) \
-            + ((("promote_staggered",),) if self.promote_staggered else ())
+        ) + ((("groups", self.groups, self.ragged_k),) if self.groups else ())
 
 
 def tile_k(ab_dtype: str) -> int:

@@ -87,7 +87,6 @@ class Sm90FusedGemm(FusedGemmBase):
         cfg = problem.config
         self.pingpong = bool(cfg.pingpong)
         self.promote = problem.promote
-        self.promote_staggered = problem.promote_staggered
         # warpgroups that cooperate on one tile (its MMA and its epilogue); each covers
         # tile_m / n_mma_wg rows in 64-row WGMMA blocks (two per k-step for a 128x128
         # ping-pong consumer or a cooperative 256x128 tile)
@@ -545,26 +544,25 @@ class Sm90FusedGemm(FusedGemmBase):
             # order the epilogue's reads of the previous tile's accumulators before the WGMMAs
             warpgroup.fence()
         sA, sB, ctid, barrier = ring
-        # staggered promotion: warpgroup w of a cooperative tile promotes after the k-tiles k with
-        # (k + w) % promote == promote - 1, so the two drain their WGMMAs at alternate k-tiles
-        # (ping-pong consumers, and 64-row cooperative tiles, are one warpgroup: w = 0)
-        phase = ctid // _WG if cutlass.const_expr(self.promote_staggered) else None
+        # promoting every few k-tiles, warpgroup w of a cooperative tile promotes after the k-tiles
+        # k with (k + w) % promote == promote - 1: the two drain their WGMMAs and add at alternate
+        # k-tiles, so the tensor cores run one's WGMMAs meanwhile (at the same k-tiles they
+        # idled; benchmarks/FINDINGS.md, sixteenth sitting). Ping-pong consumers, and 64-row
+        # cooperative tiles, are one warpgroup: w = 0.
+        phase = ctid // _WG if cutlass.const_expr(self.promote > 1) else None
         for k in range(k_tiles):
-            step = k + phase if cutlass.const_expr(self.promote_staggered) else k  # (in the interval)
+            step = k + phase if cutlass.const_expr(self.promote > 1) else k  # (in the interval)
             mainloop.consumer_wait(read)
             if cutlass.const_expr(clear_rows is not None):
                 if k == k_tiles - 1:
                     if clear_rows < self.tile_mnk[2]:
                         self._clear_k_rows(sA, sB, read.index, clear_rows, ctid, barrier)
             if cutlass.const_expr(self.promote):
-                # (each promotion's first k-tile starts ``part`` from zero; staggered, the tile's
-                # first too)
+                # (each promotion's first k-tile starts ``part`` from zero, and so does the tile's)
                 if cutlass.const_expr(self.promote == 1):
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                elif cutlass.const_expr(self.promote_staggered):
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, step % self.promote * k != 0)
                 else:
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, k % self.promote != 0)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, step % self.promote * k != 0)
                 # order the adds' reads of ``part`` (and the epilogue's of ``acc``) before them
                 warpgroup.fence()
             tiled_mma = self._issue_k_tile(read, tiled_mma, part, tCrA, tCrB)
