@@ -174,8 +174,8 @@ def _stored_both_ways(rows: int, call: Callable[[bool], Sequence[Any]]) -> tuple
     ``_ALIGN`` the GEMM's kernel stores that copy itself (``call(True)``: the epilogue returns the
     value twice and the call stores the second transposed); elsewhere XLA pads and transposes it.
     Left to XLA, the transpose is one more pass over the tensor, and around the gradient's
-    derivative it turns the whole computation around (benchmarks/FINDINGS.md, third H100
-    sitting)."""
+    derivative XLA laid that whole computation out transposed, in four float32 passes
+    (benchmarks/FINDINGS.md, third H100 sitting)."""
     if rows % _ALIGN == 0:
         return tuple(call(True))
     first, *rest = call(False)
@@ -416,13 +416,14 @@ def _fp8_mlp_bwd(static: _MlpStatic, residuals, g):
         return gemm(gyq, wdq, _hidden_grad_epilogue(static.activation, up_b is not None, transposed), z,
                     precision=static.precision, transpose_b=True, s=(sgy * swd)[0], inv_scale=1 / sg[0],
                     transposed_outputs=1 if transposed else None,
-                    out_dtypes=(*_twice(E5M2, transposed), jnp.float32, jnp.float32)[:3 + transposed - (up_b is None)])
+                    out_dtypes=(*_twice(E5M2, transposed), jnp.float32, *([jnp.float32] if up_b is not None else [])))
 
     gq, gq_t, amax_g, *d_up_b = _stored_both_ways(gyq.shape[0], hidden_grad_gemm)
     hg = _pushed(mu.output_grad_amax_history, amax_g)
     d_down = (gemm(hq_t, gyq_t, _dequantize, precision=static.precision, transpose_b=True, s=(sh * sgy)[0], out_dtypes=static.down_dtype),
               None if down_b is None else d_down_b.astype(down_b.dtype))
-    d_up = (gemm(xq_t, gq_t, _dequantize, precision=static.precision, transpose_b=True, s=(sx * sg)[0], out_dtypes=static.up_dtype),
+    d_up = (gemm(xq_t, gq_t, _dequantize, precision=static.precision, transpose_b=True, s=(sx * sg)[0],
+                 out_dtypes=static.up_dtype),
             None if up_b is None else d_up_b[0].astype(up_b.dtype))
     dx = gemm(gq, wuq, _dequantize, precision=static.precision, transpose_b=True, s=(sg * swu)[0], out_dtypes=static.x_dtype)
     (u, d) = updates

@@ -2,9 +2,10 @@
 a dense layer's, a GELU MLP's and a gated MLP's (bf16, 8192 x 14336 x 4096, the benchmark's
 ``train:`` problems), the FP8 dense layer's (``fp8train:``, its 8-bit GEMMs promoting partial
 sums every second k-tile, the default) and the FP8 MLP's (delayed scaling: its up GEMM and its
-down projection's data-gradient GEMM also store transposed copies). None spills. The compile matrix pins its configs; this checks the
-heuristic's own choices for the epilogues a model runs, where reductions folded beside TILE
-operands once spilled 464-500 bytes on 192x128 tiles (benchmarks/FINDINGS.md, "Tenth sitting")."""
+down projection's data-gradient GEMM also store transposed copies). None spills. The compile
+matrix pins its configs; this checks the heuristic's own choices for the epilogues a model runs,
+where reductions folded beside TILE operands once spilled 464-500 bytes on 192x128 tiles
+(benchmarks/FINDINGS.md, "Tenth sitting")."""
 
 from __future__ import annotations
 

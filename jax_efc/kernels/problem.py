@@ -46,14 +46,14 @@ class KernelProblem:
     ``promote`` k-tiles the mainloop adds the WGMMAs' partial sums into separate fp32 accumulators
     (8-bit float inputs, whose tensor-core accumulation keeps fewer bits than fp32 over a long K; 0:
     never); promoting less often than each k-tile, the two warpgroups of a cooperative tile
-    promote at alternate k-tiles, so that one drains its WGMMAs while the other's run. float32 inputs are multiplied as
-    TF32 (the plan sends them here only where the call's precision allows it). ``groups``: a grouped
-    (ragged) GEMM of that many groups (0: not one), whose A rows are split into groups by sizes the
-    kernel reads at run time, B batched by group (:mod:`~jax_efc.kernels.grouped_walk`); its batched
-    operands are indexed by group. ``ragged_k``: the groups split the contraction instead (a grouped
-    GEMM's weight gradient): A stored (T, M) and B (T, N), their rows in groups, and the output (G,
-    M, N), each group's product of its own rows
-    (:class:`~jax_efc.kernels.grouped_walk.ContractionWalk`).
+    promote at alternate k-tiles, so that one drains its WGMMAs while the other's run. float32
+    inputs are multiplied as TF32 (the plan sends them here only where the call's precision
+    allows it). ``groups``: a grouped (ragged) GEMM of that many groups (0: not one), whose A
+    rows are split into groups by sizes the kernel reads at run time, B batched by group
+    (:mod:`~jax_efc.kernels.grouped_walk`); its batched operands are indexed by group.
+    ``ragged_k``: the groups split the contraction instead (a grouped GEMM's weight gradient): A
+    stored (T, M) and B (T, N), their rows in groups, and the output (G, M, N), each group's
+    product of its own rows (:class:`~jax_efc.kernels.grouped_walk.ContractionWalk`).
     """
 
     ir: EpilogueIR
