@@ -663,11 +663,11 @@ def test_8bit_kernels_read_a_and_b_k_major_and_promote_unless_fast():
     for m, n in ((8192, 8192), (8192, 14336), (1024, 512)):
         cfg = plan(_aval((n, 512), jnp.float8_e4m3fn), True, a=_aval((m, 512), jnp.float8_e4m3fn)).problem.config
         assert not cfg.pingpong and cfg.tile_m == 128 and cfg.tile_n in (128, 192), (m, n, cfg)
-    # beside the two accumulator sets a transposed store takes 16-wide subtiles (32 spilled)
-    assert plan(b_nk, True).problem.config.epi_n == 32
+    # beside the two accumulator sets of 192 columns a transposed store spilled: 128x128 tiles
+    a_big, b_big = _aval((8192, 512), jnp.float8_e4m3fn), _aval((14336, 512), jnp.float8_e4m3fn)
+    assert plan(b_big, True, a=a_big).problem.config.tile_n == 192
     ir = ir.with_outputs([dataclasses.replace(o, transposed=True) for o in ir.outputs])
-    assert plan(b_nk, True).problem.config.epi_n == 16
-    assert plan(b_nk, True, precision=fast).problem.config.epi_n != 16
+    assert plan(b_big, True, a=a_big).problem.config.tile_n == 128
     # presets asking for other arithmetic run on the reference; 16-bit inputs never promote
     x3 = plan(b_nk, True, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3)
     assert x3.backend == "reference" and "BF16_BF16_F32_X3" in x3.reason

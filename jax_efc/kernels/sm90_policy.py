@@ -503,17 +503,17 @@ def _promoting_config(m: int, n: int, l: int, sms: int, stores_transposed: bool)
     two accumulators an element, which leaves at most 96 columns a warpgroup. 128x192 where its
     tiles fill the SMs' rounds as well as 128x128 ones (an m64n192 WGMMA reads each A fragment
     for 192 columns, not 128), in 2x1 clusters multicasting B walked in bands of 8 when M spans
-    several tiles. Beside those 192 accumulators an epilogue that also stores an output
-    transposed spilled in 32-wide subtiles (fp8_mlp's up GEMM, ptxas: 76 bytes; none without the
-    transposed copy), and none in 16-wide ones, which it takes."""
+    several tiles. Beside the 192 accumulators a thread of 128x192 tiles, an epilogue that also
+    stores an output transposed spilled (fp8_mlp's up GEMM, ptxas: 76 bytes in 32-wide subtiles,
+    8 in 16-wide ones; none without the transposed copy), and none in 128x128 tiles, which it
+    takes."""
     def fill(tn: int) -> float:
         tiles = _tiles(m, n, l, 128, tn)
         return m * n * l / (128 * tn * sms * -(-tiles // sms))
 
-    tn = 192 if n >= 192 and fill(192) >= fill(128) - _FILL_SLACK else 128
+    tn = 192 if n >= 192 and not stores_transposed and fill(192) >= fill(128) - _FILL_SLACK else 128
     big = -(-m // 128) >= 8 and _tiles(m, n, l, 128, tn) >= 2 * sms
-    return GemmConfig(tile_m=128, tile_n=tn, cluster_m=2 if big else 1, swizzle=8 if big else 1,
-                      epi_n=16 if stores_transposed else 32)
+    return GemmConfig(tile_m=128, tile_n=tn, cluster_m=2 if big else 1, swizzle=8 if big else 1)
 
 
 POLICY = Sm90Policy()
