@@ -304,3 +304,34 @@ def test_blackwell_2cta_128_row_tiles_are_not_chosen_for_transposed_outputs(monk
     assert chosen.backend == "kernel" and not (chosen.config.use_2cta and chosen.config.tile_m == 128)
     pinned = plan(True, efc.GemmConfig(128, 256, 2, 1, use_2cta=True))
     assert pinned.backend == "reference" and "stored transposed" in pinned.reason
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(1008, 3000, 528), (2048, 2048, 4096)])
+def test_promoting_fp8_kernels_store_transposed_outputs(rng, monkeypatch, m, n, k):
+    """On the GPU, strict: e4m3 inputs whose partial sums are promoted (every second k-tile, the
+    warpgroups at alternate k-tiles) in the tile the heuristic gives a transposed store
+    (128x128, as fp8_mlp's GEMMs run), an e4m3 output stored transposed beside a bf16 one,
+    partial tiles, the allocator primed with NaN first, against a float64 oracle."""
+    monkeypatch.setenv("JAX_EFC_STRICT", "1")
+    a = jnp.asarray(rng.standard_normal((m, k)), jnp.float8_e4m3fn)
+    b = jnp.asarray(rng.standard_normal((n, k)), jnp.float8_e4m3fn)
+    bias = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+
+    def f(a, b, bias):
+        return efc.gemm(a, b, lambda acc, bias: (acc * 0.05 + bias, acc), bias, transpose_b=True,
+                        transposed_outputs=0, out_dtypes=(jnp.float8_e4m3fn, jnp.bfloat16))
+
+    assert efc.backends(f, a, b, bias)[0].startswith("kernel")
+    fn = jax.jit(f)
+    jax.block_until_ready(fn(a, b, bias))  # compiled first, so the NaN blocks are the last freed
+    poison = jnp.full((2 * m, n), jnp.nan, jnp.float32)
+    jax.block_until_ready(poison)
+    del poison
+    d_t, y = fn(a, b, bias)
+    acc = np.asarray(a.astype(jnp.float32), np.float64) @ np.asarray(b.astype(jnp.float32), np.float64).T
+    want_d = (acc * 0.05 + np.asarray(bias, np.float64)).T
+    got_d = np.asarray(d_t.astype(jnp.float32), np.float64)
+    assert d_t.shape == (n, m) and np.isfinite(got_d).all()
+    assert rel_err(got_d, want_d) < 6e-2
+    assert rel_err(np.asarray(y, np.float64), acc) < 1e-2
