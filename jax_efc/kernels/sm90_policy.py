@@ -38,6 +38,8 @@ _WG = 128
 _ACC_PER_THREAD = 192
 # a tile count that fills this fraction of the SMs counts as one full wave
 _ONE_WAVE = 0.9
+# a promoting 128x192 tile may pad N this much more than a 128x128 one (see _promoting_config)
+_PROMOTING_PAD_SLACK = 0.04
 # fills of two tile shapes closer than this count as equal
 _FILL_TIE = 1e-6
 # a larger ping-pong tile is taken where it fills the SMs' rounds at most this much worse than
@@ -500,18 +502,21 @@ def _grouped_tall_config(t: int, n: int, groups: int, sms: int) -> GemmConfig | 
 
 def _promoting_config(m: int, n: int, l: int, sms: int, stores_transposed: bool) -> GemmConfig:
     """Cooperative tiles for 8-bit float inputs whose partial sums are promoted: each thread holds
-    two accumulators an element, which leaves at most 96 columns a warpgroup. 128x192 where its
-    tiles fill the SMs' rounds as well as 128x128 ones (an m64n192 WGMMA reads each A fragment
-    for 192 columns, not 128), in 2x1 clusters multicasting B walked in bands of 8 when M spans
-    several tiles. Beside the 192 accumulators a thread of 128x192 tiles, an epilogue that also
-    stores an output transposed spilled (fp8_mlp's up GEMM, ptxas: 76 bytes in 32-wide subtiles,
-    8 in 16-wide ones; none without the transposed copy), and none in 128x128 tiles, which it
-    takes."""
-    def fill(tn: int) -> float:
-        tiles = _tiles(m, n, l, 128, tn)
-        return m * n * l / (128 * tn * sms * -(-tiles // sms))
+    two accumulators an element, which leaves at most 96 columns a warpgroup. 128x192 (an m64n192
+    WGMMA reads each A fragment for 192 columns, not 128) unless its tiles pad N more than
+    _PROMOTING_PAD_SLACK worse than 128-wide ones; the SMs' rounds do not count, stream-K shares
+    the last ones' k-tiles. At 4096^3 (N padded 3%; 5.3 rounds of 128x192 tiles on 132 SMs
+    against 7.8 of 128x128) they ran the 8-bit epilogues 5-7% faster (H100: 0.144 against 0.155
+    ms to bf16, 0.141 against 0.149 to e4m3; benchmarks/FINDINGS.md, "Seventeenth sitting").
+    2x1 clusters multicasting B walked in bands of 8 when M spans several tiles. Beside the 192
+    accumulators a thread of 128x192 tiles, an epilogue that also stores an output transposed
+    spilled (fp8_mlp's up GEMM, ptxas: 76 bytes in 32-wide subtiles, 8 in 16-wide ones; none
+    without the transposed copy), and none in 128x128 tiles, which it takes."""
+    def covered(tn: int) -> float:
+        return n / (-(-n // tn) * tn)
 
-    tn = 192 if n >= 192 and not stores_transposed and fill(192) >= fill(128) - _FILL_SLACK else 128
+    wide = n >= 192 and not stores_transposed and covered(192) >= covered(128) - _PROMOTING_PAD_SLACK
+    tn = 192 if wide else 128
     big = -(-m // 128) >= 8 and _tiles(m, n, l, 128, tn) >= 2 * sms
     return GemmConfig(tile_m=128, tile_n=tn, cluster_m=2 if big else 1, swizzle=8 if big else 1)
 
