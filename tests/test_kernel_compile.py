@@ -664,7 +664,7 @@ def test_8bit_kernels_read_a_and_b_k_major_and_promote_unless_fast():
         cfg = plan(_aval((n, 512), jnp.float8_e4m3fn), True, a=_aval((m, 512), jnp.float8_e4m3fn)).problem.config
         assert not cfg.pingpong and cfg.tile_m == 128 and cfg.tile_n in (128, 192), (m, n, cfg)
     # 128x192 unless it pads N over 4% more than 128x128 (4096: 3% more; 776: 19% against 13%),
-    # whatever the SMs' rounds (stream-K evens them out)
+    # however its tiles fill the SMs' rounds
     for n, tile_n in ((4096, 192), (14336, 192), (776, 128), (320, 192), (256, 128)):
         b = _aval((n, 512), jnp.float8_e4m3fn)
         assert plan(b, True, a=_aval((4096, 512), jnp.float8_e4m3fn)).problem.config.tile_n == tile_n, n

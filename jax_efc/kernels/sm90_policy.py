@@ -504,10 +504,10 @@ def _promoting_config(m: int, n: int, l: int, sms: int, stores_transposed: bool)
     """Cooperative tiles for 8-bit float inputs whose partial sums are promoted: each thread holds
     two accumulators an element, which leaves at most 96 columns a warpgroup. 128x192 (an m64n192
     WGMMA reads each A fragment for 192 columns, not 128) unless its tiles pad N more than
-    _PROMOTING_PAD_SLACK worse than 128-wide ones; the SMs' rounds do not count, stream-K shares
-    the last ones' k-tiles. At 4096^3 (N padded 3%; 5.3 rounds of 128x192 tiles on 132 SMs
-    against 7.8 of 128x128) they ran the 8-bit epilogues 5-7% faster (H100: 0.144 against 0.155
-    ms to bf16, 0.141 against 0.149 to e4m3; benchmarks/FINDINGS.md, "Seventeenth sitting").
+    _PROMOTING_PAD_SLACK worse than 128-wide ones. How they fill the SMs' rounds does not count:
+    at 4096^3 (N padded 3%; 5.3 rounds of 128x192 tiles on 132 SMs against 7.8 of 128x128) they
+    ran the 8-bit epilogues 5-7% faster, with or without stream-K (H100: 0.144 against 0.155 ms
+    to bf16, 0.141 against 0.149 to e4m3; benchmarks/FINDINGS.md, "Seventeenth sitting").
     2x1 clusters multicasting B walked in bands of 8 when M spans several tiles. Beside the 192
     accumulators a thread of 128x192 tiles, an epilogue that also stores an output transposed
     spilled (fp8_mlp's up GEMM, ptxas: 76 bytes in 32-wide subtiles, 8 in 16-wide ones; none
