@@ -81,6 +81,9 @@ _LONG_K_M_MAJOR_A = 8192
 # a plain GEMM with A stored (K, M) under that K takes a 192-wide ping-pong tile where it fills
 # the SMs' rounds at most this much worse than 128x128 (see _tile_choice)
 _FILL_SLACK_M_MAJOR_A = 0.03
+# a gated GEMM takes 192x128 ping-pong tiles where they fill the SMs' rounds at most this much
+# worse than 128x128 (see _tile_choice)
+_GATED_FILL_SLACK = 0.04
 
 
 def mma_warpgroups(config: GemmConfig) -> int:
@@ -258,7 +261,8 @@ class Sm90Policy(ArchPolicy):
         (each A tile multicast to the two CTAs along N), 128x192 ones in 2x1 clusters walked along
         N (each B tile multicast) and 128x128 ones in 1x2, a plain GEMM takes the first of 128x192,
         192x128, 128x128 that fills the SMs' rounds about as well as those after it, an epilogue
-        with work the first of 192x128, 128x192, 128x128. With a long K (>= 12288), plain GEMMs and
+        with work the first of 192x128, 128x192, 128x128 (a gated one 192x128 from a looser
+        fill). With a long K (>= 12288), plain GEMMs and
         epilogues with no TILE operand and at most 4 bytes of output an element (one fp32 or two
         16-bit outputs) run cooperative 128x256 tiles in 2x1 clusters instead where those fill the
         SMs as well (a plain GEMM with A stored (K, M) from K = 8192). When the epilogue's smem
@@ -376,9 +380,13 @@ class Sm90Policy(ArchPolicy):
             # benchmarks/FINDINGS.md, "Tenth sitting"), so such epilogues keep 128x128.
             crowded = (bool(tile_operand_indices(problem.ir))
                        and any(o.reduce and "m" in o.over for o in problem.ir.outputs))
+            # A gated epilogue loses more in 128x128 tiles: at 4096x14336x4096 (2N = 28672) 192x128
+            # tiles fill the rounds 0.953 against 0.987, yet ran 1.427 ms against 1.691 on an H100
+            # (XLA's two GEMMs 1.575; benchmarks/FINDINGS.md, "Eighteenth sitting").
             tall = pingpong(192)
+            slack = _GATED_FILL_SLACK if problem.ir.gated else _FILL_SLACK
             fits_tall = (not crowded and stages_of(tall) >= _PINGPONG_STAGES
-                         and fill(192, 128) >= fill(128, 128) - _FILL_SLACK)
+                         and fill(192, 128) >= fill(128, 128) - slack)
             tm = 192 if fits_tall else 128
             # A plain GEMM with a long K has little epilogue to hide: a 128x128 tile's takes
             # about 2k SM cycles against 115k of WGMMA at K = 14336. There cooperative 128x256
