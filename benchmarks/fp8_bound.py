@@ -1,15 +1,18 @@
-"""How much faster FP8 GEMMs can make a GPT-style training step: the bound Amdahl's law sets.
+"""How much faster FP8 makes a GPT-style training step: the bound Amdahl's law sets, and the
+FP8 steps themselves.
 
     python benchmarks/fp8_bound.py [--blocks 4 --width 2048 --heads 16 --batch 8 --seq 2048]
-                                   [--attention cudnn]
+                                   [--attention cudnn] [--layers fp8,fp8-fast,flax-fp8]
 
 Times in one process, in interleaved rounds: the bf16 training step of ``examples/gpt_fp8.py``'s
 model with ``nn.Dense`` layers; that step's GEMMs alone in bf16 (for each projection the forward
-product, the data gradient and the weight gradient, as XLA runs them); and the same GEMMs on FP8
+product, the data gradient and the weight gradient, as XLA runs them); the same GEMMs on FP8
 operands (XLA's FP8 dot: e4m3 activations and weights, e5m2 gradients, cuBLAS's fast
-accumulation, the weight gradient's transposes included). An FP8 step that quantised for free
-could take at best ``step - bf16 GEMMs + FP8 GEMMs``, so no FP8 layer can beat
-``step / (step - bf16 GEMMs + FP8 GEMMs)`` on this model.
+accumulation, the weight gradient's transposes included); and the step with each FP8 kind of
+layer of ``--layers``. An FP8 step that quantised for free could take at best ``step - bf16
+GEMMs + FP8 GEMMs``, so no FP8 layer can beat ``step / (step - bf16 GEMMs + FP8 GEMMs)`` on this
+model. Every step runs on the same batch and state each call (as timing wants; the example's
+own timings advance them).
 """
 
 from __future__ import annotations
@@ -60,24 +63,33 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--attention", choices=("xla", "cudnn"), default=None)
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--layers", default="fp8,fp8-fast,flax-fp8",
+                   help="FP8 kinds of layer of examples/gpt_fp8.py whose steps to time too (comma-separated; "
+                        "'' for none)")
     args = p.parse_args(argv)
 
-    model = Gpt(args.vocab, args.blocks, args.width, args.heads, "dense", args.attention)
     tokens = jax.random.randint(jax.random.key(0), (args.batch, args.seq + 1), 0, args.vocab)
-    variables = model.init(jax.random.key(1), tokens[:, :-1])
     opt = optax.adamw(1e-4)
-    opt_state = opt.init(variables["params"])
-    step = training_step(model, opt)
+
+    def step_of(layers: str):
+        """(the jitted training step of the model with ``layers``, its arguments)."""
+        model = Gpt(args.vocab, args.blocks, args.width, args.heads, layers, args.attention)
+        variables = model.init(jax.random.key(1), tokens[:, :-1])
+        return training_step(model, opt), (variables, opt.init(variables["params"]), tokens)
+
+    kinds = [k for k in args.layers.split(",") if k]
+    steps = [step_of(k) for k in ["dense", *kinds]]
 
     t = args.batch * args.seq
     keys = iter(jax.random.split(jax.random.key(2), 3 * (4 * args.blocks + 1)))
     layers = [tuple(jax.random.normal(next(keys), s, jnp.bfloat16) for s in ((t, k), (k, n), (t, n)))
               for k, n in projections(args.width, args.vocab, args.blocks)]
-    fns = [step, gemms(jnp.bfloat16, jnp.bfloat16), gemms(jnp.float8_e4m3fn, jnp.float8_e5m2)]
-    inputs = [(variables, opt_state, tokens), (layers,), (layers,)]
+    fns = [steps[0][0], gemms(jnp.bfloat16, jnp.bfloat16), gemms(jnp.float8_e4m3fn, jnp.float8_e5m2),
+           *(f for f, _ in steps[1:])]
+    inputs = [steps[0][1], (layers,), (layers,), *(x for _, x in steps[1:])]
     times, _ = time_interleaved([lambda *_, f=f, x=x: f(*x) for f, x in zip(fns, inputs)], [()], args.rounds,
                                 None, 0.2, 2)
-    step_s, bf16_s, fp8_s = times
+    step_s, bf16_s, fp8_s, *kind_s = times
     flops = 6 * t * sum(k * n for k, n in projections(args.width, args.vocab, args.blocks))
     print(f"{jax.devices()[0].device_kind}; {args.blocks} blocks, width {args.width}, {t} tokens a step")
     print(f"bf16 step (nn.Dense)        {1e3 * step_s:8.2f} ms")
@@ -86,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"the same GEMMs in FP8 (XLA) {1e3 * fp8_s:8.2f} ms  ({flops / fp8_s / 1e12:.0f} TFLOP/s)")
     bound = step_s / (step_s - bf16_s + fp8_s)
     print(f"bound on an FP8 step's speedup, quantisation free: {bound:.2f}x")
+    for kind, s in zip(kinds, kind_s):
+        print(f"{kind + ' step':<28}{1e3 * s:8.2f} ms  ({step_s / s:.2f}x the bf16 step)")
     assert np.isfinite(bound)
 
 
