@@ -107,6 +107,7 @@ if want bench; then
     --epilogues "$(python3 -c 'import jax_efc.bench as b; print(",".join(b.EIGHT_BIT_EPILOGUES))')" --shapes $shapes
   step bench-tf32 python3 benchmarks/run.py --dtype float32 --json "$logs/bench-tf32.json" \
     --epilogues gemm,gemm-bt,bias+gelu_tanh --shapes 8192,8192,8192 4096,4096,4096
+  step tf32-rounding python3 benchmarks/tf32_rounding.py
   step bench-autotune python3 benchmarks/run.py --json "$logs/bench-autotune.json" --configs auto autotune \
     --epilogues gemm,bias+gelu_tanh --shapes $shapes
   # the benchmark's own spread: the heuristic's config timed twice in the same rounds, the
