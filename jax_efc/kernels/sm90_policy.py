@@ -262,10 +262,9 @@ class Sm90Policy(ArchPolicy):
         N (each B tile multicast) and 128x128 ones in 1x2, a plain GEMM takes the first of 128x192,
         192x128, 128x128 that fills the SMs' rounds about as well as those after it, an epilogue
         with work the first of 192x128, 128x192, 128x128 (a gated one 192x128 from a looser
-        fill). With a long K (>= 12288), plain GEMMs and
-        epilogues with no TILE operand and at most 4 bytes of output an element (one fp32 or two
-        16-bit outputs) run cooperative 128x256 tiles in 2x1 clusters instead where those fill the
-        SMs as well (a plain GEMM with A stored (K, M) from K = 8192). When the epilogue's smem
+        fill). With a long K (>= 12288), plain GEMMs and epilogues with no TILE operand and at
+        most 4 bytes of output an element (one fp32 or two 16-bit outputs) run cooperative
+        128x256 tiles in 2x1 clusters instead where those fill the SMs as well (a plain GEMM with A stored (K, M) from K = 8192). When the epilogue's smem
         buffers would leave the ping-pong ring fewer than 5 stages even in its smallest subtiles
         (64x16), or the problem is smaller, the cooperative schedule runs: 128x256 tiles (two
         warpgroups, 128 fp32 accumulators per thread) when they (nearly) fill the SMs, else 128x128
