@@ -264,13 +264,14 @@ class Sm90Policy(ArchPolicy):
         with work the first of 192x128, 128x192, 128x128 (a gated one 192x128 from a looser
         fill). With a long K (>= 12288), plain GEMMs and epilogues with no TILE operand and at
         most 4 bytes of output an element (one fp32 or two 16-bit outputs) run cooperative
-        128x256 tiles in 2x1 clusters instead where those fill the SMs as well (a plain GEMM with A stored (K, M) from K = 8192). When the epilogue's smem
-        buffers would leave the ping-pong ring fewer than 5 stages even in its smallest subtiles
-        (64x16), or the problem is smaller, the cooperative schedule runs: 128x256 tiles (two
-        warpgroups, 128 fp32 accumulators per thread) when they (nearly) fill the SMs, else 128x128
-        (or 64x128 when even those leave most SMs idle), with a 2x1 cluster multicasting B when M
-        spans several tiles. Wherever a cooperative tile's epilogue buffers leave it fewer than 3
-        stages, narrower subtiles and tiles buy them back (:meth:`_roomy`).
+        128x256 tiles in 2x1 clusters instead where those fill the SMs as well (a plain GEMM with
+        A stored (K, M) from K = 8192). When the epilogue's smem buffers would leave the ping-pong
+        ring fewer than 5 stages even in its smallest subtiles (64x16), or the problem is smaller,
+        the cooperative schedule runs: 128x256 tiles (two warpgroups, 128 fp32 accumulators per
+        thread) when they (nearly) fill the SMs, else 128x128 (or 64x128 when even those leave
+        most SMs idle), with a 2x1 cluster multicasting B when M spans several tiles. Wherever a
+        cooperative tile's epilogue buffers leave it fewer than 3 stages, narrower subtiles and
+        tiles buy them back (:meth:`_roomy`).
         A grouped GEMM takes cooperative 256x128 tiles in 1x2 clusters where those pad balanced
         groups no more than 128-row tiles and fill the SMs (:func:`_grouped_tall_config`).
         An epilogue that reads a TILE operand and folds column sums keeps 128x128 ping-pong tiles
