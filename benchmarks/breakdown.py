@@ -86,16 +86,10 @@ def kind(name: str) -> str:
 
 def gpt_step(layers: str, attention: str | None):
     """(step, its arguments) of ``examples/gpt_fp8.py``'s benchmark model with ``layers``."""
-    import optax
-
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    from gpt_fp8 import Gpt, training_step
+    from gpt_fp8 import timed_step
 
-    model = Gpt(64, 4, 2048, 16, layers, attention)
-    tokens = jax.random.randint(jax.random.key(0), (8, 2049), 0, 64)
-    variables = model.init(jax.random.key(1), tokens[:, :-1])
-    opt = optax.adamw(1e-4)
-    return training_step(model, opt), (variables, opt.init(variables["params"]), tokens)
+    return timed_step(layers, attention)
 
 
 def custom_call_types(hlo: str) -> dict[str, str]:

@@ -24,10 +24,9 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from gpt_fp8 import Gpt, training_step  # noqa: E402
+from gpt_fp8 import timed_step  # noqa: E402
 
 from jax_efc.bench.timing import time_interleaved  # noqa: E402
 
@@ -68,17 +67,9 @@ def main(argv: list[str] | None = None) -> None:
                         "'' for none)")
     args = p.parse_args(argv)
 
-    tokens = jax.random.randint(jax.random.key(0), (args.batch, args.seq + 1), 0, args.vocab)
-    opt = optax.adamw(1e-4)
-
-    def step_of(layers: str):
-        """(the jitted training step of the model with ``layers``, its arguments)."""
-        model = Gpt(args.vocab, args.blocks, args.width, args.heads, layers, args.attention)
-        variables = model.init(jax.random.key(1), tokens[:, :-1])
-        return training_step(model, opt), (variables, opt.init(variables["params"]), tokens)
-
     kinds = [k for k in args.layers.split(",") if k]
-    steps = [step_of(k) for k in ["dense", *kinds]]
+    steps = [timed_step(k, args.attention, blocks=args.blocks, width=args.width, heads=args.heads,
+                        batch=args.batch, seq=args.seq, vocab=args.vocab) for k in ["dense", *kinds]]
 
     t = args.batch * args.seq
     keys = iter(jax.random.split(jax.random.key(2), 3 * (4 * args.blocks + 1)))

@@ -150,6 +150,18 @@ def training_step(model: nn.Module, opt: optax.GradientTransformation):
     return step
 
 
+def timed_step(layers: str, attention: str | None = None, *, blocks: int = 4, width: int = 2048, heads: int = 16,
+               batch: int = 8, seq: int = 2048, vocab: int = 64):
+    """(the jitted training step of the model with ``layers``, its arguments: fresh parameters and
+    optimizer state and one random batch), to time or profile a step alone; the defaults are the
+    benchmark model."""
+    model = Gpt(vocab, blocks, width, heads, layers, attention)
+    tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, vocab)
+    variables = model.init(jax.random.key(1), tokens[:, :-1])
+    opt = optax.adamw(1e-4)
+    return training_step(model, opt), (variables, opt.init(variables["params"]), tokens)
+
+
 def train(layers: str, args, params0=None):
     """Train ``args.steps`` steps from ``params0`` (None: a fresh init); returns (losses, ms per
     step after the first two, the initial parameters)."""
